@@ -1,0 +1,119 @@
+"""`tether memory`: seed-table reproduction, exact parameter counts, and the per-component formulas."""
+
+import json
+
+import pytest
+
+from tether.cli import main
+from tether.config import load_config
+from tether.errors import UserError
+from tether.memory import MemoryConfig, Shape, estimate, guess_shape, parse_count, resolve_model
+
+
+def _est(**kw):
+    return estimate(load_config(MemoryConfig, overrides={k: v for k, v in kw.items()}))
+
+
+def _gb(est, component):
+    return sum(r["gb"] for r in est["components"] if r["component"] == component)
+
+
+@pytest.mark.parametrize("algo,seed_gb", [("ppo", 170), ("dpo", 84), ("grpo", 98)])
+def test_seed_table_7b_totals(algo, seed_gb):
+    est = _est(model="7e9", algo=algo)
+    assert abs(est["totals_gb"]["weights_and_optimizer"] - seed_gb) / seed_gb < 0.10
+    # gradients are counted, but on their own line above the seed's number
+    assert est["totals_gb"]["with_gradients"] > est["totals_gb"]["weights_and_optimizer"]
+    assert est["totals_gb"]["peak"] >= est["totals_gb"]["with_gradients"]
+
+
+def test_parameter_count_parsing_and_llama2_shape():
+    assert parse_count("7e9") == parse_count("7B") == parse_count("7000000000.0") == 7e9
+    assert parse_count("0.5b") == 5e8 and parse_count("125M") == 1.25e8
+    assert parse_count("meta-llama/Llama-2-7b-hf") is None
+    s = guess_shape(7e9)
+    assert (s.hidden, s.layers, s.heads, s.intermediate, s.vocab) == (4096, 32, 32, 11008, 32000)
+    assert s.params() == 6_738_415_616  # Llama-2-7B's published count
+    s = guess_shape(13e9)
+    assert (s.hidden, s.layers, s.intermediate) == (5120, 40, 13824)  # Llama-2-13B
+
+
+def _tiny(kind, tmp_path):
+    import transformers
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True)
+    else:
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    cfg.save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_exact_param_count_from_local_config(kind, tmp_path):
+    expected = _tiny(kind, tmp_path)
+    assert resolve_model(str(tmp_path))["params"] == expected  # a directory with config.json
+    info = resolve_model(str(tmp_path / "config.json"))  # or the file itself
+    assert info["params"] == expected
+    s = info["shape"]
+    assert (s.kv_heads, s.head_dim, s.tied) == (2, 8, kind == "qwen2")
+
+
+def test_kv_cache_follows_gqa_shape(tmp_path):
+    _tiny("qwen2", tmp_path)
+    est = _est(model=str(tmp_path), algo="grpo", rollout_batch=3, num_generations=5, seq_len=7)
+    per_token = 2 * 2 * 2 * 8 * 2  # K and V x layers x kv_heads x head_dim x bf16 bytes
+    kv = [r for r in est["components"] if r["component"] == "KV cache (rollouts)"]
+    assert kv[0]["bytes"] == 3 * 5 * 7 * per_token
+    mha = Shape(32, 2, 4, 4, 8, 48, 97)
+    assert mha.kv_bytes_per_token(2) == 2 * per_token  # 4 kv heads instead of 2: twice the cache
+
+
+def test_lora_shrinks_optimizer_state_by_trainable_fraction():
+    full, lora = _est(model="7e9", algo="sft"), _est(model="7e9", algo="sft", lora=True, lora_rank=8)
+    n_lora = guess_shape(7e9).lora_params(8, list(MemoryConfig().lora_targets))
+    assert n_lora == 32 * 8 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    ratio = _gb(lora, "policy optimizer state") / _gb(full, "policy optimizer state")
+    assert ratio == pytest.approx(n_lora / 7e9)
+    # with LoRA the reference is the base with adapters disabled: no second copy
+    assert _gb(_est(model="7e9", algo="dpo", lora=True), "reference weights") == 0
+    assert _gb(_est(model="7e9", algo="dpo"), "reference weights") == pytest.approx(14.0)
+
+
+def test_gradient_checkpointing_reduces_activations():
+    plain = _gb(_est(model="7e9", algo="grpo"), "policy activations")
+    ckpt = _gb(_est(model="7e9", algo="grpo", gradient_checkpointing=True), "policy activations")
+    assert ckpt < plain / 5
+
+
+def test_model_sets_per_algorithm():
+    def names(**kw):
+        return {r["component"] for r in _est(model="1e9", **kw)["components"] if r["component"].endswith("weights")}
+    assert names(algo="sft") == {"policy weights"}
+    assert names(algo="simpo") == names(algo="orpo") == {"policy weights"}
+    assert names(algo="rm") == {"reward model weights"}
+    assert names(algo="dpo", precompute_ref=True) == {"policy weights"}
+    assert names(algo="grpo", reward="verifier", beta=0) == {"policy weights"}
+    assert names(algo="ppo") == {"policy weights", "reference weights", "reward model weights", "value model weights"}
+
+
+def test_offload_moves_optimizer_off_gpu():
+    est = _est(model="7e9", algo="dpo", offload=True)
+    assert est["totals_gb"]["weights_and_optimizer"] == pytest.approx(28.0)
+    assert est["totals_gb"]["cpu_offloaded"] == pytest.approx(56.0)
+
+
+def test_unknown_model_is_one_line_error():
+    with pytest.raises(UserError):
+        resolve_model("./no/such/model dir")
+
+
+def test_cli_table_and_json(capsys):
+    assert main(["memory", "--model", "7e9", "--algo", "ppo"]) == 0
+    out = capsys.readouterr().out
+    assert "weights + optimizer state" in out and "total (peak estimate)" in out and "GB = 1e9 bytes" in out
+    assert main(["memory", "--model", "7e9", "--algo", "dpo", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["totals_gb"]["weights_and_optimizer"] == pytest.approx(84.0)

@@ -1,0 +1,252 @@
+"""Dataclass configs: field docs, YAML loading, `key=value` overrides, strict type checking.
+
+A config is a plain `@dataclass` whose fields each carry a docstring — a string literal on the
+line after the field, the way attribute docstrings read in Sphinx:
+
+    @dataclass
+    class SFTConfig:
+        lr: float = 3e-4
+        "peak learning rate"
+
+We read those strings with `ast` from the class source (so the doc sits next to the default, not
+in a separate table that drifts). Values come, in increasing priority, from the defaults, a YAML
+file (`--config x.yaml`) and `key=value` arguments. Nested dataclasses are addressed with dots
+(`model.dtype=bf16`). Anything unknown or of the wrong type is a one-line `ConfigError` naming the
+key and what is allowed — before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; its message is one line naming the key."""
+
+
+_DOC_CACHE: dict[type, dict[str, str]] = {}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map field name -> its docstring, for `cls` and its dataclass bases."""
+    if cls in _DOC_CACHE:
+        return _DOC_CACHE[cls]
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):  # source not shipped: docs degrade, nothing breaks
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    _DOC_CACHE[cls] = docs
+    return docs
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"list[{_type_name(args[0])}]" if args else "list"
+    if origin is dict:
+        return "dict"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`; return the (lightly converted) value or raise."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"config key '{key}' must be one of "
+                          f"{', '.join(repr(a) for a in get_args(tp))}; got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise bad
+    if origin in (list, tuple):
+        if isinstance(value, str):  # `key=a,b` on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        (elem,) = get_args(tp)[:1] or (Any,)
+        return [_coerce(v, elem, key) for v in value]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string; accept what float() does
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `name=1` should not be an error for a string field
+        raise bad
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad
+        return _build(tp, value, prefix=key + ".")
+    raise ConfigError(f"config key '{key}' has unsupported type {tp!r}")
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}' for {cls.__name__}; "
+                              f"allowed: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # __post_init__ checks raise ValueError with the key
+        raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        tree = tree.setdefault(p, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config key '{dotted}': '{p}' is not a section")
+    tree[parts[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`["lr=1e-3", "model.dtype=bf16"]` -> nested dict, values parsed as YAML scalars."""
+    tree: dict = {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(f"argument '{arg}' is not key=value")
+        key, raw = arg.split("=", 1)
+        key = key.strip().lstrip("-").replace("-", "_")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_path(tree, key, value)
+    return tree
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(cls: type, config_file: str | None = None, overrides: list[str] | dict | None = None):
+    """Build `cls` from defaults <- YAML file <- overrides, with strict checking."""
+    values: dict = {}
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file '{config_file}' does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f":{line + 1}" if line is not None else ""
+            raise ConfigError(f"{config_file}{where}: invalid YAML") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{config_file}: top level must be a mapping of key: value")
+        values = loaded
+    if overrides:
+        values = _merge(values, overrides if isinstance(overrides, dict) else parse_overrides(overrides))
+    return _build(cls, values)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every field, nested dataclasses flattened with dots."""
+    rows = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, prefix + f.name + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "(required)"
+        rows.append((prefix + f.name, _type_name(tp), repr(default) if isinstance(default, str)
+                     else str(default), docs.get(f.name, "")))
+    return rows
+
+
+def format_help(cls: type, width: int = 100) -> str:
+    rows = describe(cls)
+    keyw = max((len(r[0]) for r in rows), default=10)
+    lines = []
+    for key, tp, default, doc in rows:
+        lines.append(f"  {key:<{keyw}}  {doc}  [{tp}; default: {default}]")
+    return "\n".join(lines)

@@ -1,0 +1,389 @@
+"""`tether memory`: estimate GPU memory per component for an algorithm and a model size.
+
+The accounting (bytes per parameter, which models each algorithm holds, the activation and KV-cache
+formulas, and why each number is what it is) is written out in docs/memory.md; comments here say
+only why a line is the way it is. GB means 1e9 bytes throughout. `estimate(cfg)` returns a dict
+(the JSON output); `run_memory(cfg)` prints it as a table or as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from tether.errors import UserError
+
+GB = 1e9
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# optimizer state bytes per trained parameter
+OPT_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0, "sgd": 0.0}
+OPT_NOTE = {"adamw": "AdamW m + v in fp32", "adamw_bf16": "AdamW m + v in 16-bit",
+            "adamw8bit": "8-bit AdamW m + v (block scales ignored)", "sgd": "plain SGD keeps no state"}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PAIRWISE = ("rm", "dpo", "simpo", "orpo")  # a batch element is a chosen + rejected pair
+ONLINE = ("ppo", "grpo", "rloo")  # generate rollouts, so they hold a KV cache
+
+
+@dataclass
+class MemoryConfig:
+    model: str = "7e9"
+    "Hugging Face id, local config (a directory with config.json, or the file), or a parameter count like 7e9, 7B, 0.5b"
+    algo: Literal["sft", "rm", "dpo", "kto", "simpo", "orpo", "ppo", "grpo", "rloo"] = "ppo"
+    "algorithm; decides which models are held and which are trained (docs/memory.md)"
+    weight_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    "dtype of every model's weights (and of full fine-tuning gradients)"
+    optimizer: Literal["adamw", "adamw_bf16", "adamw8bit", "sgd"] = "adamw"
+    "adamw: fp32 m+v (8 B/param); adamw_bf16: 16-bit m+v (4 B, torch AdamW on bf16 params); adamw8bit: 2 B; sgd: none"
+    master_weights: bool = False
+    "keep an fp32 master copy of the trained weights for the optimizer step (+4 B/param when weights are 16-bit)"
+    lora: bool = False
+    "train LoRA adapters instead of all weights; the reference is the base with adapters off (no copy)"
+    lora_rank: int = 16
+    "LoRA rank r; each targeted linear gets r*(d_in+d_out) fp32 parameters"
+    lora_targets: list[str] = field(default_factory=lambda: list(LINEARS))
+    "linear layers that get adapters (Llama names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)"
+    gradient_checkpointing: bool = False
+    "recompute each decoder layer in backward: keep only its input (7B: activations ~14x smaller)"
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    "sdpa/flash never materialise the s x s attention matrix; eager keeps the probabilities for backward"
+    offload: bool = False
+    "move optimizer state (and fp32 master weights) to CPU memory: listed, but not counted on the GPU"
+    batch_size: int = 4
+    "training micro-batch: sequences per forward/backward (pairs for rm/dpo/simpo/orpo, i.e. 2x sequences)"
+    seq_len: int = 1024
+    "tokens per sequence, prompt + completion (training activations and the rollout KV cache)"
+    rollout_batch: int = 8
+    "ppo/grpo/rloo: prompts generated at once; the KV cache holds rollout_batch*num_generations sequences"
+    num_generations: int = 8
+    "grpo/rloo: completions sampled per prompt (ppo samples one)"
+    reward: Literal["model", "verifier"] = "model"
+    "ppo/grpo/rloo: reward from a frozen reward model held on the GPU, or from a verifier function (no model)"
+    beta: float = 0.04
+    "ppo/grpo/rloo KL coefficient; only whether it is 0 matters here: beta=0 needs no reference model"
+    precompute_ref: bool = False
+    "dpo/kto: cache the reference log-probs before training, so the reference is not held"
+    value_init: Literal["separate", "shared"] = "separate"
+    "ppo value function: a separate trained model (backbone + scalar head) or a scalar head on the policy's trunk"
+    format: Literal["table", "json"] = "table"
+    "print a table, or a JSON dict of components and totals for scripts"
+
+    def __post_init__(self):
+        for key in ("batch_size", "seq_len", "rollout_batch", "num_generations", "lora_rank"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"config key '{key}' must be >= 1; got {getattr(self, key)}")
+        bad = [t for t in self.lora_targets if t not in LINEARS]
+        if bad:
+            raise ValueError(f"config key 'lora_targets': unknown {', '.join(bad)}; allowed: {', '.join(LINEARS)}")
+
+
+@dataclass
+class Shape:
+    """A Llama-like decoder: embeddings, `layers` x (RMSNorm, attention with GQA, RMSNorm, SwiGLU MLP),
+    final norm, LM head (tied or not). The bias/norm flags cover Qwen2 and Qwen3."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def params(self) -> int:
+        lin = self.linears()
+        layer = sum(a * b for a, b in lin.values()) + 2 * self.hidden  # + two RMSNorm weights
+        layer += self.qkv_bias * (lin["q_proj"][1] + 2 * lin["k_proj"][1]) + self.o_bias * self.hidden
+        layer += self.mlp_bias * (2 * self.intermediate + self.hidden)
+        layer += self.qk_norm * 2 * self.head_dim
+        return self.vocab * self.hidden + self.layers * layer + self.hidden + self.lm_head()
+
+    def lm_head(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        return self.layers * sum(rank * (a + b) for name, (a, b) in self.linears().items() if name in targets)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes  # K and V, every layer
+
+
+def parse_count(text: str) -> float | None:
+    """'7e9', '7B', '0.5b', '125M', '7000000000.0' -> a number of parameters; None if not a count."""
+    m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)(e[+-]?\d+)?\s*([kmbt])?\s*", str(text), re.IGNORECASE)
+    if not m:
+        return None
+    value = float(m.group(1) + (m.group(2) or "")) * {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12, "": 1}[
+        (m.group(3) or "").lower()]
+    return value if value > 0 else None
+
+
+def llama_shape(layers: int, vocab: int = 32000) -> Shape:
+    """Llama-2's aspect ratio: head_dim 128, hidden = 128*layers (so heads = layers), full MHA,
+    SwiGLU width 8h/3 rounded up to a multiple of 256. Gives Llama-2-7B and -13B exactly."""
+    h = 128 * layers
+    return Shape(h, layers, layers, layers, 128, 256 * math.ceil(8 * h / 3 / 256), vocab)
+
+
+def guess_shape(n_params: float) -> Shape:
+    """The Llama-like shape (above) whose parameter count is closest to `n_params`."""
+    best = llama_shape(1)
+    for layers in range(2, 257):
+        s = llama_shape(layers)
+        if abs(s.params() - n_params) < abs(best.params() - n_params):
+            best = s
+        if s.params() > 2 * n_params:
+            break
+    return best
+
+
+# model types whose parameters Shape.params() counts exactly (others are counted on the meta device)
+_QKV_BIAS_ONLY = {"qwen2"}
+_ANALYTIC = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def shape_from_config(cfg) -> Shape:
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    h, heads = tc.hidden_size, tc.num_attention_heads
+    mtype = getattr(tc, "model_type", "")
+    attn_bias = bool(getattr(tc, "attention_bias", False))
+    return Shape(hidden=h, layers=tc.num_hidden_layers, heads=heads,
+                 kv_heads=getattr(tc, "num_key_value_heads", None) or heads,
+                 head_dim=getattr(tc, "head_dim", None) or h // heads,
+                 intermediate=getattr(tc, "intermediate_size", None) or 4 * h, vocab=tc.vocab_size,
+                 tied=bool(getattr(tc, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
+                 qkv_bias=mtype in _QKV_BIAS_ONLY or attn_bias, o_bias=attn_bias and mtype not in _QKV_BIAS_ONLY,
+                 mlp_bias=bool(getattr(tc, "mlp_bias", False)), qk_norm=mtype == "qwen3")
+
+
+def _count_on_meta(cfg) -> int | None:
+    """Exact count for any architecture: build it on the meta device (no memory) and sum unique params."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        return sum(p.numel() for p in model.parameters())  # parameters() yields tied weights once
+    except Exception:  # unknown class etc.: fall back to the Llama-like formula, flagged as approximate
+        return None
+
+
+def resolve_model(spec: str) -> dict:
+    """-> {name, params, shape, source}. Local path first, then a parameter count, then the hub."""
+    spec = str(spec).strip()
+    if not os.path.exists(spec) and (n := parse_count(spec)) is not None:
+        shape = guess_shape(n)
+        return {"name": spec, "params": int(round(n)), "shape": shape,
+                "source": f"Llama-like shape guessed from the count (that shape has {_fmt_count(shape.params())} "
+                          "params; weights use the count given)"}
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise UserError(f"reading model configs needs transformers ({e})") from None
+    if os.path.exists(spec):
+        try:
+            cfg = AutoConfig.from_pretrained(spec)
+        except Exception as e:
+            raise UserError(f"'{spec}' is not a readable model config: {str(e).splitlines()[0]}") from None
+    else:
+        try:
+            cfg = AutoConfig.from_pretrained(spec, local_files_only=True)  # the HF cache, without network
+        except Exception:
+            try:
+                cfg = AutoConfig.from_pretrained(spec)
+            except Exception:
+                raise UserError(f"model '{spec}' is not a local path or a parameter count (like 7e9), and its "
+                                "config could not be fetched from the Hugging Face hub (no network?)") from None
+    shape = shape_from_config(cfg)
+    mtype = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "model_type", "")
+    n = shape.params() if mtype in _ANALYTIC else _count_on_meta(cfg)
+    source = f"config ({mtype})" + ("" if n is not None else "; params approximated by the Llama-like formula")
+    return {"name": spec, "params": n if n is not None else shape.params(), "shape": shape, "source": source}
+
+
+@dataclass
+class _Held:
+    """One model on the GPU: `weights` params in weight_dtype, `adapters` fp32 LoRA params,
+    `trainable` params that get gradients and optimizer state, stored with `trainable_bytes` each."""
+    name: str
+    weights: int
+    note: str
+    trainable: int = 0
+    trainable_bytes: int = 2
+    adapters: int = 0
+    activations: str | None = None  # "lm" (with vocab logits), "scalar" (value/reward head), None
+
+
+def held_models(cfg: MemoryConfig, n: int, shape: Shape) -> list[_Held]:
+    d = DTYPE_BYTES[cfg.weight_dtype]
+    backbone = n - shape.lm_head() + shape.hidden  # a scalar head replaces the (untied) LM head
+    lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
+
+    def trained(name, weights, note, kind, head=0):
+        if cfg.lora:  # PEFT keeps adapters (and the trained head) in fp32 even on a 16-bit base
+            return _Held(name, weights, note + ", base frozen + LoRA adapters", lora + head, 4, lora + head, kind)
+        return _Held(name, weights, note, weights, d, 0, kind)
+
+    if cfg.algo == "rm":
+        return [trained("reward model", backbone, "trained; backbone + scalar head", "scalar", shape.hidden)]
+    models = [trained("policy", n, "trained", "lm")]
+    uses_ref = (cfg.algo in ("dpo", "kto") and not cfg.precompute_ref) or (cfg.algo in ONLINE and cfg.beta != 0)
+    if uses_ref and not cfg.lora:  # with LoRA the reference is the base with adapters disabled: no copy
+        models.append(_Held("reference", n, "frozen copy of the policy"))
+    if cfg.algo in ONLINE and cfg.reward == "model":
+        models.append(_Held("reward model", backbone, "frozen; backbone + scalar head, no LM head"))
+    if cfg.algo == "ppo":
+        if cfg.value_init == "separate":
+            models.append(trained("value model", backbone, "trained; backbone + scalar head", "scalar", shape.hidden))
+        else:
+            models.append(_Held("value head", shape.hidden, "trained scalar head on the policy's trunk",
+                                shape.hidden, 4 if cfg.lora else d))
+    return models
+
+
+def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
+    """Saved-for-backward bytes of the decoder layers for `seqs` x seq_len tokens (docs/memory.md).
+    Per layer per token, what HF Llama-style layers keep for backward:
+      2 RMSNorms: fp32 upcast input (4h) + normalised and output in weight dtype (2*d*h)
+      attention:  q, k, v (h + 2 kv_dim) and the output + its contiguous copy (2h), times d
+      SwiGLU:     gate, up, silu(gate), gate*up (4 i), times d
+      eager attention adds the s x s probabilities: fp32 softmax output + its d-byte copy, per head."""
+    d, h, s = DTYPE_BYTES[cfg.weight_dtype], shape.hidden, cfg.seq_len
+    kv = shape.kv_heads * shape.head_dim
+    per_token_layer = 2 * (4 * h + 2 * d * h) + d * (3 * h + 2 * kv) + 4 * d * shape.intermediate
+    if cfg.attention == "eager":
+        per_token_layer += shape.heads * s * (4 + d if d < 4 else 4)
+    tokens = seqs * s
+    if cfg.gradient_checkpointing:  # each layer's input is kept; one layer is recomputed at a time in backward
+        return tokens * (shape.layers * d * h + per_token_layer)
+    return tokens * shape.layers * per_token_layer
+
+
+def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
+    """Logits in weight dtype + the fp32 log-softmax kept for backward + its fp32 gradient in backward.
+    For RL on a 32k-150k vocabulary this is often the largest single activation tensor."""
+    return seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
+
+
+def estimate(cfg: MemoryConfig) -> dict:
+    """Components and totals (bytes and GB) for `cfg`; the JSON output of `tether memory`."""
+    info = resolve_model(cfg.model)
+    n, shape = info["params"], info["shape"]
+    d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
+    rows: list[dict] = []
+
+    def add(component, group, nbytes, params=None, bpp=None, note="", device="gpu"):
+        rows.append({"component": component, "group": group, "params": params, "bytes_per_param": bpp,
+                     "bytes": int(nbytes), "gb": nbytes / GB, "device": device, "note": note})
+
+    models = held_models(cfg, n, shape)
+    for m in models:
+        add(f"{m.name} weights", "resident", m.weights * d, m.weights, d, m.note)
+        if m.adapters:
+            add(f"{m.name} LoRA adapters", "resident", m.adapters * 4, m.adapters, 4,
+                f"rank {cfg.lora_rank} on {len(cfg.lora_targets)} linears/layer, fp32")
+    where = "cpu" if cfg.offload else "gpu"
+    for m in (m for m in models if m.trainable):
+        if cfg.master_weights and m.trainable_bytes < 4:
+            add(f"{m.name} fp32 master weights", "resident", m.trainable * 4, m.trainable, 4, "", where)
+        add(f"{m.name} optimizer state", "resident", m.trainable * opt, m.trainable, opt,
+            OPT_NOTE[cfg.optimizer] + (" (offloaded to CPU)" if cfg.offload else ""), where)
+    for m in (m for m in models if m.trainable):
+        add(f"{m.name} gradients", "gradients", m.trainable * m.trainable_bytes, m.trainable, m.trainable_bytes,
+            "same dtype as the trained weights")
+    seqs = cfg.batch_size * (2 if cfg.algo in PAIRWISE else 1)
+    ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
+    for m in (m for m in models if m.activations):
+        add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs),
+            note=f"{seqs} seq x {cfg.seq_len} tok, {ckpt}, {cfg.attention}")
+        if m.activations == "lm":
+            add(f"{m.name} logits", "training", logits_bytes(cfg, shape, seqs),
+                note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab: {d} B + fp32 log-probs + fp32 grad")
+    if cfg.algo in ONLINE:
+        gen = cfg.rollout_batch * (cfg.num_generations if cfg.algo != "ppo" else 1)
+        add("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(d),
+            note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(d)} B/token")
+
+    def total(*groups, device="gpu"):
+        return sum(r["bytes"] for r in rows if r["group"] in groups and r["device"] == device)
+
+    resident = total("resident")
+    grads = total("gradients")
+    training, rollout = total("training"), total("rollout")
+    peak = resident + max(grads + training, rollout)  # generation and the training step never overlap
+    totals = {"weights_and_optimizer": resident, "with_gradients": resident + grads,
+              "training_step": resident + grads + training,
+              "rollout": resident + rollout if cfg.algo in ONLINE else None, "peak": peak,
+              "cpu_offloaded": total("resident", device="cpu")}
+    return {"model": info["name"], "params": n, "source": info["source"], "shape": asdict(shape),
+            "algo": cfg.algo, "config": asdict(cfg), "unit": "GB = 1e9 bytes", "components": rows,
+            "totals_bytes": totals, "totals_gb": {k: None if v is None else v / GB for k, v in totals.items()}}
+
+
+def _fmt_count(n: float) -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(int(n))
+
+
+def format_table(est: dict) -> str:
+    c, s, t = est["config"], est["shape"], est["totals_gb"]
+    mode = f"LoRA r={c['lora_rank']}" if c["lora"] else "full fine-tuning"
+    lines = [f"tether memory: {est['algo']} on {est['model']} ({_fmt_count(est['params'])} params)",
+             f"shape: {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads ({s['kv_heads']} kv, "
+             f"head_dim {s['head_dim']}), intermediate {s['intermediate']}, vocab {s['vocab']}"
+             f"{', tied embeddings' if s['tied'] else ''} [{est['source']}]",
+             f"weights {c['weight_dtype']}, optimizer {c['optimizer']}, {mode}, "
+             f"{'gradient checkpointing' if c['gradient_checkpointing'] else 'no gradient checkpointing'}"
+             f"{', offload' if c['offload'] else ''}; GB = 1e9 bytes", ""]
+    width = 32
+    head = f"{'component':<{width}} {'params':>8} {'B/param':>7} {'GB':>9}  note"
+    rule = "-" * (len(head) + 30)
+
+    def row(r):
+        p = _fmt_count(r["params"]) if r["params"] is not None else ""
+        b = f"{r['bytes_per_param']:g}" if r["bytes_per_param"] is not None else ""
+        gb = f"({r['gb']:.2f})" if r["device"] == "cpu" else f"{r['gb']:.2f}"
+        return f"{r['component']:<{width}} {p:>8} {b:>7} {gb:>9}  {r['note']}"
+
+    def tot(label, value, note=""):
+        return f"{label:<{width + 17}} {value:>9.2f}  {note}"
+
+    by = {g: [r for r in est["components"] if r["group"] == g] for g in ("resident", "gradients", "training", "rollout")}
+    lines += [head, rule, *map(row, by["resident"]), rule,
+              tot("= weights + optimizer state", t["weights_and_optimizer"],
+                  "the seed table's accounting (7B: PPO ~170, GRPO ~98, DPO ~84 GB)"),
+              *map(row, by["gradients"]),
+              tot("= + gradients", t["with_gradients"]), *map(row, by["training"])]
+    if by["rollout"]:
+        lines += [tot("= training step", t["training_step"], "resident + gradients + activations"),
+                  *map(row, by["rollout"]),
+                  tot("= rollout generation", t["rollout"], "resident + KV cache (grads freed, no activations)")]
+    lines += [rule, tot("total (peak estimate)", t["peak"],
+                        "resident + max(gradients + activations, KV cache)" if by["rollout"]
+                        else "resident + gradients + activations")]
+    if t["cpu_offloaded"]:
+        lines.append(f"(offloaded to CPU memory, not counted above: {t['cpu_offloaded']:.2f} GB)")
+    return "\n".join(lines)
+
+
+def run_memory(cfg: MemoryConfig) -> dict:
+    est = estimate(cfg)
+    if cfg.format == "json":
+        print(json.dumps(est, indent=2))
+    else:
+        print(format_table(est))
+    return est

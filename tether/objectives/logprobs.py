@@ -1,0 +1,161 @@
+"""Log-probabilities, SFT loss and entropy from a causal LM's logits.
+
+Alignment (every trainer depends on this): a causal LM's ``logits[:, t]`` is the distribution of
+the *next* token, ``input_ids[:, t + 1]``. Masks passed here are aligned with ``input_ids``:
+``mask[:, t] = 1`` means token t is a completion (trained) token, and its log-prob is read from
+``logits[:, t - 1]``. Token 0 has no prediction, so its log-prob is defined as 0 and a mask bit
+at position 0 is ignored.
+
+Memory: a full ``log_softmax`` would allocate (and autograd would keep) another [B, T, V] tensor,
+the largest tensor in a training step. We instead gather the target logit and subtract a
+``logsumexp`` computed one batch row at a time, so the transient peak is one [T, V] row and
+autograd keeps only the logits it already holds.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._masks import as_bool, masked_mean, masked_sum
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+IGNORE_INDEX = -100
+
+
+def _row(z: Tensor, temperature: float) -> Tensor:
+    # bf16/fp16 logsumexp loses several bits over a 50k-way vocabulary; one row upcast is cheap.
+    if z.dtype in _LOW_PRECISION:
+        z = z.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def token_logps(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Per-token log π(x_t | x_<t), aligned with ``input_ids``.
+
+    out[:, t] = z[:, t−1, x_t] − logsumexp_v z[:, t−1, v]   for t ≥ 1, out[:, 0] = 0,
+    with z = logits / temperature (pass the sampler's temperature so ratios against the sampler's
+    log-probs are consistent).
+
+    Shapes: logits [B, T, V], input_ids [B, T] → [B, T] (float32 for half-precision logits, else
+    the logits' dtype). Negative ids (the ``-100`` ignore index) read as id 0; mask them out.
+    """
+    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(f"logits {tuple(logits.shape)} must be [B, T, V] with input_ids [B, T], "
+                         f"got input_ids {tuple(input_ids.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out_dtype = torch.float32 if logits.dtype in _LOW_PRECISION else logits.dtype
+    B, T, _ = logits.shape
+    targets = input_ids[:, 1:].clamp(min=0)
+    rows = []
+    for b in range(B):
+        z = _row(logits[b, :-1], temperature)
+        target_logit = z.gather(-1, targets[b].unsqueeze(-1)).squeeze(-1)
+        rows.append(target_logit - torch.logsumexp(z, dim=-1))
+    lp = torch.stack(rows) if rows else logits.new_zeros((0, max(T - 1, 0)), dtype=out_dtype)
+    return torch.nn.functional.pad(lp.to(out_dtype), (1, 0))
+
+
+def _completion_mask(mask: Tensor) -> Tensor:
+    m = as_bool(mask).clone()
+    m[:, 0] = False  # token 0 has no logits predicting it
+    return m
+
+
+def sequence_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor,
+                   average: bool = False, temperature: float = 1.0) -> Tensor:
+    """Per-sequence log-probability of the completion (DESIGN "Objectives"; seed 004 §6.1 input).
+
+    log π(y | x) = Σ_t m_t · log π(x_t | x_<t)   (``average=True``: divided by Σ_t m_t, the
+    length-normalized log-prob used by IPO, SimPO and ORPO; 0 for an empty completion).
+
+    ``completion_mask`` [B, T] is aligned with ``input_ids`` (see module docstring): the log-prob of
+    token t comes from ``logits[:, t − 1]``. Shapes: logits [B, T, V], input_ids [B, T] → [B].
+    """
+    m = _completion_mask(completion_mask)
+    total = masked_sum(token_logps(logits, input_ids, temperature), m, dim=-1)
+    if average:
+        total = total / m.sum(-1).clamp(min=1).to(total.dtype)
+    return total
+
+
+def sft_loss(logits: Tensor, labels: Tensor, mask: Tensor | None = None):
+    """Token-mean negative log-likelihood (supervised fine-tuning).
+
+    L = − Σ_{i,t} m_{i,t} log π(x_{i,t} | x_{i,<t}) / Σ_{i,t} m_{i,t}
+
+    ``labels`` [B, T] follow the Hugging Face convention: aligned with ``input_ids`` (usually equal
+    to them), the shift is done here exactly as in :func:`token_logps`; positions whose label is
+    ``-100`` are excluded as well as those where ``mask`` [B, T] is 0 (``mask=None``: all).
+
+    Returns ``(loss, metrics)`` with metrics ``nll`` (detached loss) and ``num_tokens``.
+    """
+    valid = labels != IGNORE_INDEX
+    if mask is not None:
+        valid = valid & as_bool(mask)
+    m = _completion_mask(valid)
+    loss = -masked_mean(token_logps(logits, labels), m)
+    return loss, {"nll": loss.detach(), "num_tokens": m.sum().detach()}
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """H(z) per position, saving only the logits for backward (autograd would keep p and log p,
+    two extra [B, T, V] tensors). dH/dz_v = −p_v (log p_v − Σ_u p_u log p_u) / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float) -> Tensor:
+        ctx.save_for_backward(logits)
+        ctx.temperature = temperature
+        rows = []
+        for b in range(logits.shape[0]):
+            logp, p = _logp_p(_row(logits[b], temperature))
+            rows.append(-_plogp(p, logp).sum(-1))
+        out_dtype = torch.float32 if logits.dtype in _LOW_PRECISION else logits.dtype
+        if not rows:
+            return logits.new_zeros(logits.shape[:2], dtype=out_dtype)
+        return torch.stack(rows).to(out_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_h: Tensor):
+        (logits,) = ctx.saved_tensors
+        grads = []
+        for b in range(logits.shape[0]):
+            logp, p = _logp_p(_row(logits[b], ctx.temperature))
+            neg_h = _plogp(p, logp).sum(-1, keepdim=True)
+            centered = torch.where(p > 0, logp - neg_h, 0.0)
+            g = -p * centered * grad_h[b].unsqueeze(-1).to(p.dtype) / ctx.temperature
+            grads.append(g.to(logits.dtype))
+        return torch.stack(grads) if grads else torch.zeros_like(logits), None
+
+
+def _logp_p(z: Tensor):
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    return logp, logp.exp()
+
+
+def _plogp(p: Tensor, logp: Tensor) -> Tensor:
+    # −inf logits (vocab masks) give p = 0 and log p = −inf; 0·(−inf) must count as 0, not NaN.
+    return torch.where(p > 0, p * logp, 0.0)
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of each position's next-token distribution, H_t = −Σ_v p_{t,v} log p_{t,v}.
+
+    Shapes: logits [B, T, V] → [B, T] (no shift: H_t belongs to ``logits[:, t]``, i.e. to the
+    distribution token t+1 was drawn from). Memory-lean custom autograd, see :class:`_TokenEntropy`.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
+    return _TokenEntropy.apply(logits, float(temperature))
+
+
+def entropy_from_logits(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Masked token-mean entropy: Σ_{i,t} m_{i,t} H_{i,t} / Σ m, H as in :func:`token_entropy`.
+
+    ``mask`` [B, T] is aligned with ``logits`` [B, T, V] (no shift). To measure the policy's
+    entropy at completion tokens with a mask aligned to ``input_ids`` (the convention of
+    :func:`sequence_logps`), call ``entropy_from_logits(logits[:, :-1], completion_mask[:, 1:])``.
+    Returns a differentiable scalar (usable as an entropy bonus; detach it for logging).
+    """
+    return masked_mean(token_entropy(logits, temperature), mask)

@@ -1,0 +1,219 @@
+"""Policy-gradient objectives: KL estimators, the clipped surrogate (PPO/GRPO/DAPO/GSPO), the value
+loss, KL-shaped rewards and KL-coefficient controllers.
+
+All per-token inputs are [B, T] tensors aligned the same way (e.g. from
+:func:`tether.objectives.token_logps`) with a mask [B, T] (bool or float, nonzero = counts);
+padded positions are never read (``torch.where``, not multiplication, so NaN there is harmless).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._masks import AGG_MODES, aggregate_loss, as_bool, masked_mean
+
+
+# ---- KL estimators (Schulman 2020, "Approximating KL divergence"; seed 004 §5.2) ---------------
+# Per token, samples from π, estimating KL(π ‖ π_ref); Δ = log π_ref − log π.
+
+def kl_k1(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k1 = log π − log π_ref = −Δ. Unbiased, high variance, can be negative per token."""
+    return logps - ref_logps
+
+
+def kl_k2(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k2 = ½ (log π − log π_ref)² = ½ Δ². Biased (exact to 2nd order), ≥ 0, low variance."""
+    return 0.5 * (logps - ref_logps) ** 2
+
+
+def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k3 = exp(Δ) − Δ − 1 with Δ = log π_ref − log π. Unbiased, ≥ 0 (e^x ≥ 1 + x), 0 iff equal."""
+    delta = ref_logps - logps
+    return torch.expm1(delta) - delta  # expm1: no cancellation in e^Δ − 1 for small Δ
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def _kl(name: str, logps: Tensor, ref_logps: Tensor) -> Tensor:
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; expected one of {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[name](logps, ref_logps)
+
+
+def _clean(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, 0.0)
+
+
+def _per_token(advantages: Tensor, shape) -> Tensor:
+    # Per-sequence advantages [B] (or [B, 1]) apply to every token of their sequence.
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    return advantages.expand(shape)
+
+
+def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
+                clip_low: float = 0.2, clip_high: float | None = None, agg: str = "token-mean",
+                ref_logps: Tensor | None = None, beta: float = 0.0, kl_estimator: str = "k3",
+                importance_level: str = "token", norm_length: int | float | None = None):
+    """Clipped surrogate policy loss (PPO, Schulman et al. 2017; seed EQ R6.4) and its variants.
+
+    Per token:  L_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t) + β·KL_t
+    - ``importance_level="token"``: r_t = exp(log π_t − log π_old,t) (PPO / GRPO).
+    - ``importance_level="sequence"`` (GSPO, Zheng et al. 2025): the value of every token's ratio is
+      the sequence ratio s_i = exp((1/|y_i|) Σ_t (log π_t − log π_old,t)), in the paper's
+      GSPO-token form s_{i,t} = sg[s_i] · π_t / sg[π_t] (as verl): token t's surrogate has
+      gradient s_i A_{i,t} ∇log π_t. With advantages constant within each sequence (GSPO's case)
+      this is exactly the gradient of the loss's value under any ``agg`` — with
+      ``"seq-mean-token-mean"`` it is sequence-level GSPO, s_i A_i (1/|y_i|) Σ_t ∇log π_t. With
+      per-token advantages it is GSPO-token's estimator, not the derivative of the value. The clip
+      acts on s_i, so a sequence is clipped as a whole. Use GSPO's small clip ranges (3e-4/4e-4).
+    - ε_high = ``clip_high`` defaults to ε_low = ``clip_low``; a larger ε_high is DAPO's clip-higher.
+    - KL_t = ``kl_estimator`` (k1/k2/k3) of (log π, log π_ref), added only when ``ref_logps`` is
+      given and β > 0 (GRPO's KL-in-loss); aggregated with the same ``agg``.
+
+    ``advantages``: per sequence [B] (broadcast) or per token [B, T]. ``agg``
+    (see :func:`aggregate_loss`): ``"token-mean"``, ``"seq-mean-token-mean"``,
+    ``"seq-mean-token-sum-norm"`` (Σ m L / (B·C), C = ``norm_length`` or T). When every row has
+    L tokens: token-mean = seq-mean-token-mean = (C/L) · seq-mean-token-sum-norm.
+
+    Shapes: logps, old_logps, mask (and ref_logps) [B, T] → scalar loss. Metrics (token-means over
+    the mask): ``clip_ratio/low_mean`` (r < 1 − ε_low with A < 0: the clip binds at the low edge),
+    ``clip_ratio/high_mean`` (r > 1 + ε_high with A > 0), ``clip_ratio/region_mean`` (either),
+    ``approx_kl`` = mean ½(log π − log π_old)² (k2 vs the sampling policy, as PPO
+    implementations report it), ``kl`` = mean KL_t vs the reference (when ``ref_logps`` is given,
+    even with β = 0), ``pg_loss`` (the surrogate part, aggregated), ``ratio/mean``.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {AGG_MODES}")
+    m = as_bool(mask)
+    eps_low = clip_low
+    eps_high = clip_low if clip_high is None else clip_high
+    # Sanitize padding up front: a NaN there would survive a later where() in the backward pass
+    # (0 · NaN), and exp() of garbage could overflow.
+    logps, old_logps = _clean(logps, m), _clean(old_logps, m)
+    log_ratio = logps - old_logps
+    if importance_level == "token":
+        ratio = torch.exp(log_ratio)
+    elif importance_level == "sequence":
+        seq_log_ratio = masked_mean(log_ratio, m, dim=-1).detach().unsqueeze(-1)
+        ratio = torch.exp(seq_log_ratio + logps - logps.detach())
+        ratio = torch.where(m, ratio, 1.0)
+    else:
+        raise ValueError(f"unknown importance_level {importance_level!r}; expected 'token' or 'sequence'")
+    adv = _clean(_per_token(advantages, logps.shape), m)
+
+    surrogate = ratio * adv
+    surrogate_clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    pg_mat = -torch.minimum(surrogate, surrogate_clipped)
+    loss_mat = pg_mat
+    metrics: dict[str, Tensor] = {}
+    if ref_logps is not None:
+        kl_mat = _kl(kl_estimator, logps, _clean(ref_logps, m))
+        metrics["kl"] = masked_mean(kl_mat.detach(), m)
+        if beta > 0:
+            loss_mat = pg_mat + beta * kl_mat
+    loss = aggregate_loss(loss_mat, m, agg, norm_length)
+
+    r, a = ratio.detach(), adv.detach()
+    low = (r < 1 - eps_low) & (a < 0)
+    high = (r > 1 + eps_high) & (a > 0)
+    metrics.update({
+        "pg_loss": aggregate_loss(pg_mat.detach(), m, agg, norm_length),
+        "clip_ratio/low_mean": masked_mean(low.to(r.dtype), m),
+        "clip_ratio/high_mean": masked_mean(high.to(r.dtype), m),
+        "clip_ratio/region_mean": masked_mean((low | high).to(r.dtype), m),
+        "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, m),
+        "ratio/mean": masked_mean(r, m),
+    })
+    return loss, metrics
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float | None = 0.2, agg: str = "token-mean"):
+    """Clipped value loss (PPO as in OpenAI baselines / TRL, seed 004 §2.3).
+
+    V_clip = V_old + clip(V − V_old, −c, c);  L_t = ½ max((V − R)², (V_clip − R)²),
+    aggregated with ``agg`` (token-mean by default). ``clip=None`` gives the plain ½(V − R)².
+    Shapes: all [B, T] → scalar. Metrics: ``clipfrac`` (fraction of tokens where the clipped
+    term is the larger, i.e. the gradient is cut), ``values/mean``, ``returns/mean``.
+    """
+    m = as_bool(mask)
+    values, old_values, returns = _clean(values, m), _clean(old_values, m), _clean(returns, m)
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        loss_mat = unclipped
+        clipped_frac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+        clipped = (v_clip - returns) ** 2
+        loss_mat = torch.maximum(unclipped, clipped)
+        clipped_frac = masked_mean((clipped > unclipped).to(values.dtype).detach(), m)
+    loss = 0.5 * aggregate_loss(loss_mat, m, agg)
+    return loss, {"clipfrac": clipped_frac, "values/mean": masked_mean(values.detach(), m),
+                  "returns/mean": masked_mean(returns.detach(), m)}
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index of each row's last masked-in position [B] (−1 for a row with none)."""
+    m = as_bool(mask)
+    pos = torch.arange(m.shape[-1], device=m.device).expand(m.shape)
+    return torch.where(m, pos, -1).max(dim=-1).values
+
+
+def kl_penalized_rewards(scores: Tensor, logps: Tensor, ref_logps: Tensor, mask: Tensor, beta: float,
+                         estimator: str = "k1") -> Tensor:
+    """Per-token RLHF reward with the KL penalty inside (Ziegler et al. 2019; seed 004 §2.4).
+
+    r̃_t = 1[t = last completion token] · R − β · KL_t,  KL_t = ``estimator`` (k1 by default, the
+    classic log π − log π_ref) of (log π_old, log π_ref). Padding gets 0; a row with no tokens drops
+    its score. Pass detached log-probs (these are rewards, not a loss).
+    Shapes: scores [B], logps, ref_logps, mask [B, T] → [B, T].
+    """
+    m = as_bool(mask)
+    kl = _kl(estimator, _clean(logps, m), _clean(ref_logps, m))
+    rewards = torch.where(m, -beta * kl, 0.0)
+    last = last_token_index(m)
+    at_last = torch.arange(m.shape[-1], device=m.device).unsqueeze(0) == last.unsqueeze(1)
+    return rewards + torch.where(at_last, scores.to(rewards.dtype).unsqueeze(1), 0.0)
+
+
+class FixedKLController:
+    """Constant KL coefficient β; ``update`` is a no-op (same interface as the adaptive one)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl, n_steps: int) -> float:
+        return self.value
+
+
+class AdaptiveKLController:
+    """Proportional control of β toward a target KL (Ziegler et al. 2019, §2.2).
+
+    e = clip(KL_current / KL_target − 1, −0.2, 0.2);  β ← β · (1 + e · n_steps / horizon).
+    ``current_kl`` may be a float or a 0-d tensor; ``n_steps`` is the number of samples (or steps)
+    since the last update, in the same unit as ``horizon``.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError("AdaptiveKLController needs target > 0 and horizon > 0")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl, n_steps: int) -> float:
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        return self.value
+
+
+def best_of_n_kl(n: int) -> float:
+    """Analytic KL(π_BoN ‖ π) of best-of-n sampling (Stiennon et al. 2020; Hilton & Gao):
+    log n − (n − 1)/n. 0 at n = 1; grows like log n."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return math.log(n) - (n - 1) / n

@@ -1,0 +1,199 @@
+"""Preference objectives: Bradley–Terry reward models and the offline DPO family.
+
+All take per-example log-probabilities (see :func:`tether.objectives.sequence_logps`), reduce with
+a batch mean and return ``(loss, metrics)``; metrics are detached 0-d tensors (no host sync).
+A new DPO-style variant is one function of the log-ratio difference ``h`` in
+:data:`PREFERENCE_LOSSES`, plus one test.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._masks import as_bool, masked_mean
+
+
+def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | float | None = None):
+    """Bradley–Terry reward-model loss (Ouyang et al. 2022 eq. 1; Llama-2's optional margin m).
+
+    L = mean_i −log σ(r_c,i − r_r,i − m_i)
+
+    Shapes: rewards [N] (or any equal shape), margin scalar or broadcastable. Metrics:
+    ``accuracy`` = fraction with r_c > r_r (ties count as wrong), ``margin`` = mean(r_c − r_r).
+    """
+    diff = chosen_rewards - rejected_rewards
+    logits = diff if margin is None else diff - margin
+    loss = -F.logsigmoid(logits).mean()
+    d = diff.detach()
+    return loss, {"accuracy": (d > 0).float().mean(), "margin": d.mean()}
+
+
+# ---- DPO family: per-example loss as a function of h (log-ratio difference) -------------------
+
+def _sigmoid(h: Tensor, beta: float, eps: float) -> Tensor:
+    # DPO (Rafailov et al. 2023 eq. 7); eps > 0 is conservative DPO (cDPO, OpenRLHF label_smoothing):
+    # the label is flipped with probability eps, i.e. cross-entropy against soft target 1 − eps.
+    return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+
+
+def _robust(h: Tensor, beta: float, eps: float) -> Tensor:
+    # Robust DPO (Chowdhury et al. 2024 eq. 6): unbiased under label-flip rate eps < 1/2.
+    if not 0 <= eps < 0.5:
+        raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {eps}")
+    return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+
+
+def _hinge(h: Tensor, beta: float, eps: float) -> Tensor:
+    # SLiC-HF (Zhao et al. 2023) calibration hinge on the scaled log-ratio difference.
+    return torch.relu(1 - beta * h)
+
+
+def _ipo(h: Tensor, beta: float, eps: float) -> Tensor:
+    # IPO (Azar et al. 2023 eq. 17; seed 004 §6.1): regress h onto 1/(2β) instead of pushing it to ∞.
+    return (h - 1 / (2 * beta)) ** 2
+
+
+PREFERENCE_LOSSES = {"sigmoid": _sigmoid, "robust": _robust, "hinge": _hinge, "ipo": _ipo}
+
+
+def preference_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
+                    ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, beta: float,
+                    loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+    """Offline pairwise preference loss (DPO family, seed 004 §6.1).
+
+    h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l)), on the log-probs *as given*:
+    the caller decides summed or length-averaged (DPO uses sums; IPO's authors and TRL use
+    length-averaged log-probs for ``"ipo"``). With ε = ``label_smoothing``:
+
+    - ``"sigmoid"`` (DPO / cDPO):  −(1−ε) log σ(βh) − ε log σ(−βh)
+    - ``"robust"`` (rDPO):         (−(1−ε) log σ(βh) + ε log σ(−βh)) / (1 − 2ε)
+    - ``"hinge"`` (SLiC):          max(0, 1 − βh)
+    - ``"ipo"``:                   (h − 1/(2β))²
+
+    Loss = batch mean. Shapes: four [N] tensors → scalar. Metrics (TRL names) with implicit reward
+    r = β(log π − log π_ref): ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (means),
+    ``rewards/accuracies`` (fraction r_w > r_l), ``logps/chosen``, ``logps/rejected``.
+    """
+    if loss_type not in PREFERENCE_LOSSES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {sorted(PREFERENCE_LOSSES)}")
+    chosen_logratio = policy_chosen_logps - ref_chosen_logps
+    rejected_logratio = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratio - rejected_logratio
+    loss = PREFERENCE_LOSSES[loss_type](h, beta, label_smoothing).mean()
+    rc, rr = beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
+    return loss, {
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/margins": (rc - rr).mean(),
+        "rewards/accuracies": (rc > rr).float().mean(),
+        "logps/chosen": policy_chosen_logps.detach().mean(),
+        "logps/rejected": policy_rejected_logps.detach().mean(),
+    }
+
+
+def kto_kl_reference_point(policy_kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
+    """KTO's reference point z₀ = max(0, mean_j (log π(y_j|x_j') − log π_ref(y_j|x_j'))), detached.
+
+    Estimated on mismatched (prompt, completion) pairs of the batch (Ethayarajh et al. 2024 §4.1);
+    in data-parallel training all-reduce the mean across ranks before passing it to :func:`kto_loss`.
+    """
+    return (policy_kl_logps - ref_kl_logps).detach().mean().clamp(min=0)
+
+
+def kto_loss(policy_logps: Tensor, ref_logps: Tensor, labels: Tensor, kl_reference_point: Tensor | float,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+    """KTO: Kahneman–Tversky optimization on unpaired labels (seed 004 §6.2; Ethayarajh et al. 2024).
+
+    r = log π(y|x) − log π_ref(y|x), z₀ = max(0, ``kl_reference_point``) detached (the KL estimate
+    *without* β), v = σ(β(r − z₀)) if y is desirable else σ(β(z₀ − r));
+    L = mean_i w(y_i)·(1 − v_i),  w = λ_D (``desirable_weight``) or λ_U (``undesirable_weight``).
+
+    Shapes: policy_logps, ref_logps, labels (bool or 0/1) [N] → scalar. Metrics: ``rewards/chosen``
+    / ``rewards/rejected`` = mean β·r over desirable / undesirable examples (0 when there are none),
+    ``count/chosen``, ``count/rejected``, ``kl`` = z₀.
+    """
+    desirable = as_bool(labels)
+    z0 = torch.as_tensor(kl_reference_point, dtype=policy_logps.dtype, device=policy_logps.device)
+    z0 = z0.detach().clamp(min=0)
+    r = policy_logps - ref_logps
+    v = torch.where(desirable, torch.sigmoid(beta * (r - z0)), torch.sigmoid(beta * (z0 - r)))
+    w = torch.where(desirable, desirable_weight, undesirable_weight).to(v.dtype)
+    loss = (w * (1 - v)).mean()
+    rd = beta * r.detach()
+    return loss, {
+        "rewards/chosen": masked_mean(rd, desirable),
+        "rewards/rejected": masked_mean(rd, ~desirable),
+        "count/chosen": desirable.sum(),
+        "count/rejected": (~desirable).sum(),
+        "kl": z0,
+    }
+
+
+def simpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, beta: float, gamma: float,
+               label_smoothing: float = 0.0):
+    """SimPO: reference-free, length-normalized, with target margin γ (Meng et al. 2024 eq. 6).
+
+    L = mean −(1−ε) log σ(β(ā_w − ā_l) − γ) − ε log σ(−(β(ā_w − ā_l) − γ)),
+    ā = (1/|y|) log π(y|x) (``sequence_logps(..., average=True)``). γ is the paper's margin itself
+    (TRL's ``gamma_beta_ratio`` = γ/β). Shapes [N] → scalar. Metrics: ``rewards/*`` with the
+    implicit reward β·ā.
+    """
+    logits = beta * (chosen_avg_logps - rejected_avg_logps) - gamma
+    loss = (-(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)).mean()
+    rc, rr = beta * chosen_avg_logps.detach(), beta * rejected_avg_logps.detach()
+    return loss, {
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/margins": (rc - rr).mean(),
+        "rewards/accuracies": (rc > rr).float().mean(),
+    }
+
+
+_LN2 = math.log(2.0)
+
+
+def log1mexp(a: Tensor) -> Tensor:
+    """log(1 − e^a) for a ≤ 0, accurate everywhere (Mächler 2012: expm1 near 0, log1p far from it).
+
+    Inputs are clamped to ≤ −tiny so a probability of exactly 1 gives a large finite value rather
+    than −inf. Both ``where`` branches see a safe dummy input so no NaN gradient leaks through.
+    """
+    a = a.clamp(max=-torch.finfo(a.dtype).tiny)
+    near = a > -_LN2
+    a_near = torch.where(near, a, -1.0)
+    a_far = torch.where(near, -1.0, a)
+    return torch.where(near, torch.log(-torch.expm1(a_near)), torch.log1p(-torch.exp(a_far)))
+
+
+def log_odds(avg_logps: Tensor) -> Tensor:
+    """log(p / (1 − p)) with log p = ``avg_logps`` ≤ 0, computed without forming p."""
+    return avg_logps - log1mexp(avg_logps)
+
+
+def orpo_loss(chosen_avg_logps: Tensor, rejected_avg_logps: Tensor, chosen_nll: Tensor | float, lam: float):
+    """ORPO: SFT plus an odds-ratio preference term (Hong et al. 2024 eqs. 6–7).
+
+    odds(y) = p/(1 − p) with p = exp(ā), ā the length-averaged log-prob;
+    L = mean(NLL_w) + λ · mean_i −log σ(log odds(y_w) − log odds(y_l)).
+
+    ``chosen_nll`` is the SFT negative log-likelihood of the chosen completion (per example [N] or
+    already a scalar; it is averaged). Log-odds use :func:`log_odds` (stable at p → 0 and p → 1).
+    Metrics: ``nll_loss``, ``or_loss`` (the unweighted odds-ratio term), ``log_odds_ratio`` (mean
+    log odds(y_w) − log odds(y_l)), ``rewards/chosen``/``rejected`` = λ·ā, ``rewards/accuracies``.
+    """
+    ratio = log_odds(chosen_avg_logps) - log_odds(rejected_avg_logps)
+    or_loss = -F.logsigmoid(ratio).mean()
+    nll = torch.as_tensor(chosen_nll, dtype=ratio.dtype, device=ratio.device).mean()
+    loss = nll + lam * or_loss
+    rc, rr = lam * chosen_avg_logps.detach(), lam * rejected_avg_logps.detach()
+    return loss, {
+        "nll_loss": nll.detach(),
+        "or_loss": or_loss.detach(),
+        "log_odds_ratio": ratio.detach().mean(),
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (ratio.detach() > 0).float().mean(),
+    }

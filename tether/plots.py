@@ -1,0 +1,45 @@
+"""Curves a person looks at, drawn from metrics.jsonl into plots/*.png."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tether.run import read_jsonl
+
+# Bookkeeping series: plotted nowhere (they are in metrics.jsonl for scripts).
+_SKIP = {"step", "time", "epoch"}
+
+
+def plot_metrics(run_path: str | Path, keys: list[str] | None = None) -> list[Path]:
+    """One PNG per metric (x = step). Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    run_path = Path(run_path)
+    rows = read_jsonl(run_path / "metrics.jsonl")
+    if not rows:
+        return []
+    names = keys or sorted({k for r in rows for k, v in r.items()
+                            if k not in _SKIP and isinstance(v, (int, float))})
+    out_dir = run_path / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names:
+        pts = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float))]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="." if len(pts) < 30 else None, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".png")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,199 @@
+"""The run directory: what every training or evaluation command leaves behind.
+
+    runs/<name>/
+      config.yaml        resolved config (enough to re-run)
+      metrics.jsonl      {"step": int, "time": float, <metric>: float, ...} per logged step
+      summary.json       final numbers
+      samples.jsonl      sampled completions at eval points
+      checkpoints/step-<N>/   HF model + tokenizer + trainer_state.pt
+      plots/*.png        curves
+
+Rank-aware: only rank 0 writes, so the same trainer code runs under torchrun. Files that must
+never be seen half-written (summary, checkpoints) are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tether.config import save_config
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def dist_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _to_float(v: Any):
+    if isinstance(v, torch.Tensor):
+        v = v.detach().float().mean().item() if v.numel() > 1 else v.detach().item()
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    return v
+
+
+class RunDir:
+    """Writes one run's files. `resume=True` keeps what is there up to the last checkpoint."""
+
+    def __init__(self, path: str | Path, resume: bool = False, log_with: str = "none",
+                 overwrite: bool = True):
+        self.path = Path(path)
+        self.rank = dist_rank()
+        self.is_main = self.rank == 0
+        self.t0 = time.time()
+        self._tb = None
+        if self.is_main:
+            if self.path.exists() and not resume and overwrite:
+                # A fresh run must not inherit another run's metrics or checkpoints.
+                for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints",
+                             "plots", "tensorboard"):
+                    p = self.path / name
+                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
+            if log_with == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+                self._tb = SummaryWriter(str(self.path / "tensorboard"))
+
+    # --- config / summary ------------------------------------------------------------------
+    def write_config(self, cfg) -> None:
+        if self.is_main:
+            save_config(cfg, self.path / "config.yaml")
+
+    def write_summary(self, summary: dict) -> None:
+        if self.is_main:
+            _atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+    def read_summary(self) -> dict:
+        p = self.path / "summary.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    # --- metrics and samples ---------------------------------------------------------------
+    def log(self, step: int, metrics: dict, time_offset: float = 0.0) -> dict:
+        row = {"step": int(step), "time": round(time.time() - self.t0 + time_offset, 3)}
+        for k, v in metrics.items():
+            v = _to_float(v)
+            if isinstance(v, (int, float)):
+                row[k] = v if math.isfinite(v) else None
+        if self.is_main:
+            with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            if self._tb is not None:
+                for k, v in row.items():
+                    if k not in ("step", "time") and v is not None:
+                        self._tb.add_scalar(k, v, step)
+        return row
+
+    def add_samples(self, step: int, samples: list[dict]) -> None:
+        if self.is_main and samples:
+            with open(self.path / "samples.jsonl", "a", encoding="utf-8") as f:
+                for s in samples:
+                    f.write(json.dumps({"step": int(step), **s}, ensure_ascii=False) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        return read_jsonl(self.path / "metrics.jsonl")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop rows logged after the checkpoint: they will be produced again."""
+        if not self.is_main:
+            return
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            p = self.path / name
+            if p.exists():
+                rows = [r for r in read_jsonl(p) if r.get("step", 0) <= step]
+                _atomic_write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.path / "checkpoints" / f"step-{step}"
+
+    def latest_checkpoint(self) -> Path | None:
+        ckpts = [p for p in (self.path / "checkpoints").glob("step-*")
+                 if (p / TRAINER_STATE).exists() and p.name[5:].isdigit()]
+        return max(ckpts, key=lambda p: int(p.name[5:]), default=None)
+
+    def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2) -> Path:
+        """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all."""
+        final = self.checkpoint_dir(step)
+        if not self.is_main:
+            return final
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save({**state, "rng": rng_state()}, tmp / TRAINER_STATE)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if keep_last > 0:
+            ckpts = sorted((p for p in (self.path / "checkpoints").glob("step-*")
+                            if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+            for old in ckpts[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    # weights_only=False: the file holds numpy RNG state and plain Python objects, and it is our
+    # own run directory's file. Never point resume at a checkpoint you did not produce.
+    return torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: everything before it is good
+    return rows
+
+
+# --- RNG ---------------------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

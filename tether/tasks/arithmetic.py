@@ -1,0 +1,191 @@
+"""Embedded arithmetic task: problems with known answers, the verifiable reward, and text forms.
+
+The seeds' running example is "What is 23 × 17?". A problem has a question, an exact integer
+answer and a worked solution that reduces it to small steps (place-value decomposition), so a
+tiny model can learn the *procedure* rather than memorise a table. The same problems appear in
+three text forms, one per training stage:
+
+- pretraining: raw worked equations, one per line, no question/answer framing;
+- SFT: prompt "Question: What is 47 + 38?\\nAnswer:" -> completion " <worked solution>\\n#### 85";
+- RL: prompt only, plus an `answer` column the verifier reads.
+
+The final-answer line uses GSM8K's "#### <number>" so the same math checker scores both.
+
+Difficulty levels (operand digits and operators):
+  1: one-digit + and -
+  2: two-digit + and -, two-digit × one-digit     (default)
+  3: as 2, plus two-digit × two-digit ("23 × 17")
+  4: three-digit + and -, three-digit × one-digit, two-digit × two-digit
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+PROMPT_TEMPLATE = "Question: What is {a} {op} {b}?\nAnswer:"
+ANSWER_PREFIX = "#### "
+
+LEVELS: dict[int, list[tuple[str, int, int]]] = {
+    # (operator, digits of a, digits of b)
+    1: [("+", 1, 1), ("-", 1, 1)],
+    2: [("+", 2, 2), ("-", 2, 2), ("×", 2, 1)],
+    3: [("+", 2, 2), ("-", 2, 2), ("×", 2, 1), ("×", 2, 2)],
+    4: [("+", 3, 3), ("-", 3, 3), ("×", 3, 1), ("×", 2, 2)],
+}
+DEFAULT_LEVEL = 2
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def answer(self) -> int:
+        return {"+": self.a + self.b, "-": self.a - self.b, "×": self.a * self.b}[self.op]
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def prompt(self) -> str:
+        return PROMPT_TEMPLATE.format(a=self.a, op=self.op, b=self.b)
+
+    @property
+    def solution(self) -> str:
+        """Worked steps ending in the result, e.g. '47 + 38 = 40 + 30 + 7 + 8 = 70 + 15 = 85'."""
+        return worked_solution(self.a, self.op, self.b)
+
+
+def _parts(n: int) -> list[int]:
+    """Place-value parts, largest first, zeros dropped: 407 -> [400, 7]."""
+    digits = str(n)
+    parts = [int(d) * 10 ** (len(digits) - i - 1) for i, d in enumerate(digits)]
+    return [p for p in parts if p] or [0]
+
+
+def worked_solution(a: int, op: str, b: int) -> str:
+    head = f"{a} {op} {b}"
+    if op == "+":
+        pa, pb = _parts(a), _parts(b)
+        if len(pa) + len(pb) <= 2:
+            return f"{head} = {a + b}"
+        # Add the same places together: tens with tens, ones with ones.
+        parts = sorted(pa + pb, key=lambda p: -len(str(p)))  # same places side by side
+        steps = [" + ".join(str(p) for p in parts)]
+        big = sum(p for p in pa + pb if p >= 10)
+        small = sum(p for p in pa + pb if p < 10)
+        if big and small:
+            steps.append(f"{big} + {small}")
+        steps.append(str(a + b))
+        return " = ".join([head] + steps)
+    if op == "-":
+        pb = _parts(b)
+        if len(pb) == 1:
+            return f"{head} = {a - b}"
+        # Subtract b one place at a time: 47 - 38 = 47 - 30 - 8 = 17 - 8 = 9.
+        steps = [f"{a} - " + " - ".join(str(p) for p in pb)]
+        acc = a
+        for i, p in enumerate(pb[:-1]):
+            acc -= p
+            rest = pb[i + 1:]
+            steps.append(f"{acc} - " + " - ".join(str(q) for q in rest))
+        steps.append(str(a - b))
+        return " = ".join([head] + steps)
+    if op == "×":
+        pa, pb = _parts(a), _parts(b)
+        if len(pa) == 1 and len(pb) == 1:
+            return f"{head} = {a * b}"
+        if len(pb) == 1:
+            # 23 × 7 = 20 × 7 + 3 × 7 = 140 + 21 = 161
+            terms = [f"{p} × {b}" for p in pa]
+            prods = [p * b for p in pa]
+        else:
+            # 23 × 17 = 23 × 10 + 23 × 7 = 230 + 161 = 391
+            terms = [f"{a} × {p}" for p in pb]
+            prods = [a * p for p in pb]
+        steps = [" + ".join(terms), " + ".join(str(p) for p in prods), str(a * b)]
+        if len(prods) == 1:
+            steps = [terms[0], str(a * b)]
+        return " = ".join([head] + steps)
+    raise ValueError(f"unknown operator {op!r}")
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    lo = 10 ** (digits - 1) if digits > 1 else 0
+    return rng.randint(lo, 10 ** digits - 1)
+
+
+def sample_problem(rng: random.Random, level: int = DEFAULT_LEVEL) -> Problem:
+    if level not in LEVELS:
+        raise ValueError(f"arithmetic level must be one of {sorted(LEVELS)}; got {level}")
+    op, da, db = rng.choice(LEVELS[level])
+    a, b = _operand(rng, da), _operand(rng, db)
+    if op == "-" and b > a:  # keep answers non-negative: negative numbers add a skill, not a step
+        a, b = b, a
+    return Problem(a, op, b)
+
+
+def make_splits(n_train: int, n_test: int, level: int = DEFAULT_LEVEL, seed: int = 0
+                ) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint train/test problem lists (no test problem appears in train)."""
+    rng = random.Random(seed)
+    test: list[Problem] = []
+    seen: set[Problem] = set()
+    while len(test) < n_test:
+        p = sample_problem(rng, level)
+        if p not in seen:
+            seen.add(p)
+            test.append(p)
+    train = []
+    while len(train) < n_train:
+        p = sample_problem(rng, level)
+        if p not in seen:  # duplicates inside train are fine (that is how a corpus looks)
+            train.append(p)
+    return train, test
+
+
+# --- text forms -----------------------------------------------------------------------------
+
+def pretrain_text(p: Problem) -> str:
+    """Raw worked equation, the kind of line a pretraining corpus would hold."""
+    return p.solution
+
+
+def sft_example(p: Problem) -> dict:
+    return {"prompt": p.prompt, "completion": f" {p.solution}\n{ANSWER_PREFIX}{p.answer}"}
+
+
+def rl_example(p: Problem) -> dict:
+    return {"prompt": p.prompt, "answer": str(p.answer)}
+
+
+# --- the verifier ---------------------------------------------------------------------------
+
+_FINAL = re.compile(r"####\s*(-?[\d,]*\d)")
+_NUMBER = re.compile(r"-?\d[\d,]*")
+
+
+def extract_answer(text: str) -> int | None:
+    """The final answer: the number after the first '####', else None.
+
+    Only the marked line counts: a model that rambles numbers without committing to an answer
+    gets no credit, which keeps the reward from being hacked by listing candidates.
+    """
+    m = _FINAL.search(text)
+    if not m:
+        return None
+    try:
+        return int(m.group(1).replace(",", ""))
+    except ValueError:
+        return None
+
+
+def check_answer(completion: str, answer: int | str) -> float:
+    """1.0 if the completion's final answer equals `answer` exactly, else 0.0."""
+    got = extract_answer(completion)
+    return float(got is not None and got == int(answer))

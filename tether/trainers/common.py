@@ -1,0 +1,148 @@
+"""Pieces every trainer loop shares: data order, optimizer + schedule, the guarded step, progress.
+
+Kept as plain functions (no base class) so each trainer file still reads top to bottom as its
+algorithm and can be changed without reading a hierarchy.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from tether.errors import NonFiniteLossError
+
+
+class EpochSampler:
+    """Deterministic, resumable batch order: epoch e is a permutation seeded by (seed, e).
+
+    The position is just the number of batches drawn, so a checkpoint stores one integer and a
+    resumed run sees exactly the batches the uninterrupted run would have seen. Under
+    torch.distributed each rank takes its own slice of every global batch.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        if n < 1:
+            raise ValueError("cannot sample batches from an empty dataset")
+        self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.position = 0
+
+    def _perm(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def batch_at(self, position: int) -> list[int]:
+        """Indices of global batch number `position` (wrapping across epochs), this rank's part."""
+        start = position * self.batch_size
+        idx = []
+        while len(idx) < self.batch_size:
+            epoch, offset = divmod(start + len(idx), self.n)
+            perm = self._perm(epoch)
+            take = min(self.batch_size - len(idx), self.n - offset)
+            idx.extend(perm[offset:offset + take])
+        return idx[self.rank::self.world_size]
+
+    def next(self) -> list[int]:
+        idx = self.batch_at(self.position)
+        self.position += 1
+        return idx
+
+    @property
+    def epoch(self) -> float:
+        return self.position * self.batch_size / self.n
+
+
+def make_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
+    """AdamW with no decay on biases and norms (decaying a norm's gain toward 0 hurts)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+
+def make_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int,
+                   min_lr_ratio: float = 0.0):
+    """Linear warmup, then cosine / linear decay to `min_lr_ratio`·lr, or constant."""
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "cosine":
+            shape = 0.5 * (1 + math.cos(math.pi * progress))
+        elif schedule == "linear":
+            shape = 1 - progress
+        else:
+            raise ValueError(f"schedule must be cosine, linear or constant; got {schedule!r}")
+        return min_lr_ratio + (1 - min_lr_ratio) * shape
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: float) -> float:
+    """Clip and step only if the loss and gradient norm are finite.
+
+    A NaN that reaches AdamW's moments poisons every later step, so we refuse it here: the
+    gradients are dropped and NonFiniteLossError is raised for the caller to count or abort.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    norm = float(norm)
+    if not (math.isfinite(loss_value) and math.isfinite(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(f"non-finite loss ({loss_value}) or grad norm ({norm}); step skipped")
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def autocast_context(device: torch.device, mixed_precision: str):
+    """bf16 autocast on CUDA (fp32 master weights, bf16 matmuls); a no-op elsewhere."""
+    enabled = device.type == "cuda" and mixed_precision in ("auto", "bf16") and \
+        torch.cuda.is_bf16_supported()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+class Progress:
+    """A tqdm bar with ETA and the live key metrics; silent off rank 0 or when disabled."""
+
+    def __init__(self, total: int, initial: int, desc: str, enabled: bool = True):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+                            file=sys.stderr, leave=True)
+
+    def update(self, metrics: dict | None = None) -> None:
+        if self.bar is None:
+            return
+        if metrics:
+            self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
+                                  for k, v in metrics.items()}, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Timer:
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt
