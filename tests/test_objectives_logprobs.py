@@ -186,3 +186,19 @@ def test_entropy_keeps_only_logits_for_backward():
     out = token_entropy(logits)
     saved = out.grad_fn.saved_tensors
     assert len(saved) == 1 and saved[0].data_ptr() == logits.data_ptr()
+
+
+def test_token_logps_gradient_matches_log_softmax_autograd_and_keeps_only_logits():
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 7, (2, 5), generator=g)
+    w = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    (g1,) = torch.autograd.grad((token_logps(logits, ids, temperature=0.9) * w).sum(), logits)
+    (g2,) = torch.autograd.grad((naive_token_logps(logits, ids, 0.9) * w).sum(), logits)
+    torch.testing.assert_close(g1, g2)
+    assert torch.all(g1[:, -1] == 0)  # the last position predicts nothing inside the sequence
+    assert torch.autograd.gradcheck(lambda z: token_logps(z, ids, temperature=1.7), (logits,))
+    out = token_logps(logits.detach().bfloat16().requires_grad_(), ids)
+    node = out.grad_fn.next_functions[0][0]  # pad ← _TokenLogps
+    assert "TokenLogps" in type(node).__name__
+    assert [x.dtype for x in node.saved_tensors] == [torch.bfloat16, torch.int64]  # no float32 copy

@@ -16,7 +16,7 @@ from .collate import LengthGroupedBatchSampler, join_prompt_response, pad_batch,
 from .errors import DataError
 from .formats import FORMATS, ROLES, RowChecker, check_format, detect_format, detect_style, validate
 from .load import load_rows
-from .prepare import load_data, prepare
+from .pipeline import load_data, prepare
 from .prompts import (extract_shared_messages, extract_shared_prompt, hh_to_conversational, hh_to_messages,
                       to_explicit_prompt)
 from .rows import Rows, StreamingRows, as_rows

@@ -91,31 +91,31 @@ def encode_messages(tokenizer, messages: list[dict], *, train_from: int = 0,
     ``assistant_only`` is False); ``prompt_length`` = tokens before message ``train_from``'s
     assistant text (i.e. up to and including the generation prompt).
     """
-    full = encode_text(tokenizer, render(tokenizer, messages, tools=tools))
+    turns = [i for i in range(train_from, len(messages)) if messages[i].get("role") == "assistant"]
+    # Boundaries needed: (k, gen) = "render messages[:k], with the generation prompt or not".
+    keys = sorted({(i, True) for i in turns} | {(i + 1, False) for i in turns}
+                  | ({(train_from, True)} if train_from > 0 else set()))
+    texts = [render(tokenizer, messages, tools=tools)]
+    for k, gen in keys:
+        if k == 0 and not gen:
+            texts.append("")
+            continue
+        try:
+            texts.append(render(tokenizer, messages[:k], add_generation_prompt=gen, tools=tools))
+        except ChatTemplateError:
+            if k > 0:
+                raise
+            texts.append("")  # templates may refuse an empty conversation: start at 0
+    # one batched call: fast tokenizers encode the prefixes in parallel
+    encoded = [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    full = encoded[0]
+    bound = {key: common_prefix(ids, full) for key, ids in zip(keys, encoded[1:])}
     specials = special_ids(tokenizer)
     mask = [0] * len(full)
-    cache: dict[tuple[int, bool], int] = {}
-
-    def boundary(k: int, gen: bool) -> int:
-        if (k, gen) not in cache:
-            if k == 0 and not gen:
-                cache[k, gen] = 0
-            else:
-                try:
-                    text = render(tokenizer, messages[:k], add_generation_prompt=gen, tools=tools)
-                except ChatTemplateError:
-                    if k > 0:
-                        raise
-                    text = ""  # templates may refuse an empty conversation: start at 0
-                cache[k, gen] = common_prefix(encode_text(tokenizer, text), full)
-        return cache[k, gen]
-
-    prompt_length = boundary(train_from, True) if train_from > 0 else 0
-    for i in range(train_from, len(messages)):
-        if messages[i].get("role") != "assistant":
-            continue
-        start, end = boundary(i, True), boundary(i + 1, False)
-        end = _trim_after_end(tokenizer, full, start, end, specials)
+    prompt_length = bound[train_from, True] if train_from > 0 else 0
+    for i in turns:
+        start = bound[i, True]
+        end = _trim_after_end(tokenizer, full, start, bound[i + 1, False], specials)
         for t in range(start, end):
             mask[t] = 1
     if not assistant_only:

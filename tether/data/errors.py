@@ -12,6 +12,8 @@ must stand on its own and must never span lines (user values are shown with ``re
 
 from __future__ import annotations
 
+from tether.errors import UserError
+
 __all__ = ["DataError", "show"]
 
 
@@ -23,7 +25,7 @@ def show(value: object, limit: int = 40) -> str:
     return text
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A problem with user data, located by source file, row and field.
 
     ``row`` is 1-based: the physical line number for JSON Lines (and JSON/CSV where known),

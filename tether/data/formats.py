@@ -168,8 +168,9 @@ def _check_labels(value: Any) -> tuple[str, str] | None:
     return None
 
 
-# Fields whose style (string vs conversation) follows the dataset's style.
-_STYLED = ("text", "messages", "prompt", "completion", "chosen", "rejected")
+# Fields whose style (string vs conversation) follows the dataset's style (`text` is always a
+# string and `messages` always a conversation).
+_STYLED = ("prompt", "completion", "chosen", "rejected")
 
 
 def detect_style(row: dict[str, Any], fmt: str) -> str:
@@ -200,9 +201,10 @@ class RowChecker:
 
     def __call__(self, row: dict[str, Any], n: int) -> dict[str, Any]:
         """Check one row (number ``n``); return it unchanged so this can be used in ``map``."""
-        src, fields = self.source, self.fields(row)
+        src = self.source
         if not isinstance(row, dict):
             raise DataError(src, n, None, f"expected a row object, got {type(row).__name__}")
+        fields = self.fields(row)
         for f in fields:
             if f not in row:
                 raise DataError(src, n, f, f"missing column (row has: {', '.join(map(str, row)) or 'nothing'})")
@@ -215,7 +217,11 @@ class RowChecker:
             raise DataError(src, n, "prompt", "stepwise data must be standard (strings); got a list of messages")
         for f in fields:
             value = row[f]
-            if f in _STYLED and self.fmt != "stepwise":
+            if f == "messages":
+                problem = _check_messages(value)
+            elif f == "text":
+                problem = _check_string(value)
+            elif f in _STYLED and self.fmt != "stepwise":
                 if _is_conversation(value) != conversational:
                     first = "conversational (lists of messages)" if conversational else "standard (strings)"
                     raise DataError(src, n, f, f"is {'a list' if isinstance(value, list) else type(value).__name__} "
@@ -223,7 +229,7 @@ class RowChecker:
                 problem = _check_messages(value) if conversational else _check_string(value)
             elif f == "completions":
                 problem = _check_steps(value)
-            elif f in ("label",):
+            elif f == "label":
                 problem = _check_bool(value)
             elif f == "labels":
                 problem = _check_labels(value)

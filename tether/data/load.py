@@ -277,6 +277,8 @@ def _iter_json(path: Path, source: str) -> Numbered:
         try:
             obj, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
+            if err is not None:  # undecodable bytes are the likelier root cause
+                raise _bad_utf8(source, 1 + raw[:err.start].count(b"\n"), None, err, 0) from None
             raise DataError(source, e.lineno, None, f"malformed JSON: {e.msg} (column {e.colno})") from None
         elements.append((line, pos, end, obj))
         line += text.count("\n", pos, end)
@@ -290,6 +292,10 @@ def _iter_json(path: Path, source: str) -> Numbered:
             break
         col = pos - text.rfind("\n", 0, pos)
         raise DataError(source, line, None, f"malformed JSON: expected ',' or ']' (column {col})")
+    rest = text[pos + 1:]
+    if rest.strip():  # e.g. two arrays concatenated: refuse rather than silently ignore data
+        extra = pos + 1 + (len(rest) - len(rest.lstrip()))
+        raise DataError(source, 1 + text.count("\n", 0, extra), None, "malformed JSON: extra data after the array")
     if err is not None:  # name the row and field holding the bad bytes
         bad = next(i for i, c in enumerate(text) if _has_escape(c))
         bad_line = 1 + text.count("\n", 0, bad)

@@ -52,6 +52,10 @@ class EncodeReport:
     truncated_rows: list[int] = field(default_factory=list)
     dropped_rows: list[int] = field(default_factory=list)
     drop_reasons: Counter = field(default_factory=Counter)
+    limit_name: str = "max_length"  # "max_prompt_length" for prompt-only data
+    # 0-based position in the input rows of each returned example (rows may be dropped), so
+    # ``rows[report.kept_index[j]]`` is the row that ``examples[j]`` came from.
+    kept_index: list[int] = field(default_factory=list, repr=False)
 
     def truncate(self, row: int, detail: str) -> None:
         self.truncated += 1
@@ -80,7 +84,7 @@ class EncodeReport:
             reasons = ", ".join(f"{r}: {c}" for r, c in self.drop_reasons.most_common())
             text += f" ({reasons}; rows {rows(self.dropped_rows, self.dropped)})"
         if self.max_length is not None:
-            text += f" at max_length={self.max_length}"
+            text += f" at {self.limit_name}={self.max_length}"
         return text
 
     def _finish(self, what: str) -> None:
@@ -181,9 +185,9 @@ def _run(rows, fmt_expected, source, fmt, max_length, truncation, what,
         raise DataError(src, None, None, "dataset is empty (0 rows)")
     fmt = check_format(columns, fmt or fmt_expected, src)
     checker = RowChecker(fmt, src, columns)
-    report = EncodeReport(src, max_length)
+    report = EncodeReport(src, max_length, limit_name="max_prompt_length" if what == "prompts" else "max_length")
     out = []
-    for n, row in rows.numbered():
+    for pos, (n, row) in enumerate(rows.numbered()):
         checker(row, n)  # cheap next to tokenization; guarantees one-line errors
         report.total += 1
         try:
@@ -194,6 +198,7 @@ def _run(rows, fmt_expected, source, fmt, max_length, truncation, what,
             raise DataError(src, n, main, str(e)) from None
         if ex is not None:
             report.kept += 1
+            report.kept_index.append(pos)
             out.append(ex)
     report._finish(what)
     return out, report

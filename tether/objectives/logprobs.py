@@ -29,6 +29,39 @@ def _row(z: Tensor, temperature: float) -> Tensor:
     return z / temperature if temperature != 1.0 else z
 
 
+class _TokenLogps(torch.autograd.Function):
+    """Target log-prob per position, saving only the logits and targets for backward (the plain
+    autograd graph of ``logsumexp`` would keep a float32 copy of bf16 logits).
+    d/dz_v [z_y − logsumexp z] = (1[v = y] − p_v) / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature = temperature
+        rows = []
+        for b in range(logits.shape[0]):
+            z = _row(logits[b], temperature)
+            target_logit = z.gather(-1, targets[b].unsqueeze(-1)).squeeze(-1)
+            rows.append(target_logit - torch.logsumexp(z, dim=-1))
+        out_dtype = torch.float32 if logits.dtype in _LOW_PRECISION else logits.dtype
+        if not rows:
+            return logits.new_zeros(logits.shape[:2], dtype=out_dtype)
+        return torch.stack(rows).to(out_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        logits, targets = ctx.saved_tensors
+        grads = []
+        for b in range(logits.shape[0]):
+            z = _row(logits[b], ctx.temperature)
+            g = grad_out[b].to(z.dtype).unsqueeze(-1)
+            dz = -torch.softmax(z, dim=-1) * g
+            dz.scatter_add_(-1, targets[b].unsqueeze(-1), g)
+            grads.append((dz / ctx.temperature).to(logits.dtype))
+        return (torch.stack(grads) if grads else torch.zeros_like(logits)), None, None
+
+
 def token_logps(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """Per-token log π(x_t | x_<t), aligned with ``input_ids``.
 
@@ -38,22 +71,17 @@ def token_logps(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> 
 
     Shapes: logits [B, T, V], input_ids [B, T] → [B, T] (float32 for half-precision logits, else
     the logits' dtype). Negative ids (the ``-100`` ignore index) read as id 0; mask them out.
+    Memory-lean custom autograd (:class:`_TokenLogps`): nothing [B, T, V]-sized is kept for backward
+    beyond the logits themselves.
     """
     if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
         raise ValueError(f"logits {tuple(logits.shape)} must be [B, T, V] with input_ids [B, T], "
                          f"got input_ids {tuple(input_ids.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out_dtype = torch.float32 if logits.dtype in _LOW_PRECISION else logits.dtype
-    B, T, _ = logits.shape
-    targets = input_ids[:, 1:].clamp(min=0)
-    rows = []
-    for b in range(B):
-        z = _row(logits[b, :-1], temperature)
-        target_logit = z.gather(-1, targets[b].unsqueeze(-1)).squeeze(-1)
-        rows.append(target_logit - torch.logsumexp(z, dim=-1))
-    lp = torch.stack(rows) if rows else logits.new_zeros((0, max(T - 1, 0)), dtype=out_dtype)
-    return torch.nn.functional.pad(lp.to(out_dtype), (1, 0))
+    targets = input_ids[:, 1:].clamp(min=0).long()
+    lp = _TokenLogps.apply(logits[:, :-1], targets, float(temperature))
+    return torch.nn.functional.pad(lp, (1, 0))
 
 
 def _completion_mask(mask: Tensor) -> Tensor:

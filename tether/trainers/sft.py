@@ -121,7 +121,7 @@ def _micro_loss(model, batch: dict, device, amp) -> tuple[torch.Tensor, int]:
     # sft_loss is the token mean over `mask` (shifted inside); scale back to a sum so the
     # accumulated batch is one token mean, not a mean of micro-batch means.
     n_tok = int(mask[:, 1:].sum())
-    return sft_loss(logits.float(), ids, mask) * n_tok, n_tok
+    return sft_loss(logits, ids, mask)[0] * n_tok, n_tok
 
 
 @torch.no_grad()

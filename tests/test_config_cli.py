@@ -1,0 +1,102 @@
+"""Config loading and the CLI: docs per field, strict keys and types, one-line errors."""
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from tether.cli import COMMANDS, main
+from tether.config import ConfigError, field_docs, format_help, load_config
+
+
+@dataclass
+class Inner:
+    dtype: str = "fp32"
+    "weight dtype"
+
+
+@dataclass
+class Cfg:
+    lr: float = 1e-3
+    "peak learning rate"
+    steps: int = 10
+    "optimizer steps"
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    "which loss"
+    tag: Optional[str] = None
+    "an optional tag"
+    flag: bool = False
+    "a switch"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    "two numbers"
+    inner: Inner = field(default_factory=Inner)
+    "nested section"
+
+
+def test_field_docs_are_read_from_the_source():
+    docs = field_docs(Cfg)
+    assert docs["lr"] == "peak learning rate" and docs["loss"] == "which loss"
+    text = format_help(Cfg)
+    assert "inner.dtype" in text and "weight dtype" in text and "default: 0.001" in text
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 3e-4\nsteps: 5\ninner:\n  dtype: bf16\n")
+    cfg = load_config(Cfg, str(f), ["steps=7", "flag=true", "betas=0.8,0.9", "tag=x"])
+    assert cfg.lr == pytest.approx(3e-4) and cfg.steps == 7 and cfg.flag is True
+    assert cfg.betas == [0.8, 0.9] and cfg.inner.dtype == "bf16" and cfg.tag == "x"
+    assert load_config(Cfg, None, ["inner.dtype=fp16"]).inner.dtype == "fp16"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["lrr=1"], "unknown config key 'lrr'"),
+    (["steps=abc"], "config key 'steps' expects int"),
+    (["steps=1.5"], "config key 'steps' expects int"),
+    (["flag=maybe"], "config key 'flag' expects bool"),
+    (["loss=dpo"], "config key 'loss' must be one of 'sigmoid', 'ipo'"),
+    (["inner.nope=1"], "unknown config key 'inner.nope'"),
+    (["novalue"], "is not key=value"),
+])
+def test_bad_keys_and_types_are_one_line(args, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, None, args)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_lists_allowed():
+    with pytest.raises(ConfigError, match="allowed: lr, steps, loss"):
+        load_config(Cfg, None, ["lrr=1"])
+
+
+def test_bad_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(Cfg, str(f))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Cfg, str(tmp_path / "missing.yaml"))
+
+
+def test_every_command_documents_every_option(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert f"tether {name}:" in out
+    for name in COMMANDS:
+        assert main([name, "--help"]) == 0
+        text = capsys.readouterr().out
+        for line in text.splitlines():
+            if line.startswith("  ") and "[" in line:  # an option line: doc then [type; default]
+                key, rest = line.strip().split("  ", 1)
+                assert rest.strip() and not rest.strip().startswith("["), f"{name}.{key} has no doc"
+
+
+def test_cli_errors_are_one_line():
+    r = subprocess.run([sys.executable, "-m", "tether", "sft", "lrr=1"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "unknown config key 'lrr'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tether", "nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown command 'nope'" in r.stderr
