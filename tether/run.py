@@ -130,9 +130,7 @@ class RunDir:
         return self.path / "checkpoints" / f"step-{step}"
 
     def latest_checkpoint(self) -> Path | None:
-        ckpts = [p for p in (self.path / "checkpoints").glob("step-*")
-                 if (p / TRAINER_STATE).exists() and p.name[5:].isdigit()]
-        return max(ckpts, key=lambda p: int(p.name[5:]), default=None)
+        return latest_checkpoint(self.path)
 
     def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2) -> Path:
         """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all."""
@@ -154,6 +152,13 @@ class RunDir:
             for old in ckpts[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def latest_checkpoint(run_path: str | Path) -> Path | None:
+    """The newest complete checkpoint (a `.tmp` directory is a write that was cut short)."""
+    ckpts = [p for p in (Path(run_path) / "checkpoints").glob("step-*")
+             if (p / TRAINER_STATE).exists() and p.name[5:].isdigit()]
+    return max(ckpts, key=lambda p: int(p.name[5:]), default=None)
 
 
 def load_trainer_state(ckpt: Path) -> dict:

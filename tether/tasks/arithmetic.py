@@ -130,9 +130,32 @@ def sample_problem(rng: random.Random, level: int = DEFAULT_LEVEL) -> Problem:
     return Problem(a, op, b)
 
 
+def problem_space_size(level: int) -> int:
+    """How many distinct problems a level can produce."""
+    seen = set()
+    for op, da, db in LEVELS[level]:
+        ra = range(10 ** (da - 1) if da > 1 else 0, 10 ** da)
+        rb = range(10 ** (db - 1) if db > 1 else 0, 10 ** db)
+        if len(ra) * len(rb) > 200_000:
+            return 10**9  # large enough; no need to enumerate
+        for a in ra:
+            for b in rb:
+                if op == "-" and b > a:
+                    a2, b2 = b, a
+                else:
+                    a2, b2 = a, b
+                seen.add((a2, op, b2))
+    return len(seen)
+
+
 def make_splits(n_train: int, n_test: int, level: int = DEFAULT_LEVEL, seed: int = 0
                 ) -> tuple[list[Problem], list[Problem]]:
     """Disjoint train/test problem lists (no test problem appears in train)."""
+    space = problem_space_size(level)
+    if n_test > space // 2:
+        # Otherwise the test set would swallow the problem space (or the loop below never ends).
+        raise ValueError(f"level {level} has only {space} distinct problems; n_test={n_test} must "
+                         f"be at most half of them")
     rng = random.Random(seed)
     test: list[Problem] = []
     seen: set[Problem] = set()

@@ -10,6 +10,7 @@ The loop, top to bottom:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
@@ -20,7 +21,8 @@ from tether.models import load_model, load_tokenizer
 from tether.objectives import sft_loss
 from tether.plots import plot_metrics
 from tether.rollout.hf import generate
-from tether.run import RunDir, load_trainer_state, seed_everything, set_rng_state
+from tether.run import (RunDir, latest_checkpoint, load_trainer_state, seed_everything,
+                        set_rng_state)
 from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
                                     make_optimizer, make_scheduler)
 from tether.trainers.sft_data import load_sft_data, pad_batch
@@ -146,8 +148,8 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         raise UserError("sft: `model` is required (a local HF directory or hub id)")
     if not cfg.data:
         raise UserError("sft: `data` is required (a file, a saved dataset directory, or a hub name)")
-    run = RunDir(f"{cfg.runs_dir}/{cfg.name}", resume=cfg.resume, log_with=cfg.log_with)
-    ckpt = run.latest_checkpoint() if cfg.resume else None
+    run_path = Path(cfg.runs_dir) / cfg.name
+    ckpt = latest_checkpoint(run_path) if cfg.resume else None
     seed_everything(cfg.seed)
 
     tokenizer = load_tokenizer(str(ckpt) if ckpt else cfg.model)
@@ -160,6 +162,8 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     model.train()
+    # Only now, with data and model known good, does the run directory get touched.
+    run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.log_with)
     amp = autocast_context(device, cfg.mixed_precision)
 
     per_step = cfg.batch_size * cfg.grad_accum
@@ -218,7 +222,7 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         for b in batches:
             part, _ = _micro_loss(model, b, device, amp)
             (part / max(n_total, 1)).backward()
-            loss_sum += float(part)
+            loss_sum += float(part.detach())
         loss = loss_sum / max(n_total, 1)
         try:
             grad_norm = guarded_step(model, optimizer, scheduler, cfg.max_grad_norm, loss)

@@ -1,0 +1,155 @@
+"""SFT works (learns what it is shown, and only that), fails fast on bad data, and writes the run
+directory contract."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tether.errors import NonFiniteLossError
+from tether.models import load_model, load_tokenizer, make_tiny_model
+from tether.tasks import arithmetic
+from tether.trainers.common import guarded_step, make_optimizer, make_scheduler
+from tether.trainers.sft import SFTConfig, evaluate_loss, train_sft
+from tether.trainers.sft_data import load_sft_data
+from tether.quickstart import accuracy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    make_tiny_model(root / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=128)
+    train, test = arithmetic.make_splits(2000, 40, level=1, seed=3)
+    with open(root / "train.jsonl", "w") as f:
+        for p in train:
+            f.write(json.dumps(arithmetic.sft_example(p)) + "\n")
+    return root, train, test
+
+
+def _cfg(root, **kw):
+    base = dict(model=str(root / "model"), data=str(root / "train.jsonl"), runs_dir=str(root / "runs"),
+                batch_size=16, lr=3e-3, log_every=5, device="cpu", progress=False, num_samples=2,
+                sample_max_new_tokens=16, warmup_steps=10)
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def test_sft_learns_one_digit_arithmetic_and_writes_the_run_dir(tiny):
+    root, _, test = tiny
+    before = accuracy(load_model(str(root / "model")), load_tokenizer(str(root / "model")), test, 24)[0]
+    summary = train_sft(_cfg(root, name="learn", max_steps=250, eval_fraction=0.05, eval_every=100,
+                             log_with="tensorboard"))
+    ck = summary["checkpoint"]
+    after = accuracy(load_model(ck), load_tokenizer(ck), test, 24)[0]
+    # Held-out problems: only a model that learned the task (not the training rows) gets these.
+    assert before == 0.0 and after >= 0.6, (before, after)
+    run = root / "runs" / "learn"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(r["step"], int) and isinstance(r["time"], float) for r in rows)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < 0.5 * losses[0]
+    assert any("eval/loss" in r for r in rows)
+    assert (run / "config.yaml").exists() and json.loads((run / "summary.json").read_text())["steps"] == 250
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"step", "prompt", "completion"} <= set(samples[0])
+    ckdir = Path(ck)
+    assert (ckdir / "model.safetensors").exists() and (ckdir / "trainer_state.pt").exists()
+    assert (ckdir / "tokenizer.json").exists()
+    assert (run / "plots" / "loss.png").exists()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_completion_only_loss_does_not_train_the_prompt(tiny):
+    """With completion_only the prompt's NLL must not be what improves; without it, it does."""
+    root, _, _ = tiny
+    tok = load_tokenizer(str(root / "model"))
+
+    def prompt_loss(model_dir):
+        cfg = _cfg(root, completion_only=False)
+        ex = load_sft_data(cfg, tok)[0][:200]
+        masked = _cfg(root, completion_only=True)
+        ex_c = load_sft_data(masked, tok)[0][:200]
+        # prompt-token mask = all tokens minus completion tokens
+        prompt_only = [{"input_ids": a["input_ids"],
+                        "completion_mask": [x - y for x, y in zip(a["completion_mask"], b["completion_mask"])]}
+                       for a, b in zip(ex, ex_c)]
+        model = load_model(model_dir)
+        return evaluate_loss(model, prompt_only, 32, tok.pad_token_id, torch.device("cpu"),
+                             torch.autocast("cpu", enabled=False))
+
+    base = prompt_loss(str(root / "model"))
+    only = train_sft(_cfg(root, name="c-only", max_steps=60, completion_only=True))
+    full = train_sft(_cfg(root, name="c-full", max_steps=60, completion_only=False))
+    p_only, p_full = prompt_loss(only["checkpoint"]), prompt_loss(full["checkpoint"])
+    # The prompt text ("Question: What is ...") is highly predictable: trained on, its loss collapses.
+    assert p_full < 0.5 * p_only, (base, p_only, p_full)
+
+
+def test_grad_accumulation_equals_bigger_batch(tiny):
+    root, _, _ = tiny
+    a = train_sft(_cfg(root, name="acc1", max_steps=3, batch_size=8, grad_accum=1, log_every=1, num_samples=0))
+    b = train_sft(_cfg(root, name="acc2", max_steps=3, batch_size=4, grad_accum=2, log_every=1, num_samples=0))
+    ra = [json.loads(x) for x in (root / "runs" / "acc1" / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(x) for x in (root / "runs" / "acc2" / "metrics.jsonl").read_text().splitlines()]
+    for x, y in zip(ra, rb):
+        if "loss" in x:
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+
+
+def test_non_finite_loss_never_reaches_the_weights():
+    model = torch.nn.Linear(3, 1)
+    opt = make_optimizer(model, 1e-2, 0.0)
+    sched = make_scheduler(opt, "constant", 0, 10)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.tensor([[float("nan"), 1.0, 2.0]])).sum()
+    loss.backward()
+    with pytest.raises(NonFiniteLossError):
+        guarded_step(model, opt, sched, 1.0, float(loss))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state  # Adam moments untouched
+
+
+BAD_INPUTS = [
+    # (file name, raw bytes, expected fragment of the one-line error)
+    ("missing.jsonl", b'{"prompt": "a"}\n', "missing.jsonl:1:completion: missing column"),
+    ("wrongtype.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": 42}\n',
+     "wrongtype.jsonl:2:completion: expected a string"),
+    ("empty.jsonl", b"", "empty.jsonl: dataset is empty"),
+    ("emptystr.jsonl", b'{"prompt": "a", "completion": ""}\n', "emptystr.jsonl:1:completion: empty string"),
+    ("utf8.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "\xff\xfe"}\n',
+     "utf8.jsonl:2:completion: invalid UTF-8"),
+    ("json.jsonl", b'{"prompt": "a", "completion": "b"\n', "json.jsonl:1: malformed JSON"),
+    ("roles.jsonl", b'{"messages": [{"role": "bot", "content": "x"}]}\n', "roles.jsonl:1:messages[0].role"),
+    ("shape.jsonl", b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n', "expected columns"),
+]
+
+
+@pytest.mark.parametrize("name, raw, needle", BAD_INPUTS)
+def test_bad_data_is_one_line_before_anything_is_written(tiny, tmp_path, name, raw, needle):
+    root, _, _ = tiny
+    f = tmp_path / name
+    f.write_bytes(raw)
+    r = subprocess.run([sys.executable, "-m", "tether", "sft", f"model={root / 'model'}", f"data={f}",
+                        f"runs_dir={tmp_path / 'runs'}", "name=bad", "device=cpu", "progress=false"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1
+    err = r.stderr.strip()
+    assert needle in err and err.count("\n") == 0, err
+    assert not (tmp_path / "runs" / "bad").exists()  # nothing written, not even half
+
+
+def test_over_max_length_is_counted(tiny, tmp_path):
+    root, _, _ = tiny
+    f = tmp_path / "long.jsonl"
+    rows = [{"prompt": "Question: What is 1 + 2?\nAnswer:", "completion": " 3" * (40 if i % 2 else 1)}
+            for i in range(10)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(str(root / "model"))
+    ex, _, _, rep = load_sft_data(_cfg(root, data=str(f), max_length=60, truncation="truncate"), tok)
+    assert rep["truncated"] == 5 and rep["dropped"] == 0 and max(len(e["input_ids"]) for e in ex) == 60
+    ex, _, _, rep = load_sft_data(_cfg(root, data=str(f), max_length=60, truncation="drop"), tok)
+    assert rep["dropped"] == 5 and len(ex) == 5 and "long.jsonl" in rep["train"]
