@@ -234,3 +234,22 @@ def test_registry_names_and_uniform_signature():
     torch.testing.assert_close(compute_advantages("grpo", r, ids, mask), grpo_advantages(r, ids))
     with pytest.raises(ValueError):
         compute_advantages("nope", r, ids, mask)
+
+
+def test_interleaved_non_contiguous_group_labels():
+    # group 7 = rows 0, 2 (rewards 1, 3); group 3 = rows 1, 3 (rewards 2, 6)
+    r, ids = t(1.0, 2.0, 3.0, 6.0), torch.tensor([7, 3, 7, 3])
+    torch.testing.assert_close(grpo_advantages(r, ids, eps=0.0), t(-1.0, -1.0, 1.0, 1.0))
+    torch.testing.assert_close(grpo_advantages(r, [7, 3, 7, 3], scale="none"), t(-1.0, -2.0, 1.0, 2.0))
+    torch.testing.assert_close(rloo_advantages(r, ids), t(-2.0, -4.0, 2.0, 4.0))
+    adv = reinforce_pp_advantages(r, torch.ones(4, 2), group_ids=ids, eps=0.0)
+    c = t(-1.0, -2.0, 1.0, 2.0)
+    torch.testing.assert_close(adv, ((c - c.mean()) / c.std(correction=0)).unsqueeze(1).expand(4, 2))
+
+
+def test_half_precision_rewards_keep_their_dtype():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.25, 0.75]).bfloat16()
+    ids = torch.tensor([0, 0, 0, 0, 1, 1])
+    for adv in (grpo_advantages(r, ids), rloo_advantages(r, ids)):
+        assert adv.dtype == torch.bfloat16 and torch.isfinite(adv).all()
+    torch.testing.assert_close(grpo_advantages(r, ids).float(), grpo_advantages(r.float(), ids), atol=1e-2, rtol=1e-2)

@@ -202,3 +202,46 @@ def test_token_logps_gradient_matches_log_softmax_autograd_and_keeps_only_logits
     node = out.grad_fn.next_functions[0][0]  # pad ← _TokenLogps
     assert "TokenLogps" in type(node).__name__
     assert [x.dtype for x in node.saved_tensors] == [torch.bfloat16, torch.int64]  # no float32 copy
+
+
+@pytest.mark.parametrize("budget", [1, 13, 40])
+def test_tiled_log_probs_and_entropy_match_naive_for_any_tile_size(monkeypatch, budget):
+    # The default tile (BLOCK_ELEMENTS) covers these small shapes in one block; shrink it so the
+    # row-block and time-slice paths (and their boundaries) are exercised, forward and backward.
+    from tether.objectives import logprobs
+    monkeypatch.setattr(logprobs, "BLOCK_ELEMENTS", budget)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 6, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 7, (3, 6), generator=g)
+    w = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    out = token_logps(logits, ids, temperature=0.8)
+    torch.testing.assert_close(out, naive_token_logps(logits.detach(), ids, 0.8))
+    (g1,) = torch.autograd.grad((out * w).sum(), logits)
+    (g2,) = torch.autograd.grad((naive_token_logps(logits, ids, 0.8) * w).sum(), logits)
+    torch.testing.assert_close(g1, g2)
+    torch.testing.assert_close(token_entropy(logits.detach()), naive_entropy(logits.detach()))
+    (h1,) = torch.autograd.grad((token_entropy(logits) * w).sum(), logits)
+    (h2,) = torch.autograd.grad((naive_entropy(logits) * w).sum(), logits)
+    torch.testing.assert_close(h1, h2)
+    if budget == 13:  # gradcheck with tiles of one position (5 // 4 = 1) inside one row
+        monkeypatch.setattr(logprobs, "BLOCK_ELEMENTS", 5)
+        small = logits.detach()[:2, :3, :4].clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda z: token_logps(z, ids[:2, :3] % 4, temperature=1.3), (small,))
+        assert torch.autograd.gradcheck(lambda z: token_entropy(z, temperature=0.7), (small,))
+    bf = logits.detach().bfloat16()
+    torch.testing.assert_close(token_logps(bf, ids), naive_token_logps(bf.float(), ids).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_tiles_cover_every_position_exactly_once():
+    from tether.objectives.logprobs import _tiles
+    for B, T, V, budget in [(3, 6, 7, 1), (3, 6, 7, 13), (3, 6, 7, 50), (3, 6, 7, 10**9), (1, 1, 4, 2), (0, 5, 3, 8)]:
+        seen = torch.zeros(B, T, dtype=torch.long)
+        for b0, b1, t0, t1 in _tiles(B, T, V, budget):
+            assert (b1 - b0) * (t1 - t0) * V <= max(budget, V)  # one position is the smallest tile
+            seen[b0:b1, t0:t1] += 1
+        assert torch.all(seen == 1)
+
+
+def test_sft_loss_with_nothing_to_train_is_plus_zero():
+    loss, m = sft_loss(torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3)), torch.zeros(2, 3))
+    assert loss.item() == 0.0 and math.copysign(1.0, loss.item()) == 1.0 and m["num_tokens"].item() == 0

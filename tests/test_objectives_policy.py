@@ -111,7 +111,9 @@ def test_clip_metrics_and_approx_kl():
     assert m["clip_ratio/region_mean"].item() == pytest.approx(2 / 5)
     expect = 0.5 * (2 * LN4 ** 2 + 2 * math.log(0.5) ** 2) / 5
     assert m["approx_kl"].item() == pytest.approx(expect)
-    assert "kl" not in m
+    # the spec lists `kl` among policy_loss's metrics: always present, 0 without a reference
+    assert m["kl"].item() == 0.0
+    assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "kl", "approx_kl"} <= set(m)
     for v in m.values():
         assert not v.requires_grad
 
@@ -332,3 +334,47 @@ def test_aggregate_loss_skips_empty_rows_in_seq_mean():
     mask = torch.tensor([[1, 1], [0, 0]])
     assert aggregate_loss(x, mask, "seq-mean-token-mean").item() == pytest.approx(2.0)
     assert aggregate_loss(x, torch.zeros(2, 2), "token-mean").item() == 0.0
+
+
+def test_half_precision_inputs_are_computed_in_float32():
+    # bf16 resolves exp(log π − log π_old) to only ~0.4–0.8 % near 1 and k3 ≈ Δ²/2 cancels; the
+    # loss is computed on the float32 upcast of the given values and comes back in float32.
+    g = torch.Generator().manual_seed(5)
+    lp = (torch.randn(3, 4, generator=g) * 0.05 - 2).bfloat16().requires_grad_()
+    old = (lp.detach().float() + torch.randn(3, 4, generator=g) * 0.03).bfloat16()
+    ref = (lp.detach().float() - 0.02).bfloat16()
+    adv = torch.tensor([1.0, -0.5, 2.0]).bfloat16()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    loss, m = policy_loss(lp, old, adv, mask, ref_logps=ref, beta=0.1)
+    expect, m32 = policy_loss(lp.detach().float(), old.float(), adv.float(), mask, ref_logps=ref.float(), beta=0.1)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.detach(), expect)
+    for k in ("kl", "approx_kl", "ratio/mean"):
+        torch.testing.assert_close(m[k], m32[k])
+    loss.backward()
+    assert lp.grad.dtype == torch.bfloat16 and torch.isfinite(lp.grad).all()
+    # k3 on bf16 values: relative error of the bf16 result, not of a bf16 computation
+    a = torch.full((4,), -2.0).bfloat16()
+    b = (a.float() - torch.tensor([0.0078125, 0.03125, 0.0625, 0.5])).bfloat16()
+    exact = kl_k3(a.double(), b.double())
+    got = kl_k3(a, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=0)
+    vl, _ = value_loss(lp.detach(), old, ref, mask)
+    assert vl.dtype == torch.float32
+    torch.testing.assert_close(vl, value_loss(lp.detach().float(), old.float(), ref.float(), mask)[0])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_rows_with_no_completion_tokens_are_finite_and_add_nothing(agg):
+    lp = torch.tensor([[-1.0, -0.5, -2.0], [float("nan"), 3.0, -7.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.1, -0.4, -2.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    for level in ("token", "sequence"):
+        loss, m = policy_loss(lp, old, t(1.0, -3.0), mask, agg=agg, importance_level=level)
+        alone, _ = policy_loss(lp[:1], old[:1], t(1.0), mask[:1], agg=agg, importance_level=level)
+        scale = 0.5 if agg == "seq-mean-token-sum-norm" else 1.0  # Σ/(B·C): B counts the empty row
+        torch.testing.assert_close(loss, alone * scale)
+        assert all(torch.isfinite(v).all() for v in m.values())
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.all(grad[1] == 0)

@@ -28,14 +28,17 @@ def _groups(rewards: Tensor, group_ids) -> tuple[Tensor, int]:
     group_ids = torch.as_tensor(group_ids, device=rewards.device)
     if group_ids.shape != rewards.shape:
         raise ValueError(f"group_ids {tuple(group_ids.shape)} must match rewards {tuple(rewards.shape)}")
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, uniq.numel()
 
 
 def group_stats(values: Tensor, group_ids) -> dict[str, Tensor]:
     """Per-row group statistics of ``values`` [N]: ``count``, ``sum``, ``mean``, population ``std``,
-    and ``constant`` (bool: every member of the row's group has the same value). All [N]."""
+    and ``constant`` (bool: every member of the row's group has the same value). All [N].
+    Half-precision values are accumulated in float32 (the statistics come back in float32)."""
     inv, g = _groups(values, group_ids)
+    if values.dtype in (torch.float16, torch.bfloat16):
+        values = values.float()
     zeros = values.new_zeros(g)
     count = zeros.index_add(0, inv, torch.ones_like(values))
     total = zeros.index_add(0, inv, values)
@@ -70,7 +73,7 @@ def grpo_advantages(rewards: Tensor, group_ids, scale: str = "group", eps: float
         adv = centered
     else:
         raise ValueError(f"unknown scale {scale!r}; expected 'group', 'batch' or 'none'")
-    return torch.where(s["constant"], 0.0, adv)
+    return torch.where(s["constant"], 0.0, adv).to(rewards.dtype)
 
 
 def rloo_advantages(rewards: Tensor, group_ids) -> Tensor:
@@ -83,7 +86,7 @@ def rloo_advantages(rewards: Tensor, group_ids) -> Tensor:
     s = group_stats(rewards, group_ids)
     n = s["count"]
     baseline = (s["sum"] - rewards) / (n - 1).clamp(min=1)
-    return torch.where(s["constant"] | (n < 2), 0.0, rewards - baseline)
+    return torch.where(s["constant"] | (n < 2), 0.0, rewards - baseline).to(rewards.dtype)
 
 
 def remax_advantages(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:

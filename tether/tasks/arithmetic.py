@@ -13,9 +13,13 @@ The final-answer line uses GSM8K's "#### <number>" so the same math checker scor
 
 Difficulty levels (operand digits and operators):
   1: one-digit + and -
-  2: two-digit + and -, two-digit × one-digit     (default)
-  3: as 2, plus two-digit × two-digit ("23 × 17")
-  4: three-digit + and -, three-digit × one-digit, two-digit × two-digit
+  2: two-digit ± one-digit, e.g. "47 + 8"                       (default)
+  3: two-digit ± two-digit, two-digit × one-digit
+  4: as 3, plus two-digit × two-digit ("23 × 17", the seeds' running example)
+  5: three-digit ± three-digit, three-digit × one-digit, two-digit × two-digit
+
+The default is what a ~1M-parameter model learns *partly* in two minutes of CPU pretraining:
+enough that SFT lands well above zero, not so much that RL has nothing left to improve.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ ANSWER_PREFIX = "#### "
 LEVELS: dict[int, list[tuple[str, int, int]]] = {
     # (operator, digits of a, digits of b)
     1: [("+", 1, 1), ("-", 1, 1)],
-    2: [("+", 2, 2), ("-", 2, 2), ("×", 2, 1)],
-    3: [("+", 2, 2), ("-", 2, 2), ("×", 2, 1), ("×", 2, 2)],
-    4: [("+", 3, 3), ("-", 3, 3), ("×", 3, 1), ("×", 2, 2)],
+    2: [("+", 2, 1), ("-", 2, 1)],
+    3: [("+", 2, 2), ("-", 2, 2), ("×", 2, 1)],
+    4: [("+", 2, 2), ("-", 2, 2), ("×", 2, 1), ("×", 2, 2)],
+    5: [("+", 3, 3), ("-", 3, 3), ("×", 3, 1), ("×", 2, 2)],
 }
 DEFAULT_LEVEL = 2
 
