@@ -2,6 +2,7 @@
 directory contract."""
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,19 @@ import torch
 
 from tether.errors import NonFiniteLossError
 from tether.models import load_model, load_tokenizer, make_tiny_model
-from tether.tasks import arithmetic
 from tether.trainers.common import guarded_step, make_optimizer, make_scheduler
 from tether.trainers.sft import SFTConfig, evaluate_loss, train_sft
 from tether.trainers.sft_data import load_sft_data
-from tether.quickstart import accuracy
+from tether.rollout.hf import generate
+
+
+def _copy_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = "".join(rng.choice("0123456789") for _ in range(5))
+        rows.append({"prompt": f"Copy {digits}:", "completion": f" {digits}", "answer": digits})
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +32,17 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     make_tiny_model(root / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                     intermediate_size=128)
-    train, test = arithmetic.make_splits(2000, 40, level=1, seed=3)
+    train, test = _copy_rows(4000, seed=1), _copy_rows(50, seed=2)
     with open(root / "train.jsonl", "w") as f:
-        for p in train:
-            f.write(json.dumps(arithmetic.sft_example(p)) + "\n")
+        for r in train:
+            f.write(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n")
     return root, train, test
+
+
+def _copy_accuracy(model_dir, rows) -> float:
+    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    outs = generate(model, tok, [r["prompt"] for r in rows], max_new_tokens=8)
+    return sum(o.strip() == r["answer"] for o, r in zip(outs, rows)) / len(rows)
 
 
 def _cfg(root, **kw):
@@ -38,22 +53,22 @@ def _cfg(root, **kw):
     return SFTConfig(**base)
 
 
-def test_sft_learns_one_digit_arithmetic_and_writes_the_run_dir(tiny):
+def test_sft_learns_to_copy_held_out_strings_and_writes_the_run_dir(tiny):
     root, _, test = tiny
-    before = accuracy(load_model(str(root / "model")), load_tokenizer(str(root / "model")), test, 24)[0]
-    summary = train_sft(_cfg(root, name="learn", max_steps=250, eval_fraction=0.05, eval_every=100,
+    before = _copy_accuracy(str(root / "model"), test)
+    summary = train_sft(_cfg(root, name="learn", max_steps=300, eval_fraction=0.05, eval_every=100,
                              log_with="tensorboard"))
     ck = summary["checkpoint"]
-    after = accuracy(load_model(ck), load_tokenizer(ck), test, 24)[0]
-    # Held-out problems: only a model that learned the task (not the training rows) gets these.
-    assert before == 0.0 and after >= 0.6, (before, after)
+    after = _copy_accuracy(ck, test)
+    # Held-out strings: only a model that learned to copy (not the training rows) gets these.
+    assert before == 0.0 and after >= 0.9, (before, after)
     run = root / "runs" / "learn"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(isinstance(r["step"], int) and isinstance(r["time"], float) for r in rows)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.5 * losses[0]
     assert any("eval/loss" in r for r in rows)
-    assert (run / "config.yaml").exists() and json.loads((run / "summary.json").read_text())["steps"] == 250
+    assert (run / "config.yaml").exists() and json.loads((run / "summary.json").read_text())["steps"] == 300
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and {"step", "prompt", "completion"} <= set(samples[0])
     ckdir = Path(ck)
@@ -145,7 +160,7 @@ def test_bad_data_is_one_line_before_anything_is_written(tiny, tmp_path, name, r
 def test_over_max_length_is_counted(tiny, tmp_path):
     root, _, _ = tiny
     f = tmp_path / "long.jsonl"
-    rows = [{"prompt": "Question: What is 1 + 2?\nAnswer:", "completion": " 3" * (40 if i % 2 else 1)}
+    rows = [{"prompt": "Copy 12345:", "completion": " 3" * (40 if i % 2 else 1)}
             for i in range(10)]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = load_tokenizer(str(root / "model"))

@@ -1,8 +1,8 @@
 """`tether quickstart`: watch post-training work in minutes on a CPU.
 
 Stage 1 pretrains a tiny Llama-family model from scratch on raw worked arithmetic; stage 2
-fine-tunes it (SFT) to answer "Question: What is 47 + 38?" with a worked solution and a final
-"#### 85" line; stage 3 (RL with the verifier reward) plugs in at `_rl_stage`. After each stage the
+fine-tunes it (SFT) to answer "What is 47 + 8?" with a worked solution and a final "#### 55"
+line; stage 3 (RL with the verifier reward) plugs in at `_rl_stage`. After each stage the
 model is scored on held-out problems by exact match (pass@1, greedy), and a table shows the
 accuracy and example completions before and after.
 
@@ -49,9 +49,11 @@ class QuickstartConfig:
     "stage 1 optimizer steps"
     pretrain_lr: float = 3e-3
     "stage 1 peak learning rate"
-    sft_steps: int = 300
+    sft_steps: int = 200
     "stage 2 optimizer steps"
-    sft_lr: float = 1e-3
+    sft_eval_every: int = 50
+    "score held-out accuracy every N SFT steps (metrics.jsonl: eval/accuracy; 0 = off)"
+    sft_lr: float = 5e-4
     "stage 2 peak learning rate"
     batch_size: int = 32
     "examples per step in both stages"
@@ -130,9 +132,13 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
 
     # Stage 2: question -> worked solution + final answer, loss on the completion only.
     t0 = time.time()
+    def accuracy_hook(model, tokenizer, step):  # the learning curve a person wants to see
+        return {"eval/accuracy": accuracy(model, tokenizer, test[:100], cfg.max_new_tokens)[0]}
+
     sft = train_sft(SFTConfig(model=pre["checkpoint"], data=str(data / "sft.jsonl"),
                               name=f"{cfg.name}/sft", max_steps=cfg.sft_steps, lr=cfg.sft_lr,
-                              completion_only=True, **common))
+                              completion_only=True, eval_every=cfg.sft_eval_every, **common),
+                    eval_hook=accuracy_hook if cfg.sft_eval_every else None)
     score("sft", sft["checkpoint"], time.time() - t0)
 
     # Stage 3: RL with the verifier reward (arrives with the online-RL issue).

@@ -42,7 +42,8 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
     """k3 = exp(Δ) − Δ − 1 with Δ = log π_ref − log π. Unbiased, ≥ 0 (e^x ≥ 1 + x), 0 iff equal."""
     out_dtype = torch.promote_types(logps.dtype, ref_logps.dtype)
     delta = _f32(ref_logps) - _f32(logps)
-    return (torch.expm1(delta) - delta).to(out_dtype)  # expm1: no cancellation in e^Δ − 1 for small Δ
+    # expm1: no cancellation in e^Δ − 1 for small Δ
+    return (torch.expm1(delta) - delta).to(out_dtype)
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

@@ -5,8 +5,9 @@ answer and a worked solution that reduces it to small steps (place-value decompo
 tiny model can learn the *procedure* rather than memorise a table. The same problems appear in
 three text forms, one per training stage:
 
-- pretraining: raw worked equations, one per line, no question/answer framing;
-- SFT: prompt "Question: What is 47 + 38?\\nAnswer:" -> completion " <worked solution>\\n#### 85";
+- pretraining: raw worked examples ('What is 47 + 8? 47 + 8 = ... = 55.'), no answer line;
+- SFT: prompt "What is 47 + 8?" -> completion " <worked solution>\\n#### 55": the same question, now
+  ending in the answer line a verifier can read (pretraining ends with a period instead);
 - RL: prompt only, plus an `answer` column the verifier reads.
 
 The final-answer line uses GSM8K's "#### <number>" so the same math checker scores both.
@@ -28,7 +29,10 @@ import random
 import re
 from dataclasses import dataclass
 
-PROMPT_TEMPLATE = "Question: What is {a} {op} {b}?\nAnswer:"
+# The prompt is the bare question, as in pretraining text: SFT then has to teach the answer
+# *format* (the "#### n" line), not re-teach reading operands after an unfamiliar prefix (which a
+# tiny model learns slowly, forgetting arithmetic while it does).
+PROMPT_TEMPLATE = "What is {a} {op} {b}?"
 ANSWER_PREFIX = "#### "
 
 LEVELS: dict[int, list[tuple[str, int, int]]] = {
@@ -91,7 +95,16 @@ def worked_solution(a: int, op: str, b: int) -> str:
     if op == "-":
         pb = _parts(b)
         if len(pb) == 1:
-            return f"{head} = {a - b}"
+            if a < 10:
+                return f"{head} = {a - b}"
+            # Split a into tens and ones, borrowing ten when the ones are too few, so the step
+            # left is a one-digit fact: 75 - 7 = 60 + 15 - 7 = 60 + 8 = 68.
+            tens, ones = a - a % 10, a % 10
+            if ones < b:
+                tens, ones = tens - 10, ones + 10
+            if tens == 0:  # 13 - 7: already a one-digit fact
+                return f"{head} = {a - b}"
+            return f"{head} = {tens} + {ones} - {b} = {tens} + {ones - b} = {a - b}"
         # Subtract b one place at a time: 47 - 38 = 47 - 30 - 8 = 17 - 8 = 9.
         steps = [f"{a} - " + " - ".join(str(p) for p in pb)]
         acc = a
@@ -180,8 +193,14 @@ def make_splits(n_train: int, n_test: int, level: int = DEFAULT_LEVEL, seed: int
 # --- text forms -----------------------------------------------------------------------------
 
 def pretrain_text(p: Problem) -> str:
-    """Raw worked equation, the kind of line a pretraining corpus would hold."""
-    return p.solution
+    """A raw worked example, the kind of line a textbook or web page holds:
+    'What is 47 + 8? 47 + 8 = 40 + 7 + 8 = 40 + 15 = 55. The answer is 55.'
+
+    The question and the closing sentence are there on purpose: reading operands back out of a
+    question, and restating a result, are copying skills the model must learn somewhere, and a
+    tiny model learns them far faster here, in bulk, than in the few hundred steps of SFT. What
+    SFT teaches is the answer *format* ("#### 55"), which never appears in pretraining."""
+    return f"{p.question} {p.solution}. The answer is {p.answer}."
 
 
 def sft_example(p: Problem) -> dict:

@@ -1,0 +1,468 @@
+"""The sampler: batched prompts of any lengths, n samples each, exact per-token log-probs.
+
+One wave of sequences is decoded like this:
+
+1. prompts are left-padded to a common width P and prefilled into a preallocated KV cache
+   (slot s of every row is the s-th column; completion token t lives in slot P + t);
+2. every decode step is one shape-static function of a fixed set of state tensors (last tokens,
+   positions, slot, additive attention mask, finished flags, output buffers) — on CUDA it is captured once
+   per batch size in a CUDA graph and replayed, so a step costs one launch instead of hundreds;
+3. every ``sync_every`` steps the host looks at the finished flags and the new tokens (stop strings
+   are matched on decoded text there); when at most half the rows are still running (three quarters
+   without graphs), the batch is compacted to the survivors (a smaller graph bucket / fewer rows), so
+   finished rows stop costing work.
+
+Sequence i's randomness is its own stream (see sampling.py), so neither compaction, nor sync
+timing, nor batch composition changes what a sequence samples.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch import Tensor
+
+from .native import HFBackend, NativeBackend, native_support, unwrap
+from .sampling import SamplingConfig, draw_seed, sample_tokens, sequence_keys, uniforms
+from .types import Rollout
+
+
+def _bucket(n: int) -> int:
+    """Batch sizes that get a CUDA graph: powers of two up to 8, then multiples of 16, then of 64."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    step = 16 if n <= 256 else 64
+    return -(-n // step) * step
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class _State:
+    """Every tensor a decode step touches, allocated once so a captured graph can keep pointing at it.
+    Row ``rows`` of the output buffers and column ``steps`` / slot ``slots`` are scratch space that
+    graph warm-up writes into, so capturing mid-run never disturbs real rows."""
+
+    def __init__(self, rows: int, slots: int, steps: int, device, dtype):
+        z = dict(device=device)
+        self.rows, self.slots, self.steps = rows, slots, steps
+        self.tokens = torch.zeros(rows, dtype=torch.long, **z)
+        self.pos = torch.zeros(rows, dtype=torch.long, **z)
+        # additive attention mask over cache slots: 0 where a row may attend, -inf elsewhere
+        self.bias = torch.full((rows, slots + 1), float("-inf"), dtype=dtype, **z)
+        self.finished = torch.ones(rows, dtype=torch.bool, **z)
+        self.row_id = torch.full((rows,), rows, dtype=torch.long, **z)  # output row of each batch row
+        self.slot = torch.zeros(1, dtype=torch.long, **z)
+        self.step = torch.zeros(1, dtype=torch.long, **z)
+        self.u = torch.zeros(rows + 1, steps + 1, **z)
+        self.out_tok = torch.zeros(rows + 1, steps + 1, dtype=torch.long, **z)
+        self.out_logp = torch.zeros(rows + 1, steps + 1, **z)
+
+    def small(self) -> list[Tensor]:
+        return [self.tokens, self.pos, self.finished, self.slot, self.step]
+
+
+class _StopChecker:
+    """Finds the token at which a stop string first completes, decoding a short window per check."""
+
+    def __init__(self, tokenizer, stops: list[str], n: int):
+        self.tok, self.stops = tokenizer, stops
+        self.window = max(map(len, stops)) + 8  # tokens of look-back: a stop spans <= len(stop) tokens
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+
+    def _hit(self, ids: list[int]) -> bool:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in self.stops)
+
+    def update(self, i: int, new: list[int]) -> int | None:
+        """Append ``new`` tokens to sequence i; the completion length at the first stop, or None."""
+        ids = self.ids[i]
+        c = len(ids)
+        ids.extend(new)
+        lo = max(0, c - self.window)
+        if not self._hit(ids[lo:]):
+            return None
+        for m in range(c, len(ids)):  # rare: find the exact token
+            if self._hit(ids[lo:m + 1]):
+                return m + 1
+        return len(ids)
+
+
+class _EagerGraph:
+    """Stand-in for a CUDA graph on CPU (tests of the graph path): replay runs the step."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+_DEFAULT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class Sampler:
+    """Sampling engine bound to one model (and its tokenizer, for string prompts, texts and stops).
+
+    Keep one per model: the KV cache, state buffers and CUDA graphs are reused across calls (the
+    graphs read the model's parameters in place, so optimizer steps between calls are seen).
+    :meth:`release` frees them, e.g. before a memory-hungry training step.
+    """
+
+    def __init__(self, model, tokenizer=None, config: SamplingConfig | None = None, **overrides):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or SamplingConfig()
+        if overrides:
+            self.config = _replace(self.config, overrides)
+        self.backend = self.state = None
+        self.graphs: dict = {}
+        self.pool = None
+        self._fingerprint = None
+        self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
+        gen = getattr(unwrap(model), "generation_config", None)
+        eos = set()
+        for src in (getattr(tokenizer, "eos_token_id", None), getattr(gen, "eos_token_id", None)):
+            eos.update([src] if isinstance(src, int) else (src or []))
+        self.model_eos = eos
+        self.eos: list[int] = sorted(eos)
+        self._eos_tensors: dict = {}  # one per end-token set, kept alive for the graphs that read it
+        pad = getattr(tokenizer, "pad_token_id", None)
+        for src in (getattr(unwrap(model).config, "pad_token_id", None), getattr(gen, "pad_token_id", None)):
+            pad = src if pad is None else pad
+        self.pad = int(pad if pad is not None else (min(eos) if eos else 0))
+
+    # ---------------------------------------------------------------- public API
+    @torch.no_grad()
+    def sample(self, prompts, n: int = 1, seed: int | None = None, **overrides) -> Rollout:
+        """Sample ``n`` completions per prompt. ``prompts``: strings (BOS prepended, see
+        ``add_bos``) or token-id lists; ``overrides``: any :class:`SamplingConfig` field."""
+        cfg = _replace(self.config, overrides) if overrides else self.config
+        if cfg.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.eos = sorted(self.model_eos | set(cfg.stop_token_ids))
+        seqs, group = [], []
+        for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts):
+            ids = self._encode(p, cfg)
+            seqs += [ids] * n
+            group += [i] * n
+        if not seqs:
+            raise ValueError("no prompts")
+        seed = draw_seed() if seed is None else int(seed)
+        keys = sequence_keys(seed, seqs)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0}
+            t0 = time.perf_counter()
+            wave = cfg.max_batch_size or len(seqs)
+            parts = [self._wave(seqs[i:i + wave], keys[i:i + wave], cfg, stats)
+                     for i in range(0, len(seqs), wave)]
+            out = self._assemble(seqs, group, parts, cfg)
+            stats["total_s"] = time.perf_counter() - t0
+        finally:
+            self.model.train(was_training)
+        tokens = int(out.completion_mask.sum())
+        gen_s = stats["prefill_s"] + stats["decode_s"]
+        stats.update(tokens=tokens, sequences=len(seqs), tokens_per_s=tokens / max(gen_s, 1e-9),
+                     ms_per_step=1e3 * stats["decode_s"] / max(stats["decode_steps"], 1),
+                     backend=self.backend.name if self.backend else None)
+        out.stats = stats
+        return out
+
+    def release(self) -> None:
+        """Free the KV cache, state buffers and captured graphs (the next call rebuilds them)."""
+        self.graphs.clear()
+        self.pool = self.state = None
+        if self.backend is not None:
+            self.backend.release()
+        self.backend = None
+
+    # ---------------------------------------------------------------- setup
+    def _encode(self, p, cfg: SamplingConfig) -> list[int]:
+        if isinstance(p, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token ids instead")
+            ids = list(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            if cfg.add_bos and bos is not None and ids[:1] != [bos]:
+                ids = [bos] + ids
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError("empty prompt: a causal LM needs at least one token to condition on")
+        return ids
+
+    def _device(self):
+        return next(self.model.parameters()).device
+
+    def _pick_backend(self, cfg: SamplingConfig, slots: int) -> None:
+        want = cfg.backend
+        if want == "auto":
+            want = "native" if native_support(self.model, slots) is None else "hf"
+        elif want == "native" and (why := native_support(self.model, slots)):
+            raise ValueError(f"native backend can't run this model: {why}")
+        fp = tuple(p.data_ptr() for p in self.model.parameters())
+        if self.backend is None or self.backend.name != want or fp != self._fingerprint:
+            self.release()  # new backend or moved/replaced parameters: old graphs point at stale memory
+            self.backend = NativeBackend(self.model) if want == "native" else HFBackend(self.model)
+            self._fingerprint = fp
+
+    def _alloc(self, rows: int, slots: int, steps: int, use_graphs: bool) -> None:
+        """(Re)allocate state + cache when the shape outgrows them."""
+        st = self.state
+        if st is None or rows > st.rows or slots > st.slots or steps > st.steps \
+                or (use_graphs and st.slots > slots + 256):  # graphs attend over every slot
+            self.graphs.clear()
+            self.pool = self.state = None
+            if use_graphs:  # round up so that nearby prompt lengths reuse the captured graphs
+                slots, steps = _round_up(slots + 1, 32) - 1, _round_up(steps, 32)
+            self.backend.alloc(rows, slots + 1)
+            dtype = getattr(self.backend, "dtype", torch.float32)
+            self.state = _State(rows, slots, steps, self._device(), dtype)
+
+    # ---------------------------------------------------------------- one decode step
+    def _emit(self, logits: Tensor, b: int, cfg: SamplingConfig) -> None:
+        """Sample from ``logits`` [b, V] and record the tokens, their log-probs and finished flags."""
+        st = self.state
+        flat = st.row_id[:b] * (st.steps + 1) + st.step
+        y, lp = sample_tokens(logits, st.u.view(-1)[flat], cfg)
+        fin = st.finished[:b]
+        y = torch.where(fin, self.pad, y)
+        st.out_tok.view(-1).index_copy_(0, flat, y)
+        st.out_logp.view(-1).index_copy_(0, flat, lp.masked_fill(fin, 0.0))
+        if self.eos and not cfg.ignore_eos:
+            fin |= (y[:, None] == self._eos_t).any(-1)
+        st.tokens[:b] = y
+
+    def _step(self, b: int, kv_len: int, cfg: SamplingConfig) -> None:
+        st = self.state
+        logits = self.backend.decode(st.tokens[:b], st.pos[:b], st.slot, st.bias[:b], kv_len)
+        self._emit(logits, b, cfg)
+        st.pos[:b].add_(1)
+        st.slot.add_(1)
+        st.step.add_(1)
+
+    def _gkey(self, b: int, cfg: SamplingConfig) -> tuple:
+        return (b, cfg.graph_key(), tuple(self.eos))
+
+    def _graph(self, b: int, cfg: SamplingConfig, stats: dict):
+        """The decode step for batch size ``b`` captured in a CUDA graph (cached per settings).
+
+        Warm-up runs execute the step for real, so they are pointed at the scratch slot and output
+        column and the small state is restored afterwards: capturing mid-run (after compaction)
+        leaves every real row as it was. ``_emulate_graphs`` (CPU tests) runs the same bookkeeping and
+        replays the step eagerly with the graph's shapes."""
+        key = self._gkey(b, cfg)
+        if key in self.graphs:
+            return self.graphs[key]
+        t0 = time.perf_counter()
+        st = self.state
+        saved = [t.clone() for t in st.small()]
+        step = lambda: self._step(b, st.slots + 1, cfg)  # noqa: E731  graphs attend over every slot
+
+        def scratch_state():
+            for t, s in zip(st.small(), saved):
+                t.copy_(s)
+            st.slot.fill_(st.slots)
+            st.step.fill_(st.steps)
+
+        cuda = self._device().type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # first calls create cuBLAS handles / pick kernels off-capture
+                    scratch_state()
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            scratch_state()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                step()
+            self.pool = g.pool()  # every batch size's graph shares one memory pool
+        else:
+            scratch_state()
+            step()
+            g = _EagerGraph(step)
+        for t, s in zip(st.small(), saved):
+            t.copy_(s)
+        st.bias[:, st.slots] = float("-inf")
+        _sync(self._device())
+        self.graphs[key] = g
+        stats["capture_s"] += time.perf_counter() - t0
+        return g
+
+    # ---------------------------------------------------------------- one wave
+    def _wave(self, seqs: list[list[int]], keys: list[int], cfg: SamplingConfig, stats: dict):
+        """Decode one batch of sequences. Returns (tokens [N, T'], logps [N, T'], stop ends) on CPU."""
+        N, T = len(seqs), cfg.max_new_tokens
+        P = max(map(len, seqs))
+        dev = self._device()
+        self._pick_backend(cfg, P + T)
+        use_graphs = cfg.cuda_graphs and (dev.type == "cuda" or self._emulate_graphs) \
+            and self.backend.name == "native"
+        b = _bucket(N) if use_graphs else N
+        self._alloc(b, P + T, T, use_graphs)
+        st = self.state
+        key = tuple(self.eos)
+        if key not in self._eos_tensors:
+            self._eos_tensors[key] = torch.tensor(self.eos, dtype=torch.long, device=dev)
+        self._eos_t = self._eos_tensors[key]
+
+        # Left-pad; spare bucket rows repeat row 0 (finite work) and write to the scratch output row.
+        ids = torch.full((b, P), self.pad, dtype=torch.long)
+        attn = torch.zeros((b, P), dtype=torch.bool)
+        for i in range(b):
+            s = seqs[i] if i < N else seqs[0]
+            ids[i, P - len(s):] = torch.tensor(s)
+            attn[i, P - len(s):] = True
+        ids, attn = ids.to(dev), attn.to(dev)
+        rows = torch.arange(b, device=dev)
+        st.row_id[:b] = torch.where(rows < N, rows, st.rows)
+        st.finished[:b] = rows >= N
+        if not cfg.greedy:
+            st.u[:N, :T] = uniforms(keys, T).to(dev)
+        graph = self._graph(b, cfg, stats) if use_graphs else None
+
+        with torch.inference_mode():  # less per-op overhead than no_grad
+            t, stop_end = self._decode_wave(seqs, ids, attn, b, graph, cfg, stats, use_graphs)
+        # copied out of inference mode, so the trainer gets ordinary tensors
+        return st.out_tok[:N, :t].to("cpu", copy=True), st.out_logp[:N, :t].to("cpu", copy=True), stop_end
+
+    def _decode_wave(self, seqs, ids, attn, b, graph, cfg, stats, use_graphs):
+        st, be, dev = self.state, self.backend, self._device()
+        N, T, P = len(seqs), cfg.max_new_tokens, ids.shape[1]
+        sync_every = cfg.sync_every or (8 if dev.type == "cuda" else 1)
+        _sync(dev)
+        t0 = time.perf_counter()
+        st.bias[:b] = float("-inf")
+        st.bias[:b, :P].masked_fill_(attn, 0.0)
+        chunk = max(1, cfg.prefill_tokens // P) if be.name == "native" else b
+        logits = torch.cat([be.prefill(ids[r:r + chunk], attn[r:r + chunk], r) for r in range(0, b, chunk)])
+        st.step.fill_(0)
+        self._emit(logits, b, cfg)
+        del logits
+        st.pos[:b] = attn.sum(-1)
+        st.slot.fill_(P)
+        st.step.fill_(1)
+        _sync(dev)
+        t1 = time.perf_counter()
+
+        # Decode. done: sequences known finished at the last check; stop_end: completion lengths.
+        checker = _StopChecker(self.tokenizer, cfg.stop, N) if cfg.stop and self.tokenizer else None
+        done: set[int] = set()
+        stop_end: dict[int, int] = {}
+        t, checked = 1, 0
+        while t < T:
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step(b, P + t, cfg)
+            t += 1
+            if t % sync_every == 0 or t == T:
+                b, graph, running = self._check(b, t, checked, cfg, checker, done, stop_end, use_graphs, stats)
+                checked = t
+                if not running:
+                    break
+        if checked < t:  # T == 1: nothing was checked yet
+            self._check(b, t, checked, cfg, checker, done, stop_end, False, stats)
+        _sync(dev)
+        t2 = time.perf_counter()
+        stats["prefill_s"] += t1 - t0
+        stats["decode_s"] += t2 - t1
+        stats["decode_steps"] += t - 1
+        return t, stop_end
+
+    def _check(self, b, t, checked, cfg, checker, done, stop_end, use_graphs, stats):
+        """Host sync: match stop strings in the tokens since the last check, then compact the batch
+        when at most half of it (three quarters without graphs) is still running.
+        Returns (b, graph, any_running)."""
+        st = self.state
+        if checker is not None:
+            live = [i for i in range(len(checker.ids)) if i not in done]
+            if live:
+                new = st.out_tok[torch.tensor(live, device=st.out_tok.device), checked:t].tolist()
+                hits = []
+                for i, toks in zip(live, new):
+                    end = next((k + 1 for k, y in enumerate(toks) if y in self.eos), None)
+                    if end is not None and not cfg.ignore_eos:
+                        toks = toks[:end]  # nothing after EOS counts
+                    e = checker.update(i, toks)
+                    if e is not None:
+                        stop_end[i] = e
+                        hits.append(i)
+                if hits:
+                    hit = torch.tensor(hits, device=st.row_id.device)
+                    st.finished[:b] |= torch.isin(st.row_id[:b], hit)
+        fin = st.finished[:b]
+        row_id = st.row_id[:b].tolist()
+        running = (~fin).nonzero().squeeze(1)
+        n = running.numel()
+        done.update(r for r, f in zip(row_id, fin.tolist()) if f and r < st.rows)
+        graph = self.graphs.get(self._gkey(b, cfg)) if use_graphs else None
+        if n == 0:
+            return b, graph, False
+        new_b = _bucket(n) if use_graphs else n
+        if new_b <= b // 2 or (not use_graphs and n <= 3 * b // 4):
+            idx = torch.cat([running, running[:1].expand(new_b - n)])  # spare rows repeat a live one
+            for x in (st.tokens, st.pos, st.bias, st.finished, st.row_id):
+                x[:new_b] = x.index_select(0, idx)
+            st.finished[n:new_b] = True
+            st.row_id[n:new_b] = st.rows
+            self.backend.select(idx)
+            b = new_b
+            graph = self._graph(b, cfg, stats) if use_graphs else None
+        return b, graph, True
+
+    # ---------------------------------------------------------------- results
+    def _assemble(self, seqs, group, parts, cfg: SamplingConfig) -> Rollout:
+        T = max(p[0].shape[1] for p in parts)
+        toks = torch.cat([torch.nn.functional.pad(p[0], (0, T - p[0].shape[1]), value=self.pad) for p in parts])
+        lps = torch.cat([torch.nn.functional.pad(p[1], (0, T - p[1].shape[1])) for p in parts])
+        N = toks.shape[0]
+        ends = torch.full((N,), T, dtype=torch.long)
+        reasons = ["length"] * N
+        if self.eos and not cfg.ignore_eos:
+            is_end = torch.isin(toks, torch.tensor(self.eos))
+            first = is_end.int().argmax(1)
+            for i in is_end.any(1).nonzero().flatten().tolist():
+                ends[i], reasons[i] = first[i] + 1, "eos"
+        offset = 0
+        for p in parts:
+            for i, e in p[2].items():
+                if e <= ends[offset + i]:
+                    ends[offset + i], reasons[offset + i] = e, "stop"
+            offset += p[0].shape[0]
+        width = int(ends.max())
+        mask = torch.arange(width)[None, :] < ends[:, None]
+        toks = toks[:, :width].masked_fill(~mask, self.pad)
+        lps = lps[:, :width].masked_fill(~mask, 0.0)
+        texts = [""] * N
+        if self.tokenizer is not None:
+            texts = self.tokenizer.batch_decode([r[:e].tolist() for r, e in zip(toks, ends.tolist())],
+                                                skip_special_tokens=True)
+        dev = self._device()
+        return Rollout(prompt_ids=seqs, completion_ids=toks.to(dev), completion_mask=mask.to(dev),
+                       logprobs=lps.to(dev), texts=texts, finish_reasons=reasons,
+                       group=torch.tensor(group, device=dev),
+                       logprob_temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
+                       pad_token_id=self.pad)
+
+
+def _replace(cfg: SamplingConfig, overrides: dict) -> SamplingConfig:
+    import dataclasses
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def sample(model, tokenizer, prompts, n: int = 1, seed: int | None = None, **config) -> Rollout:
+    """One-call sampling: ``sample(model, tok, ["2+2="], n=4, temperature=0.7, stop=["\\n"])``.
+    Reuses one :class:`Sampler` per model (and so its CUDA graphs) across calls."""
+    s = _DEFAULT.get(model)
+    if s is None or s.tokenizer is not tokenizer:
+        s = _DEFAULT[model] = Sampler(model, tokenizer)
+    return s.sample(prompts, n=n, seed=seed, **config)

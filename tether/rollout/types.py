@@ -1,0 +1,99 @@
+"""What a sampling call returns, and the metric that compares its log-probs with a training forward."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """N = len(prompts) * n sequences, prompt-major (sequence i is sample i % n of prompt i // n).
+
+    Completion tensors are right-padded to the longest completion; ``logprobs`` are 0 where
+    ``completion_mask`` is 0. A completion includes its final EOS token (or the token that completed
+    a stop string); ``texts`` decode exactly ``completion_ids[i][completion_mask[i]]`` with special
+    tokens skipped, so rewards computed on the text belong to the tokens being trained.
+    """
+
+    prompt_ids: list[list[int]]
+    "per sequence: the prompt's token ids (BOS included)"
+    completion_ids: Tensor
+    "[N, T] int64, right-padded with pad_token_id"
+    completion_mask: Tensor
+    "[N, T] bool, True on generated tokens"
+    logprobs: Tensor
+    "[N, T] float32: log softmax(z / logprob_temperature)[token] over the full vocabulary"
+    texts: list[str]
+    "decoded completions (empty strings when the sampler has no tokenizer)"
+    finish_reasons: list[str]
+    "'eos' (an end token), 'stop' (a stop string) or 'length' (max_new_tokens)"
+    group: Tensor
+    "[N] int64: index of each sequence's prompt"
+    logprob_temperature: float
+    "temperature of the distribution ``logprobs`` belong to (1.0 for greedy decoding)"
+    pad_token_id: int = 0
+    stats: dict = field(default_factory=dict)
+    "timings: prefill_s, decode_s, capture_s, total_s, decode_steps, ms_per_step, tokens, tokens_per_s, ..."
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)
+
+    def training_batch(self) -> dict[str, Tensor]:
+        """Prompt + completion as one left-padded batch for the trainer's forward pass.
+
+        ``input_ids``, ``attention_mask``, ``position_ids`` [N, P + T]: pass all three to the model
+        (HF derives positions from the mask only inside ``generate``; without ``position_ids`` a
+        left-padded row is shifted and its log-probs no longer match the sampler's).
+        ``completion_mask`` and ``logprobs`` are aligned with ``input_ids`` — the convention of
+        ``tether.objectives.logprobs.token_logps`` — so
+        ``token_logps(model(...).logits, input_ids, rollout.logprob_temperature)`` at the mask equals
+        ``logprobs`` up to the training–inference mismatch.
+        """
+        N, T = self.completion_ids.shape
+        P = max(map(len, self.prompt_ids))
+        prompt = torch.full((N, P), self.pad_token_id, dtype=torch.long)
+        pmask = torch.zeros((N, P), dtype=torch.bool)
+        for i, ids in enumerate(self.prompt_ids):
+            prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            pmask[i, P - len(ids):] = True
+        dev = self.completion_ids.device
+        input_ids = torch.cat([prompt.to(dev), self.completion_ids], 1)
+        attention_mask = torch.cat([pmask.to(dev), self.completion_mask], 1)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        zeros = torch.zeros((N, P), dtype=torch.bool, device=dev)
+        return {"input_ids": input_ids, "attention_mask": attention_mask.long(),
+                "position_ids": position_ids,
+                "completion_mask": torch.cat([zeros, self.completion_mask], 1),
+                "logprobs": torch.cat([zeros.float(), self.logprobs], 1)}
+
+
+@torch.no_grad()
+def logprob_mismatch(rollout_logps: Tensor, train_logps: Tensor, mask: Tensor) -> dict[str, float]:
+    """Training–inference mismatch of per-token log-probs (log this every RL step).
+
+    ``rollout_logps`` from the sampler, ``train_logps`` from the trainer's forward over the same
+    tokens at the same temperature, ``mask`` selecting completion tokens (all three the same shape).
+    Returns the mean / p99 / max of |Δ| and the importance ratio exp(train − rollout), under TRL's
+    metric names (``sampling/sampling_logp_difference/*``, ``sampling/importance_sampling_ratio/*``).
+    """
+    m = mask.bool()
+    d = (train_logps.detach().float() - rollout_logps.detach().float())[m]
+    if d.numel() == 0:
+        return {}
+    a = d.abs()
+    r = d.exp()
+    k = max(1, math.ceil(0.99 * a.numel()))  # (torch.quantile refuses more than 2^24 elements)
+    p99 = a.cpu().kthvalue(k).values.item()
+    return {"sampling/sampling_logp_difference/mean": a.mean().item(),
+            "sampling/sampling_logp_difference/p99": p99,
+            "sampling/sampling_logp_difference/max": a.max().item(),
+            "sampling/importance_sampling_ratio/min": r.min().item(),
+            "sampling/importance_sampling_ratio/mean": r.mean().item(),
+            "sampling/importance_sampling_ratio/max": r.max().item()}
