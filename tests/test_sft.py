@@ -123,14 +123,16 @@ def test_non_finite_loss_never_reaches_the_weights():
     loss = model(torch.tensor([[float("nan"), 1.0, 2.0]])).sum()
     loss.backward()
     with pytest.raises(NonFiniteLossError):
-        guarded_step(model, opt, sched, 1.0, float(loss))
+        guarded_step(model, opt, sched, 1.0, loss.item())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not opt.state  # Adam moments untouched
 
 
 BAD_INPUTS = [
     # (file name, raw bytes, expected fragment of the one-line error)
-    ("missing.jsonl", b'{"prompt": "a"}\n', "missing.jsonl:1:completion: missing column"),
+    ("missing.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n',
+     "missing.jsonl:2:completion: missing column"),
+    ("nocols.jsonl", b'{"prompt": "a"}\n', "nocols.jsonl: expected columns"),
     ("wrongtype.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": 42}\n',
      "wrongtype.jsonl:2:completion: expected a string"),
     ("empty.jsonl", b"", "empty.jsonl: dataset is empty"),
