@@ -13,7 +13,12 @@ _SKIP = {"step", "time", "epoch"}
 
 def plot_metrics(run_path: str | Path, keys: list[str] | None = None) -> list[Path]:
     """One PNG per metric (x = step). Returns the files written."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU image may lack it; metrics.jsonl still has every number
+        import warnings
+        warnings.warn("matplotlib is not installed: plots/ skipped", stacklevel=2)
+        return []
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt

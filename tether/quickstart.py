@@ -34,7 +34,7 @@ class QuickstartConfig:
     runs_dir: str = "runs"
     "parent directory of run directories"
     level: int = arithmetic.DEFAULT_LEVEL
-    "arithmetic difficulty (1: one-digit +/-, 2: two-digit +/- and two-digit × one-digit, 3, 4)"
+    "arithmetic difficulty: 1 one-digit ±; 2 two-digit ± one-digit; 3 adds two-digit ± two-digit, × one-digit; 4, 5 harder"
     n_train: int = 20000
     "training problems generated (pretraining text and SFT pairs are drawn from them)"
     n_test: int = 200
