@@ -63,6 +63,20 @@ class QuickstartConfig:
     "torch CPU threads (0 = leave torch's default)"
     rl: bool = True
     "run stage 3 (RL with the verifier reward) when the online trainer is available"
+    rl_steps: int = 40
+    "stage 3 GRPO steps (each samples rl_batch_size x rl_generations completions)"
+    rl_lr: float = 2e-4
+    "stage 3 learning rate (constant)"
+    rl_batch_size: int = 16
+    "stage 3 prompts per step"
+    rl_generations: int = 8
+    "stage 3 completions per prompt (the GRPO group)"
+    rl_temperature: float = 1.0
+    "stage 3 sampling temperature"
+    rl_beta: float = 0.0
+    "stage 3 KL-to-SFT coefficient (0 = no reference model)"
+    rl_prompts: int = 2000
+    "stage 3 training prompts, taken from the training problems (never the held-out ones)"
     progress: bool = True
     "show progress bars"
 
@@ -89,7 +103,7 @@ def _rl_stage(cfg: QuickstartConfig, model_path: str, root: Path) -> dict | None
         from tether.trainers import online  # noqa: F401  (arrives with the online-RL issue)
     except ImportError:
         return None
-    return online.quickstart_stage(cfg, model_path, root)  # pragma: no cover
+    return online.quickstart_stage(cfg, model_path, root)
 
 
 def run_quickstart(cfg: QuickstartConfig) -> dict:

@@ -30,12 +30,15 @@ class EpochSampler:
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.position = 0
+        self._cached: tuple[int, list[int]] | None = None
 
     def _perm(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.n, generator=g).tolist()
+        if self._cached is None or self._cached[0] != epoch:  # one permutation per epoch, not per batch
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._cached = (epoch, torch.randperm(self.n, generator=g).tolist())
+        return self._cached[1]
 
     def batch_at(self, position: int) -> list[int]:
         """Indices of global batch number `position` (wrapping across epochs), this rank's part."""

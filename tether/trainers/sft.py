@@ -10,6 +10,7 @@ The loop, top to bottom:
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
@@ -189,7 +190,7 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         run.save_checkpoint(step, model, tokenizer, {
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "data_position": sampler.position, "step": step, "skipped_steps": skipped,
-            "time": run.read_metrics()[-1]["time"] if run.read_metrics() else 0.0},
+            "time": time_offset + (time.time() - run.t0)},
             keep_last=cfg.keep_last)
 
     def do_eval() -> dict:
