@@ -170,3 +170,28 @@ def test_over_max_length_is_counted(tiny, tmp_path):
     assert rep["truncated"] == 5 and rep["dropped"] == 0 and max(len(e["input_ids"]) for e in ex) == 60
     ex, _, _, rep = load_sft_data(_cfg(root, data=str(f), max_length=60, truncation="drop"), tok)
     assert rep["dropped"] == 5 and len(ex) == 5 and "long.jsonl" in rep["train"]
+
+
+def test_lora_trains_only_adapters_and_learns(tiny, tmp_path):
+    root, train, _ = tiny
+    from safetensors.torch import load_file
+    # A random-init base cannot be steered by adapters alone (tiny tied embeddings cap every
+    # logit near 1), so first give it a little pretraining, as a real base would have.
+    pre = train_sft(_cfg(root, name="lora-base", max_steps=60, num_samples=0))
+    base_dir = Path(pre["checkpoint"])
+    base = load_file(str(base_dir / "model.safetensors"))
+    data = tmp_path / "seven.jsonl"  # a new behaviour for the adapters: always answer " 7"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": " 7"}) + "\n"
+                            for r in train[:500]))
+    summary = train_sft(_cfg(root, name="lora", model=str(base_dir), data=str(data), max_steps=60,
+                             lora_r=8, lora_alpha=16, lr=1e-2, num_samples=0))
+    ck = Path(summary["checkpoint"])
+    assert (ck / "adapter_model.safetensors").exists() and not (ck / "model.safetensors").exists()
+    adapter = load_file(str(ck / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    # the base weights on disk are untouched, and the adapted model learned the task
+    assert torch.equal(load_file(str(base_dir / "model.safetensors"))["model.embed_tokens.weight"],
+                       base["model.embed_tokens.weight"])
+    rows = [json.loads(x) for x in (root / "runs" / "lora" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < 0.5 * losses[0]

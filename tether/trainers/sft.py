@@ -85,6 +85,14 @@ class SFTConfig:
     "attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2)"
     gradient_checkpointing: bool = False
     "recompute activations in backward to save memory"
+    lora_r: int = 0
+    "LoRA rank (0 = full fine-tuning); checkpoints then hold the adapter only"
+    lora_alpha: int = 16
+    "LoRA scaling numerator (the update is scaled by alpha / r)"
+    lora_dropout: float = 0.0
+    "dropout on the LoRA input"
+    lora_targets: str = "all-linear"
+    "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
     log_every: int = 10
     "write metrics every N optimizer steps"
     eval_every: int = 0
@@ -140,6 +148,21 @@ def evaluate_loss(model, examples: list[dict], batch_size: int, pad_id: int, dev
     return total / max(count, 1)
 
 
+def apply_lora(model, cfg, ckpt=None):
+    """Wrap `model` with LoRA adapters (peft); from `ckpt` when resuming. Only adapters train."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise UserError("lora_r > 0 needs peft: pip install 'tether[lora]'") from None
+    if ckpt is not None:
+        return PeftModel.from_pretrained(model, str(ckpt), is_trainable=True)
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
+        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                            lora_dropout=cfg.lora_dropout,
+                                            target_modules=targets, task_type="CAUSAL_LM"))
+
+
 def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
     """Run SFT per `cfg`; returns the summary dict (also written to summary.json).
 
@@ -156,8 +179,13 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
     tokenizer = load_tokenizer(str(ckpt) if ckpt else cfg.model)
     # Data is read, validated and tokenized before the model is even loaded: bad input fails fast.
     train_ex, eval_ex, eval_prompts, report = load_sft_data(cfg, tokenizer)
-    model = load_model(str(ckpt) if ckpt else cfg.model, dtype=cfg.dtype, device=cfg.device,
-                       attn_implementation=cfg.attn_implementation)
+    if cfg.lora_r > 0:
+        # The base always comes from cfg.model; a checkpoint holds only the adapter.
+        model = apply_lora(load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                      attn_implementation=cfg.attn_implementation), cfg, ckpt)
+    else:
+        model = load_model(str(ckpt) if ckpt else cfg.model, dtype=cfg.dtype, device=cfg.device,
+                           attn_implementation=cfg.attn_implementation)
     device = next(model.parameters()).device
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
