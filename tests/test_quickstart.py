@@ -11,12 +11,13 @@ from tether.quickstart import QuickstartConfig, run_quickstart
 def test_quickstart_wiring_small(tmp_path, capsys):
     cfg = QuickstartConfig(runs_dir=str(tmp_path), n_train=300, n_test=20, hidden_size=32,
                            num_layers=1, pretrain_steps=4, sft_steps=4, batch_size=8,
+                           rl=True, rl_steps=2, rl_batch_size=2, rl_generations=2, rl_prompts=20,
                            progress=False)
     summary = run_quickstart(cfg)
     on_disk = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
     assert on_disk == summary
     assert set(summary["stages"]) == {"pretrain", "sft", "rl"}
-    for stage in ("pretrain", "sft"):
+    for stage in ("pretrain", "sft", "rl"):
         s = summary["stages"][stage]
         assert 0.0 <= s["accuracy"] <= 1.0 and s["seconds"] >= 0
     assert isinstance(summary["seconds"], float)

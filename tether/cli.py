@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                    "pretrain -> SFT (-> RL) a tiny model on arithmetic on CPU, with a before/after table"),
     "sft": ("tether.trainers.sft", "SFTConfig", "train_sft",
             "supervised fine-tuning: language modelling or prompt->completion (completion-only loss)"),
+    "grpo": ("tether.trainers.online", "GRPOConfig", "train_grpo",
+             "online RL, critic-free family: GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, GSPO, DAPO clip-higher"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",
                "estimate GPU memory per component for an algorithm and model size"),
 }

@@ -408,7 +408,9 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     bar.close()
 
     checkpoint()
-    summary = {"steps": step, "prompts": len(rows), "skipped_steps": skipped, "data": report,
+    summary = {"steps": step, "prompts": len(rows), "skipped_steps": skipped,
+               "data": {"summary": report.summary(), "rows": report.total,
+                        "truncated": report.truncated, "dropped": report.dropped},
                "final_reward": last.get("reward"), "reward_history": history,
                "checkpoint": str(run.checkpoint_dir(step))}
     run.write_summary(summary)
@@ -443,6 +445,7 @@ def quickstart_stage(qcfg, model_path: str, root: Path) -> dict:
                      batch_size=qcfg.rl_batch_size, num_generations=qcfg.rl_generations,
                      max_new_tokens=qcfg.max_new_tokens, temperature=qcfg.rl_temperature,
                      max_steps=qcfg.rl_steps, lr=qcfg.rl_lr, beta=qcfg.rl_beta, advantage="grpo",
+                     warmup_steps=qcfg.rl_warmup_steps, schedule="cosine",
                      loss_agg="token-mean", device="cpu", seed=qcfg.seed, log_every=5,
                      adam_betas=[0.9, 0.99], progress=qcfg.progress, log_entropy=False)
     out = train_grpo(cfg, reward_funcs=[verifier])
