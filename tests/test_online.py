@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tether.errors import UserError
 from tether.models import make_tiny_model
 from tether.trainers.online import GRPOConfig, score, train_grpo
 
@@ -120,7 +121,7 @@ def test_reward_function_error_names_it(setup):
     def broken(prompts, completions, completion_ids, **_):
         raise KeyError("answer")
 
-    with pytest.raises(RuntimeError, match="broken"):
+    with pytest.raises(UserError, match="broken"):
         train_grpo(_cfg(setup, "broken", max_steps=1), reward_funcs=[broken])
 
 

@@ -117,6 +117,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
     data = root / "data"
     _write_jsonl(data / "pretrain.jsonl", ({"text": arithmetic.pretrain_text(p)} for p in train))
     _write_jsonl(data / "sft.jsonl", (arithmetic.sft_example(p) for p in train))
+    _write_jsonl(data / "rl.jsonl", (arithmetic.rl_example(p) for p in train))
     _write_jsonl(data / "test.jsonl", (arithmetic.rl_example(p) for p in test))
     make_tiny_model(root / "init", seed=cfg.seed, hidden_size=cfg.hidden_size,
                     num_layers=cfg.num_layers, num_heads=max(2, cfg.hidden_size // 32),

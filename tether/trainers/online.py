@@ -19,7 +19,6 @@ against exactly what the trainer computed.
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ class GRPOConfig:
     split: str = "train"
     "split to read when `data` is a dataset directory or hub name"
     reward_funcs: list[str] = field(default_factory=list)
-    "reward functions as 'module:function' (TRL's signature); ignored when train_grpo gets callables"
+    "reward functions: built-in names (math, arithmetic, format, length_penalty, code) or 'module:function'"
     reward_weights: list[float] = field(default_factory=list)
     "weight of each reward function (default: all 1.0)"
     name: str = "grpo"
@@ -155,20 +154,11 @@ class GRPOConfig:
 # ---- reward functions ---------------------------------------------------------------------------
 
 def resolve_reward_funcs(specs: Sequence) -> list[RewardFn]:
-    """Callables pass through; 'module:function' strings are imported."""
-    out = []
-    for s in specs:
-        if callable(s):
-            out.append(s)
-            continue
-        mod, _, fn = str(s).partition(":")
-        if not fn:
-            raise UserError(f"reward function {s!r}: expected 'module:function'")
-        try:
-            out.append(getattr(importlib.import_module(mod), fn))
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"reward function {s!r} could not be loaded: {e}") from None
-    return out
+    """Callables pass through; strings are built-in names ('math', 'arithmetic', 'format',
+    'length_penalty', 'code') or 'module:function' (tether.rewards.load_reward)."""
+    from tether.rewards import load_reward
+
+    return [load_reward(s) for s in specs]
 
 
 def _fn_name(fn) -> str:
@@ -186,9 +176,10 @@ def score(funcs: list[RewardFn], weights: list[float], rows: list[dict], texts: 
         try:
             out = fn(prompts=prompts, completions=texts, completion_ids=completion_ids, **columns)
         except Exception as e:
-            raise RuntimeError(f"reward function {_fn_name(fn)!r} raised {type(e).__name__}: {e}") from e
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise UserError(f"reward function {_fn_name(fn)!r} failed: {type(e).__name__}: {first}") from e
         if len(out) != len(rows):
-            raise ValueError(f"reward function {_fn_name(fn)!r} returned {len(out)} rewards "
+            raise UserError(f"reward function {_fn_name(fn)!r} returned {len(out)} rewards "
                              f"for {len(rows)} completions")
         per_fn[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in out])
     w = torch.tensor(weights, dtype=per_fn.dtype)
