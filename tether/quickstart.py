@@ -62,8 +62,8 @@ class QuickstartConfig:
     threads: int = 0
     "torch CPU threads (0 = leave torch's default)"
     rl: bool = False
-    "run stage 3 (GRPO with the verifier reward); off by default until it beats SFT (docs/grpo.md)"
-    rl_steps: int = 60
+    "run stage 3 (GRPO with the verifier reward; ~110 s, +4.5 points so far: docs/grpo.md)"
+    rl_steps: int = 120
     "stage 3 GRPO steps (each samples rl_batch_size x rl_generations completions)"
     rl_lr: float = 5e-5
     "stage 3 peak learning rate (warmup, then cosine)"
@@ -73,7 +73,7 @@ class QuickstartConfig:
     "stage 3 prompts per step"
     rl_generations: int = 16
     "stage 3 completions per prompt (the GRPO group)"
-    rl_temperature: float = 1.0
+    rl_temperature: float = 0.7
     "stage 3 sampling temperature"
     rl_beta: float = 0.0
     "stage 3 KL-to-SFT coefficient (0 = no reference model)"
@@ -164,7 +164,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
         examples["rl"] = accuracy(model, tok, shown, cfg.max_new_tokens)[1]
     else:
         stages["rl"] = {"accuracy": None, "seconds": 0.0,
-                        "status": "not run (rl=false): GRPO does not yet beat SFT here; rl=true runs it"}
+                        "status": "not run (rl=false; rl=true adds GRPO, see docs/grpo.md)"}
 
     summary = {"stages": stages, "seconds": round(time.time() - t_start, 1), "level": cfg.level,
                "n_test": len(test)}
