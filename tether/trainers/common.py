@@ -13,6 +13,7 @@ import time
 import torch
 
 from tether.errors import NonFiniteLossError
+from tether.run import load_trainer_state, set_rng_state
 
 
 class EpochSampler:
@@ -149,3 +150,24 @@ class Timer:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+
+def restore_training(ckpt, run, optimizer, scheduler, data_order) -> tuple[int, float, int]:
+    """Put optimizer, scheduler, data position and RNG back as checkpoint `ckpt` left them and
+    drop the run's log rows after it. Returns (step, elapsed seconds, skipped steps)."""
+    state = load_trainer_state(ckpt)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    data_order.position = state["data_position"]
+    set_rng_state(state["rng"])
+    run.truncate_after(state["step"])
+    return state["step"], state.get("time", 0.0), state.get("skipped_steps", 0)
+
+
+def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_order,
+                  skipped: int, time_offset: float, keep_last: int):
+    """Checkpoint everything `restore_training` needs for an exact resume."""
+    return run.save_checkpoint(step, model, tokenizer, {
+        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "data_position": data_order.position, "step": step, "skipped_steps": skipped,
+        "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last)

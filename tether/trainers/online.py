@@ -19,7 +19,6 @@ against exactly what the trainer computed.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +33,10 @@ from tether.objectives import (ADVANTAGE_ESTIMATORS, compute_advantages, entropy
                                group_stats, policy_loss, token_logps)
 from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
-from tether.run import (RunDir, latest_checkpoint, load_trainer_state, seed_everything,
-                        set_rng_state)
+from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
-                                    make_optimizer, make_scheduler)
+                                    make_optimizer, make_scheduler, restore_training,
+                                    save_training)
 
 RewardFn = Callable[..., list]
 
@@ -268,21 +267,12 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
 
     step, time_offset, skipped = 0, 0.0, 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        prompt_order.position, step = state["data_position"], state["step"]
-        time_offset, skipped = state.get("time", 0.0), state.get("skipped_steps", 0)
-        set_rng_state(state["rng"])
-        run.truncate_after(step)
+        step, time_offset, skipped = restore_training(ckpt, run, optimizer, scheduler, prompt_order)
     run.write_config(cfg)
 
     def checkpoint():
-        metrics = run.read_metrics()
-        run.save_checkpoint(step, model, tokenizer, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "data_position": prompt_order.position, "step": step, "skipped_steps": skipped,
-            "time": metrics[-1]["time"] if metrics else 0.0}, keep_last=cfg.keep_last)
+        save_training(run, step, model, tokenizer, optimizer, scheduler, prompt_order, skipped,
+                      time_offset, cfg.keep_last)
 
     G = cfg.num_generations
     bar = Progress(cfg.max_steps, step, cfg.name, enabled=cfg.progress and run.is_main)

@@ -10,7 +10,6 @@ The loop, top to bottom:
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
@@ -22,10 +21,10 @@ from tether.models import load_model, load_tokenizer
 from tether.objectives import sft_loss
 from tether.plots import plot_metrics
 from tether.rollout.hf import generate
-from tether.run import (RunDir, latest_checkpoint, load_trainer_state, seed_everything,
-                        set_rng_state)
+from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
-                                    make_optimizer, make_scheduler)
+                                    make_optimizer, make_scheduler, restore_training,
+                                    save_training)
 from tether.trainers.sft_data import load_sft_data, pad_batch
 
 
@@ -205,21 +204,12 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
 
     step, time_offset, skipped = 0, 0.0, 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.position, step = state["data_position"], state["step"]
-        time_offset, skipped = state.get("time", 0.0), state.get("skipped_steps", 0)
-        set_rng_state(state["rng"])
-        run.truncate_after(step)
+        step, time_offset, skipped = restore_training(ckpt, run, optimizer, scheduler, sampler)
     run.write_config(cfg)
 
     def checkpoint():
-        run.save_checkpoint(step, model, tokenizer, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "data_position": sampler.position, "step": step, "skipped_steps": skipped,
-            "time": time_offset + (time.time() - run.t0)},
-            keep_last=cfg.keep_last)
+        save_training(run, step, model, tokenizer, optimizer, scheduler, sampler, skipped,
+                      time_offset, cfg.keep_last)
 
     def do_eval() -> dict:
         out = {}
