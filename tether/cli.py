@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
             "supervised fine-tuning: language modelling or prompt->completion (completion-only loss)"),
     "grpo": ("tether.trainers.online", "GRPOConfig", "train_grpo",
              "online RL, critic-free family: GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, GSPO, DAPO clip-higher"),
+    "ppo": ("tether.trainers.ppo", "PPOConfig", "train_ppo",
+            "PPO-RLHF: policy + frozen reference + reward model(s) + value model, GAE, KL in the reward"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",
                "estimate GPU memory per component for an algorithm and model size"),
 }

@@ -132,8 +132,10 @@ class RunDir:
     def latest_checkpoint(self) -> Path | None:
         return latest_checkpoint(self.path)
 
-    def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2) -> Path:
-        """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all."""
+    def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2,
+                        extra=None) -> Path:
+        """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all.
+        `extra(dir)` writes a trainer's other state (e.g. PPO's critic) inside the same atomic write."""
         final = self.checkpoint_dir(step)
         if not self.is_main:
             return final
@@ -143,6 +145,8 @@ class RunDir:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
         torch.save({**state, "rng": rng_state()}, tmp / TRAINER_STATE)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -165,9 +165,9 @@ def restore_training(ckpt, run, optimizer, scheduler, data_order) -> tuple[int, 
 
 
 def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_order,
-                  skipped: int, time_offset: float, keep_last: int):
+                  skipped: int, time_offset: float, keep_last: int, extra=None):
     """Checkpoint everything `restore_training` needs for an exact resume."""
     return run.save_checkpoint(step, model, tokenizer, {
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "data_position": data_order.position, "step": step, "skipped_steps": skipped,
-        "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last)
+        "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last, extra=extra)

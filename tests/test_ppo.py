@@ -1,0 +1,128 @@
+"""PPO-RLHF: the advantage wiring on a hand-built trajectory, and short runs that must move a
+reward the right way (a flipped advantage sign fails them)."""
+import json
+
+import pytest
+import torch
+
+from tether.models import make_tiny_model
+from tether.models.heads import ScalarHeadModel
+from tether.run import read_jsonl
+from tether.trainers import ppo as ppo_mod
+from tether.trainers.ppo import PPOConfig, ppo_advantages, train_ppo
+
+
+def test_ppo_advantages_hand_built_trajectory():
+    # One sequence: 2 prompt tokens (masked out), 3 completion tokens, 1 pad.
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    old = torch.tensor([[0, 0, -1.0, -2.0, -0.5, 0]])
+    ref = torch.tensor([[0, 0, -1.5, -1.0, -0.5, 0]])
+    values = torch.tensor([[0, 0, 0.5, 0.25, 1.0, 0]])
+    beta, R = 0.1, 2.0
+    rewards, adv, ret = ppo_advantages(torch.tensor([R]), old, ref, values, mask, beta, "k1",
+                                       gamma=1.0, lam=0.5, whiten=False)
+    # k1 per token = old - ref = (0.5, -1.0, 0.0); the score sits on the last completion token only.
+    torch.testing.assert_close(rewards, torch.tensor([[0, 0, -0.05, 0.1, 2.0, 0]]))
+    # GAE by hand, γ=1, λ=0.5, V after the last token = 0:
+    d4 = 2.0 + 0 - 1.0                # 1.0
+    d3 = 0.1 + 1.0 - 0.25             # 0.85
+    d2 = -0.05 + 0.25 - 0.5           # -0.3
+    a4, a3 = d4, d3 + 0.5 * d4
+    a2 = d2 + 0.5 * a3
+    torch.testing.assert_close(adv, torch.tensor([[0, 0, a2, a3, a4, 0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0, 0, a2 + 0.5, a3 + 0.25, a4 + 1.0, 0]]))
+    _, white, _ = ppo_advantages(torch.tensor([R]), old, ref, values, mask, beta, whiten=True)
+    assert abs(float(white[mask].mean())) < 1e-6 and abs(float(white[mask].std(unbiased=False)) - 1) < 1e-3
+    assert (white[~mask] == 0).all()
+
+
+def test_values_read_one_position_early():
+    # V_t must describe the state that chose token t, i.e. the head output at t − 1.
+    class Const(torch.nn.Module):
+        def forward(self, ids, attn, pos):
+            return ids.float() * 10
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3),
+             "position_ids": torch.arange(3)[None]}
+    out = ppo_mod._values(Const(), batch, torch.autocast("cpu", enabled=False))
+    assert out.tolist() == [[0.0, 10.0, 20.0]]
+
+
+def _setup(tmp_path):
+    model, tok = make_tiny_model(tmp_path / "base", hidden_size=32, num_layers=2, num_heads=2,
+                                 num_kv_heads=1, intermediate_size=64, seed=0)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["ab", "cd", "ef", "gh"] * 8))
+    return data
+
+
+def count_x(prompts, completions, **_):
+    """Reward: share of the completion's characters that are digits (a random tiny model: ~10 %)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _cfg(tmp_path, data, name, **kw):
+    base = dict(model=str(tmp_path / "base"), data=str(data), name=name, runs_dir=str(tmp_path / "runs"),
+                batch_size=16, num_generations=1, max_new_tokens=8, max_steps=12, lr=3e-3,
+                kl_coef=0.0, ppo_epochs=2, num_minibatches=2, vf_coef=0.1, device="cpu", progress=False,
+                seed=0, value_model="policy")
+    base.update(kw)
+    return PPOConfig(**base)
+
+
+def _reward_curve(run):
+    rows = read_jsonl(run / "metrics.jsonl")
+    return [r["objective/scores"] for r in rows]
+
+
+def test_ppo_raises_a_simple_reward_and_a_flipped_sign_does_not(tmp_path, monkeypatch):
+    data = _setup(tmp_path)
+    train_ppo(_cfg(tmp_path, data, "up"), reward_funcs=[count_x])
+    up = _reward_curve(tmp_path / "runs" / "up")
+    assert sum(up[-3:]) / 3 > sum(up[:3]) / 3 + 0.15, up
+
+    real = ppo_mod.ppo_advantages
+
+    def flipped(*a, **k):
+        r, adv, ret = real(*a, **k)
+        return r, -adv, ret
+    monkeypatch.setattr(ppo_mod, "ppo_advantages", flipped)
+    train_ppo(_cfg(tmp_path, data, "down"), reward_funcs=[count_x])
+    down = _reward_curve(tmp_path / "runs" / "down")
+    assert sum(down[-3:]) / 3 < sum(up[-3:]) / 3 - 0.15, (up, down)
+
+
+def test_kl_penalty_holds_the_policy_near_the_reference(tmp_path):
+    data = _setup(tmp_path)
+    train_ppo(_cfg(tmp_path, data, "free", max_steps=8), reward_funcs=[count_x])
+    train_ppo(_cfg(tmp_path, data, "leash", max_steps=8, kl_coef=1.0), reward_funcs=[count_x])
+    kl = {n: read_jsonl(tmp_path / "runs" / n / "metrics.jsonl")[-1]["objective/kl"] for n in ("free", "leash")}
+    assert kl["leash"] < kl["free"] * 0.5, kl
+
+
+def test_kl_budget_stops_early_and_checkpoint_has_the_critic(tmp_path):
+    data = _setup(tmp_path)
+    out = train_ppo(_cfg(tmp_path, data, "budget", max_steps=30, kl_budget=0.5), reward_funcs=[count_x])
+    assert out["stopped_early_at"] is not None and out["stopped_early_at"] < 30
+    assert out["final_kl"] > 0.5
+    ck = tmp_path / "runs" / "budget" / "checkpoints" / f"step-{out['steps']}"
+    critic = ScalarHeadModel.from_pretrained(ck / "value", device="cpu")
+    assert critic.kind == "value"
+    assert json.loads((ck / "ppo_state.json").read_text())["kl_coef"] == 0.0
+
+
+def test_resume_continues_exactly(tmp_path):
+    data = _setup(tmp_path)
+    train_ppo(_cfg(tmp_path, data, "full", max_steps=6, kl_coef=0.1, adaptive_kl=True, kl_target=0.1,
+                   kl_horizon=100.0), reward_funcs=[count_x])
+    train_ppo(_cfg(tmp_path, data, "cut", max_steps=3, save_every=3, kl_coef=0.1, adaptive_kl=True,
+                   kl_target=0.1, kl_horizon=100.0), reward_funcs=[count_x])
+    train_ppo(_cfg(tmp_path, data, "cut", max_steps=6, resume=True, kl_coef=0.1, adaptive_kl=True,
+                   kl_target=0.1, kl_horizon=100.0), reward_funcs=[count_x])
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "step_time", "rollout/seconds",
+                                                                   "tokens_per_second")} for r in rows]
+    a = strip(read_jsonl(tmp_path / "runs" / "full" / "metrics.jsonl"))
+    b = strip(read_jsonl(tmp_path / "runs" / "cut" / "metrics.jsonl"))
+    assert len(a) == len(b) == 6
+    for ra, rb in zip(a, b):
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), k
