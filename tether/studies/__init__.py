@@ -1,0 +1,1 @@
+"""Studies: experiments that compose the trainers and measure them against known truth."""

@@ -1,0 +1,143 @@
+"""Shared instruments of the gold-reward studies: evaluate a policy against known truth, the
+best-of-n curve from one batch of samples, and the functional forms of Gao et al. (2023).
+
+Distances follow Gao et al.: d = √KL(π ‖ π_init), KL in nats per completion (sequence KL).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tether.objectives import best_of_n_kl, token_logps
+
+
+@torch.no_grad()
+def sequence_kl(policy, ref, rollout) -> torch.Tensor:
+    """Per-completion k1 estimate of KL(π ‖ π_ref) on samples from π: Σ_t log π_t − log π_ref,t.
+    Its mean over samples is unbiased for the sequence KL (each term alone can be negative)."""
+    tb = rollout.training_batch()
+    out = []
+    for m in (policy, ref):
+        logits = m(input_ids=tb["input_ids"], attention_mask=tb["attention_mask"],
+                   position_ids=tb["position_ids"]).logits
+        out.append(token_logps(logits, tb["input_ids"], rollout.logprob_temperature))
+    mask = tb["completion_mask"]
+    return torch.where(mask, out[0] - out[1], 0.0).sum(1)
+
+
+@torch.no_grad()
+def evaluate_policy(policy_path, ref_path, world, prompts: list[str], n: int = 8, seed: int = 0,
+                    proxy=None) -> dict:
+    """Sample n completions per prompt from the policy at T = 1; gold (and proxy) reward means,
+    KL to the reference, mean length, and the gold win-rate against reference samples."""
+    from tether.models import load_model, load_tokenizer
+    from tether.rollout import sample
+
+    tok = load_tokenizer(str(ref_path))
+    pol = load_model(str(policy_path), dtype="fp32", device="cpu").eval()
+    ref = load_model(str(ref_path), dtype="fp32", device="cpu").eval()
+    ro = sample(pol, tok, prompts, n=n, seed=seed, temperature=1.0, max_new_tokens=world.max_new_tokens)
+    ref_ro = sample(ref, tok, prompts, n=n, seed=seed + 1, temperature=1.0,
+                    max_new_tokens=world.max_new_tokens)
+    ps = [p for p in prompts for _ in range(n)]
+    gold = np.array(world.gold_reward(ps, ro.texts))
+    ref_gold = np.array(world.gold_reward(ps, ref_ro.texts))
+    kl = sequence_kl(pol, ref, ro)
+    out = {"gold": float(gold.mean()), "kl": float(kl.mean().clamp(min=0)),
+           "length": float(np.mean(world.spurious_feature(ro.texts))),
+           # P(policy's sample beats the reference's on gold), ties count half
+           "win_rate": float(((gold > ref_gold) + 0.5 * (gold == ref_gold)).mean()),
+           "samples": [{"prompt": p, "completion": c, "gold": float(g)}
+                       for p, c, g in list(zip(ps, ro.texts, gold))[:: max(1, len(ps) // 8)]]}
+    if proxy is not None:
+        out["proxy"] = float(np.mean(proxy(ps, ro.texts)))
+    return out
+
+
+def best_of_n_curve(proxy: np.ndarray, gold: np.ndarray, ns: list[int]) -> dict[int, dict]:
+    """Expected proxy and gold reward of best-of-n (selected by proxy) for each n, exactly, from
+    K ≥ n samples per prompt: arrays [prompts, K].
+
+    Drawing n of the K samples without replacement and keeping the proxy-argmax, the sample of
+    proxy rank i (1 = lowest) is kept with probability C(i−1, n−1) / C(K, n). Averaging over all
+    subsets uses every sample, so the curve has far less variance than resampling would.
+    """
+    P, K = proxy.shape
+    order = np.argsort(proxy, axis=1, kind="stable")
+    sp = np.take_along_axis(proxy, order, 1)
+    sg = np.take_along_axis(gold, order, 1)
+    out = {}
+    for n in ns:
+        if n > K:
+            raise ValueError(f"best_of_n_curve: n={n} needs at least n samples per prompt, have {K}")
+        i = np.arange(1, K + 1)
+        # log C(i−1, n−1) − log C(K, n), zero weight where i < n
+        logw = np.full(K, -np.inf)
+        ok = i >= n
+        logw[ok] = (_lchoose(i[ok] - 1, n - 1) - _lchoose(K, n))
+        w = np.exp(logw)
+        out[n] = {"proxy": float((sp * w).sum(1).mean()), "gold": float((sg * w).sum(1).mean()),
+                  "kl": best_of_n_kl(n)}
+    return out
+
+
+def _lchoose(a, b):
+    a = np.asarray(a, dtype=float)
+    return np.vectorize(math.lgamma)(a + 1) - math.lgamma(b + 1) - np.vectorize(math.lgamma)(a - b + 1)
+
+
+def _fit(features: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Least squares without intercept; R² against the mean (the usual coefficient of determination)."""
+    coef, *_ = np.linalg.lstsq(features, y, rcond=None)
+    pred = features @ coef
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return coef, (1.0 - ss_res / ss_tot) if ss_tot > 0 else float("nan")
+
+
+def fit_bon(d, R) -> dict:
+    """Gao et al. (2023) best-of-n form R(d) = d(α − βd), R the reward gain over the initial policy."""
+    d, R = np.asarray(d, float), np.asarray(R, float)
+    (a, b), r2 = _fit(np.stack([d, -d * d], 1), R)
+    return {"alpha": float(a), "beta": float(b), "r2": r2, "form": "d(alpha - beta d)"}
+
+
+def fit_rl(d, R) -> dict:
+    """Gao et al. (2023) RL form R(d) = d(α − β log d) (d > 0; the term is 0 at d = 0)."""
+    d, R = np.asarray(d, float), np.asarray(R, float)
+    dlogd = np.where(d > 0, d * np.log(np.where(d > 0, d, 1.0)), 0.0)
+    (a, b), r2 = _fit(np.stack([d, -dlogd], 1), R)
+    return {"alpha": float(a), "beta": float(b), "r2": r2, "form": "d(alpha - beta log d)"}
+
+
+def plot_gold_proxy(path: Path, curves: dict[str, tuple[list, list, list]], title: str,
+                    fits: dict[str, dict] | None = None, xlabel: str = "d = sqrt(KL) (nats^1/2)") -> None:
+    """One figure: for each label, gold (solid) and proxy (dashed) reward gain vs d; fitted forms dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_g, ax_p) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
+    for k, (label, (d, gold, proxy)) in enumerate(curves.items()):
+        color = f"C{k}"
+        ax_g.plot(d, gold, "o-", ms=3, color=color, label=label)
+        ax_p.plot(d, proxy, "s--", ms=3, color=color, label=label)
+        fit = (fits or {}).get(label)
+        if fit and len(d):
+            xs = np.linspace(1e-3, max(d), 100)
+            ys = xs * (fit["alpha"] - fit["beta"] * (xs if "log" not in fit["form"] else np.log(xs)))
+            ax_g.plot(xs, ys, ":", color=color, lw=1)
+    ax_g.set(title=f"{title}: gold reward gain", xlabel=xlabel)
+    ax_p.set(title=f"{title}: proxy (RM) reward gain", xlabel=xlabel)
+    for ax in (ax_g, ax_p):
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
