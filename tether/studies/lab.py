@@ -15,6 +15,29 @@ import torch
 from tether.objectives import best_of_n_kl, token_logps
 
 
+def prepare_world(root: Path, world, seed: int, n_pairs: int, n_test_pairs: int = 1000) -> dict:
+    """The lab's fixed ingredients under root/: the SFT policy (root/world/policy), N labelled
+    train pairs and held-out pairs on test prompts, and the held-out Bayes-optimal accuracy.
+    Reused when already there (the frontier study shares the over-optimization study's world)."""
+    import json
+
+    from tether.tasks.preference_world import bayes_optimal_accuracy, build_sft_policy, make_preference_data
+
+    root = Path(root)
+    policy = build_sft_policy(root / "world", seed=seed, world=world)
+    # The sizes and seed are in the names, so a changed setting never reuses stale pairs.
+    train_pairs = root / "data" / f"pairs_train_n{n_pairs}_s{seed}.jsonl"
+    test_pairs = root / "data" / f"pairs_test_n{n_test_pairs}_s{seed}.jsonl"
+    if not train_pairs.exists():
+        make_preference_data(world, policy, n_pairs, seed=seed, out_path=train_pairs, split="train")
+    if not test_pairs.exists():
+        make_preference_data(world, policy, n_test_pairs, seed=seed + 1, out_path=test_pairs, split="test")
+    held = [json.loads(line) for line in test_pairs.read_text().splitlines()]
+    bayes = bayes_optimal_accuracy([r["gold_chosen"] for r in held], [r["gold_rejected"] for r in held],
+                                   world.temperature)
+    return {"policy": policy, "train_pairs": train_pairs, "test_pairs": test_pairs, "bayes": bayes}
+
+
 @torch.no_grad()
 def sequence_kl(policy, ref, rollout) -> torch.Tensor:
     """Per-completion k1 estimate of KL(π ‖ π_ref) on samples from π: Σ_t log π_t − log π_ref,t.

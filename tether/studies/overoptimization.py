@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tether.run import RunDir, read_jsonl
-from tether.studies.lab import best_of_n_curve, fit_bon, fit_rl, plot_gold_proxy
+from tether.studies.lab import best_of_n_curve, fit_bon, fit_rl, plot_gold_proxy, prepare_world
 
 
 @dataclass
@@ -85,9 +85,7 @@ def _ppo_curve(run_path: Path, gold_key: str, proxy_key: str) -> dict:
 def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     from tether.models import load_model, load_tokenizer
     from tether.rewards.learned import LearnedReward
-    from tether.tasks.preference_world import (PreferenceWorld, bayes_optimal_accuracy,
-                                               build_sft_policy, make_preference_data,
-                                               sample_completions)
+    from tether.tasks.preference_world import PreferenceWorld, sample_completions
     from tether.trainers.ppo import PPOConfig, train_ppo
     from tether.trainers.rm import RMConfig, train_rm
 
@@ -99,14 +97,9 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     timings = {}
 
     # 1-2. SFT policy and labelled pairs (train prompts); held-out pairs on test prompts
-    policy = build_sft_policy(root / "world", seed=cfg.seed, world=world)
-    timings["sft"] = time.time() - t0
-    train_pairs = root / "data" / "pairs_train.jsonl"
-    test_pairs = root / "data" / "pairs_test.jsonl"
-    make_preference_data(world, policy, cfg.n_pairs, seed=cfg.seed, out_path=train_pairs, split="train")
-    held = make_preference_data(world, policy, 1000, seed=cfg.seed + 1, out_path=test_pairs, split="test")
-    bayes = bayes_optimal_accuracy([r["gold_chosen"] for r in held], [r["gold_rejected"] for r in held],
-                                   world.temperature)
+    lab = prepare_world(root, world, cfg.seed, cfg.n_pairs)
+    policy, train_pairs, test_pairs, bayes = lab["policy"], lab["train_pairs"], lab["test_pairs"], lab["bayes"]
+    timings["world"] = time.time() - t0
 
     # 3. proxy reward model
     t = time.time()
@@ -114,7 +107,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
                            name="rm", runs_dir=str(root), max_steps=cfg.rm_steps, seed=cfg.seed,
                            progress=cfg.progress))
     timings["rm"] = time.time() - t
-    rm_dir = rm["model"]
+    rm_dir = rm["checkpoint"]
     proxy = LearnedReward(rm_dir, device="cpu")
 
     # 4. PPO against the proxy, gold logged (never optimized)
@@ -132,7 +125,8 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
                             batch_size=cfg.ppo_batch_size, max_new_tokens=world.max_new_tokens,
                             max_steps=cfg.ppo_steps, lr=cfg.ppo_lr, kl_coef=beta, ppo_epochs=2,
                             num_minibatches=2, vf_coef=0.5, device="cpu", seed=cfg.seed,
-                            value_model=str(rm_dir), progress=cfg.progress),
+                            value_model=str(rm_dir), progress=cfg.progress,
+                            save_every=max(1, cfg.ppo_steps // 4), keep_last=0),
                   reward_funcs=[proxy], eval_reward_funcs=[gold_reward])
         ppo[f"{beta:g}"] = _ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
     timings["ppo"] = time.time() - t
@@ -167,7 +161,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     plot_gold_proxy(plots / "bon.png", {"best-of-n": (bon["d"], bon["gold"], bon["proxy"])},
                     "best-of-n vs proxy RM", {"best-of-n": bon["fit_gold"]})
     summary = {"world": {k: getattr(world, k) for k in world.__dataclass_fields__},
-               "rm": {"eval_accuracy": rm.get("eval_accuracy"), "bayes_optimal_accuracy": bayes,
+               "rm": {"eval_accuracy": rm.get("eval/accuracy"), "bayes_optimal_accuracy": bayes,
                       "n_pairs": cfg.n_pairs, "model": str(rm_dir)},
                "ppo": ppo, "bon": bon, "seconds": round(time.time() - t0, 1),
                "timings": {k: round(v, 1) for k, v in timings.items()}}

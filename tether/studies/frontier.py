@@ -1,0 +1,219 @@
+"""`tether study frontier`: the reward–KL frontier of the offline preference family vs PPO.
+
+The DPO paper's Figure 2 analogue, measured against a *known* gold reward
+(tether.tasks.preference_world): from the same SFT policy and the same labelled pairs,
+DPO, cDPO, rDPO, IPO, hinge, KTO (the pairs split into unpaired rows), SimPO and ORPO are trained
+over a β sweep; each trained policy is sampled on held-out prompts and scored with the gold reward,
+its KL to the SFT policy estimated on its own samples, and its gold win-rate against SFT samples
+measured. PPO's points are the over-optimization study's PPO checkpoints (every quarter of each β
+run), evaluated the same way; the study runs that first when its summary is missing.
+Outputs: runs/<name>/summary.json, report.md (the table), plots/frontier.png.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tether.run import RunDir
+from tether.studies.lab import evaluate_policy, prepare_world
+
+# method label -> OfflineConfig fields (β comes from the sweep)
+METHODS: dict[str, dict] = {
+    "DPO": {"method": "dpo", "loss": "sigmoid"},
+    "cDPO": {"method": "dpo", "loss": "sigmoid", "label_smoothing": 0.1},
+    "rDPO": {"method": "dpo", "loss": "robust", "label_smoothing": 0.1},
+    "IPO": {"method": "dpo", "loss": "ipo"},
+    "hinge": {"method": "dpo", "loss": "hinge"},
+    "KTO": {"method": "kto"},
+    "SimPO": {"method": "simpo"},
+    "ORPO": {"method": "orpo"},
+}
+
+
+@dataclass
+class FrontierConfig:
+    name: str = "frontier"
+    "run name: everything is written to <runs_dir>/<name>/"
+    runs_dir: str = "runs"
+    "parent directory of run directories"
+    overoptimization: str = "overoptimization"
+    "run name of the over-optimization study whose world, pairs and PPO checkpoints are reused"
+    seed: int = 0
+    "seed of the world and of every training run"
+    n_pairs: int = 4000
+    "preference pairs (the same as the over-optimization study's, so the data are shared)"
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    "methods to train (DPO, cDPO, rDPO, IPO, hinge, KTO, SimPO, ORPO)"
+    betas: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3])
+    "β sweep for the reference-based methods (DPO family, KTO)"
+    simpo_betas: list[float] = field(default_factory=lambda: [1.0, 2.5, 5.0])
+    "β sweep for SimPO (its reward scale; γ = 0.5 β)"
+    orpo_lambdas: list[float] = field(default_factory=lambda: [0.1, 0.5, 2.0])
+    "λ sweep for ORPO (weight of the odds-ratio term)"
+    epochs: float = 1.0
+    "passes over the pairs per run"
+    batch_size: int = 32
+    "pairs per step"
+    lr: float = 1e-3
+    "learning rate of every offline run (tiny model: far above the 1e-6 used for real models)"
+    eval_samples: int = 16
+    "completions sampled per held-out prompt to measure gold reward and KL"
+    publish_dir: str = ""
+    "also copy the figure and report here (e.g. benchmarks/frontier)"
+    progress: bool = False
+    "progress bars of the inner trainers"
+
+
+def _sweep(cfg: FrontierConfig, label: str) -> list[float]:
+    return cfg.simpo_betas if label == "SimPO" else cfg.orpo_lambdas if label == "ORPO" else cfg.betas
+
+
+def _ppo_points(cfg: FrontierConfig, over_root: Path, world, policy, prompts) -> list[dict]:
+    pts = []
+    for run in sorted(over_root.glob("ppo_beta*")):
+        for ck in sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:])):
+            ev = evaluate_policy(ck, policy, world, prompts, n=cfg.eval_samples, seed=cfg.seed + 11)
+            pts.append({"method": "PPO", "beta": float(run.name[len("ppo_beta"):]), "step": int(ck.name[5:]),
+                        **{k: v for k, v in ev.items() if k != "samples"}})
+    return pts
+
+
+def upper_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The frontier: points (kl, gold) not dominated (lower or equal KL with higher gold), by KL."""
+    out, best = [], -np.inf
+    for kl, g in sorted(points):
+        if g > best:
+            out.append((kl, g))
+            best = g
+    return out
+
+
+def frontier_gold_at(env: list[tuple[float, float]], kl: float) -> float:
+    """Best gold the envelope reaches at KL ≤ kl (a step function: what you can get for that budget)."""
+    vals = [g for k, g in env if k <= kl]
+    return max(vals) if vals else float("nan")
+
+
+def run_frontier(cfg: FrontierConfig) -> dict:
+    from tether.studies.overoptimization import OveroptimizationConfig, run_overoptimization
+    from tether.tasks.preference_world import PreferenceWorld
+    from tether.trainers.offline import OfflineConfig, train_offline
+
+    t0 = time.time()
+    root = Path(cfg.runs_dir) / cfg.name
+    over_root = Path(cfg.runs_dir) / cfg.overoptimization
+    if not (over_root / "summary.json").exists():
+        run_overoptimization(OveroptimizationConfig(name=cfg.overoptimization, runs_dir=cfg.runs_dir,
+                                                    seed=cfg.seed, n_pairs=cfg.n_pairs, progress=cfg.progress))
+    run = RunDir(root)
+    run.write_config(cfg)
+    world = PreferenceWorld(seed=cfg.seed)
+    lab = prepare_world(over_root, world, cfg.seed, cfg.n_pairs)
+    policy = lab["policy"]
+    prompts = world.prompts(None, "test")
+
+    sft = evaluate_policy(policy, policy, world, prompts, n=cfg.eval_samples, seed=cfg.seed + 11)
+    points = [{"method": "SFT", "beta": None, **{k: v for k, v in sft.items() if k != "samples"}}]
+    for label in cfg.methods:
+        if label not in METHODS:
+            from tether.errors import UserError
+            raise UserError(f"study frontier: unknown method {label!r}; choose from {', '.join(METHODS)}")
+        for beta in _sweep(cfg, label):
+            name = f"{label}_b{beta:g}"
+            out = train_offline(OfflineConfig(
+                **METHODS[label], beta=beta, model=str(policy), data=str(lab["train_pairs"]),
+                eval_data=str(lab["test_pairs"]), name=name, runs_dir=str(root), max_length=64,
+                batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, warmup_ratio=0.1,
+                device="cpu", seed=cfg.seed, log_every=20, progress=cfg.progress))
+            ev = evaluate_policy(out["model"], policy, world, prompts, n=cfg.eval_samples, seed=cfg.seed + 11)
+            points.append({"method": label, "beta": beta,
+                           "implicit_accuracy": out.get("eval/rewards/accuracies"),
+                           **{k: v for k, v in ev.items() if k != "samples"}})
+    points += _ppo_points(cfg, over_root, world, policy, prompts)
+
+    # Frontier comparison at matched KL: each method's best gold vs the best PPO gold within
+    # the same KL (a method "matches PPO" when its envelope is at least PPO's at its own KLs).
+    ppo_env = upper_envelope([(p["kl"], p["gold"]) for p in points if p["method"] == "PPO"])
+    by_method = {}
+    for label in [*cfg.methods, "PPO"]:
+        mine = [p for p in points if p["method"] == label]
+        if not mine:
+            continue
+        best = max(mine, key=lambda p: p["gold"])
+        by_method[label] = {
+            "best_gold": best["gold"], "best_beta": best["beta"], "kl_at_best": best["kl"],
+            "win_rate_at_best": best["win_rate"], "gold_gain_over_sft": best["gold"] - sft["gold"],
+            "ppo_gold_at_same_kl": frontier_gold_at(ppo_env, best["kl"]),
+            "implicit_accuracy": [p.get("implicit_accuracy") for p in mine],
+            "raises_gold_every_beta": all(p["gold"] > sft["gold"] for p in mine)}
+    summary = {"sft": {k: v for k, v in sft.items() if k != "samples"}, "points": points,
+               "methods": by_method, "seconds": round(time.time() - t0, 1)}
+    run.write_summary(summary)
+    _plot(root / "plots" / "frontier.png", points, sft)
+    report = _report(cfg, summary)
+    (root / "report.md").write_text(report)
+    if cfg.publish_dir:
+        pub = Path(cfg.publish_dir)
+        pub.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / "plots" / "frontier.png", pub / "frontier.png")
+        (pub / "README.md").write_text(report)
+        (pub / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    run.close()
+    return summary
+
+
+def _plot(path: Path, points: list[dict], sft: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    labels = [m for m in dict.fromkeys(p["method"] for p in points) if m != "SFT"]
+    markers = "osD^v<>Xp*"
+    for k, label in enumerate(labels):
+        pts = sorted((p["kl"], p["gold"]) for p in points if p["method"] == label)
+        xs, ys = zip(*pts)
+        style = "k-" if label == "PPO" else ""
+        ax.plot(xs, ys, style or markers[k % len(markers)], ms=5, label=label, alpha=0.85,
+                color=None if label != "PPO" else "black")
+        if label == "PPO":
+            env = upper_envelope(pts)
+            ax.plot(*zip(*env), "k--", lw=1, label="PPO frontier")
+    ax.scatter([sft["kl"]], [sft["gold"]], marker="*", s=120, color="grey", label="SFT", zorder=5)
+    ax.set(xlabel="KL(π ‖ π_SFT) per completion (nats)", ylabel="gold reward (held-out prompts)",
+           title="Reward–KL frontier on the gold-reward world")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _report(cfg: FrontierConfig, s: dict) -> str:
+    sft = s["sft"]
+    lines = ["# Reward–KL frontier: offline preference methods vs PPO (gold-reward world)", "",
+             f"Regenerate: `tether study frontier publish_dir=benchmarks/frontier` (seed {cfg.seed}; "
+             f"{s['seconds']:.0f} s on this machine, reusing the over-optimization study's world and PPO runs).", "",
+             f"SFT policy: gold {sft['gold']:.3f}, length {sft['length']:.1f} words.", "",
+             "| method | best β | gold | gain over SFT | win-rate vs SFT | KL | PPO gold at ≤ same KL | "
+             "gold > SFT at every β | held-out implicit-reward accuracy (per β) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, m in s["methods"].items():
+        acc = ", ".join("–" if a is None else f"{a:.3f}" for a in m["implicit_accuracy"])
+        lines.append(f"| {label} | {m['best_beta']} | {m['best_gold']:.3f} | {m['gold_gain_over_sft']:+.3f} | "
+                     f"{m['win_rate_at_best']:.3f} | {m['kl_at_best']:.2f} | {m['ppo_gold_at_same_kl']:.3f} | "
+                     f"{'yes' if m['raises_gold_every_beta'] else 'no'} | {acc} |")
+    lines += ["", "All points (method, β, KL, gold, win-rate):", "",
+              "| method | β | step | KL | gold | win-rate | length |", "|---|---|---|---|---|---|---|"]
+    for p in s["points"]:
+        lines.append(f"| {p['method']} | {p.get('beta')} | {p.get('step', '')} | {p['kl']:.2f} | {p['gold']:.3f} | "
+                     f"{p['win_rate']:.3f} | {p['length']:.1f} |")
+    lines += ["", "Figure: frontier.png.", ""]
+    return "\n".join(lines)
