@@ -62,6 +62,10 @@ def load_reward(spec: str | RewardFn, **options) -> RewardFn:
             return builtins[spec](**options)
         except TypeError as e:
             raise UserError(f"reward {spec!r}: bad options {sorted(options)}: {e}") from None
+    if spec.startswith("rm:"):  # learned reward model(s): 'rm:<path>[,<path>...][?aggregate=min&k=1]'
+        from tether.rewards.learned import LearnedReward, parse_rm_spec  # imports torch: lazily
+        paths, opts = parse_rm_spec(spec)
+        return LearnedReward(paths, **{**opts, **options})
     if ":" not in spec:
         raise UserError(f"reward {spec!r} is neither a built-in ({', '.join(sorted(builtins))}) "
                         f"nor 'module:function'")
