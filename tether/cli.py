@@ -20,8 +20,22 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
             "supervised fine-tuning: language modelling or prompt->completion (completion-only loss)"),
     "grpo": ("tether.trainers.online", "GRPOConfig", "train_grpo",
              "online RL, critic-free family: GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, GSPO, DAPO clip-higher"),
+    "rloo": ("tether.trainers.online", "RLOOConfig", "train_grpo", "the grpo loop preset to RLOO: leave-one-out baseline, k1 KL in the reward"),
+    "remax": ("tether.trainers.online", "ReMaxConfig", "train_grpo", "the grpo loop preset to ReMax: one sample + greedy baseline per prompt, KL in the reward"),
     "ppo": ("tether.trainers.ppo", "PPOConfig", "train_ppo",
             "PPO-RLHF: policy + frozen reference + reward model(s) + value model, GAE, KL in the reward"),
+    "study overoptimization": ("tether.studies.overoptimization", "OveroptimizationConfig", "run_overoptimization",
+                               "gold-reward lab: proxy RM, PPO β sweep and best-of-n vs a known gold reward"),
+    "study frontier": ("tether.studies.frontier", "FrontierConfig", "run_frontier",
+                       "reward-KL frontier of DPO/cDPO/rDPO/IPO/hinge/KTO/SimPO/ORPO vs PPO on the gold-reward world"),
+    "dpo": ("tether.trainers.offline", "DPOConfig", "train_offline", "offline preference: DPO, cDPO, rDPO, IPO, hinge (loss=...)"),
+    "kto": ("tether.trainers.offline", "KTOConfig", "train_offline", "KTO on unpaired labelled completions (pairs are split)"),
+    "simpo": ("tether.trainers.offline", "SimPOConfig", "train_offline", "SimPO: reference-free, length-normalized, margin γ"),
+    "orpo": ("tether.trainers.offline", "ORPOConfig", "train_offline", "ORPO: SFT + odds-ratio preference term, no reference"),
+    "rm": ("tether.trainers.rm", "RMConfig", "train_rm",
+           "reward model: Bradley-Terry on preference pairs (margin, centering; ensembles = runs by seed)"),
+    "bon": ("tether.trainers.best_of_n", "BoNConfig", "run_bon",
+            "best-of-n sampling with any reward (gold vs proxy vs KL_BoN); rft=true fine-tunes on the best"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",
                "estimate GPU memory per component for an algorithm and model size"),
 }
@@ -61,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tether {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
+    if name == "study" and rest and not rest[0].startswith("-") and "=" not in rest[0]:
+        name, rest = f"study {rest[0]}", rest[1:]  # studies are two-word commands
     if name not in COMMANDS:
         print(f"tether: unknown command '{name}'; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

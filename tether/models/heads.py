@@ -92,10 +92,10 @@ class ScalarHeadModel(nn.Module):
         return values.gather(-1, idx[:, None]).squeeze(-1)
 
     # -- persistence -----------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> None:
+    def save_pretrained(self, out_dir: str | Path, tokenizer=None, **_) -> None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.body.save_pretrained(out_dir, safe_serialization=True)
+        self.body.save_pretrained(out_dir, safe_serialization=True)  # (RunDir passes kwargs too)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
         save_file({"weight": self.head.weight.detach().float().cpu().contiguous(),

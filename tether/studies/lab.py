@@ -6,7 +6,6 @@ Distances follow Gao et al.: d = √KL(π ‖ π_init), KL in nats per completio
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -82,35 +81,16 @@ def evaluate_policy(policy_path, ref_path, world, prompts: list[str], n: int = 8
 
 
 def best_of_n_curve(proxy: np.ndarray, gold: np.ndarray, ns: list[int]) -> dict[int, dict]:
-    """Expected proxy and gold reward of best-of-n (selected by proxy) for each n, exactly, from
-    K ≥ n samples per prompt: arrays [prompts, K].
+    """Expected proxy and gold reward of best-of-n (selected by proxy) for each n, averaged over
+    prompts: arrays [prompts, K], K ≥ n samples each. Exact over all n-subsets of the K samples
+    (tether.trainers.best_of_n.bon_curve), so one sampling pass gives the whole curve."""
+    from tether.trainers.best_of_n import bon_curve
 
-    Drawing n of the K samples without replacement and keeping the proxy-argmax, the sample of
-    proxy rank i (1 = lowest) is kept with probability C(i−1, n−1) / C(K, n). Averaging over all
-    subsets uses every sample, so the curve has far less variance than resampling would.
-    """
-    P, K = proxy.shape
-    order = np.argsort(proxy, axis=1, kind="stable")
-    sp = np.take_along_axis(proxy, order, 1)
-    sg = np.take_along_axis(gold, order, 1)
-    out = {}
-    for n in ns:
-        if n > K:
-            raise ValueError(f"best_of_n_curve: n={n} needs at least n samples per prompt, have {K}")
-        i = np.arange(1, K + 1)
-        # log C(i−1, n−1) − log C(K, n), zero weight where i < n
-        logw = np.full(K, -np.inf)
-        ok = i >= n
-        logw[ok] = (_lchoose(i[ok] - 1, n - 1) - _lchoose(K, n))
-        w = np.exp(logw)
-        out[n] = {"proxy": float((sp * w).sum(1).mean()), "gold": float((sg * w).sum(1).mean()),
-                  "kl": best_of_n_kl(n)}
-    return out
-
-
-def _lchoose(a, b):
-    a = np.asarray(a, dtype=float)
-    return np.vectorize(math.lgamma)(a + 1) - math.lgamma(b + 1) - np.vectorize(math.lgamma)(a - b + 1)
+    if max(ns) > proxy.shape[1]:
+        raise ValueError(f"best_of_n_curve: n={max(ns)} needs at least n samples per prompt, have {proxy.shape[1]}")
+    per_prompt = [bon_curve(p, g, ns) for p, g in zip(proxy, gold)]
+    return {n: {"proxy": float(np.mean([c[n][0] for c in per_prompt])),
+                "gold": float(np.mean([c[n][1] for c in per_prompt])), "kl": best_of_n_kl(n)} for n in ns}
 
 
 def _fit(features: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:

@@ -1,13 +1,16 @@
 """Online RL, the critic-free family: GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++ (+ GSPO, clip-higher).
 
 The loop, top to bottom (docs/grpo.md):
-    load model (+ a frozen reference copy when beta > 0) + tokenizer -> load and encode prompt rows
+    load model (+ LoRA adapters) + the reference when beta > 0 (a frozen copy; under LoRA the same
+       model with its adapters disabled) + tokenizer -> load and encode prompt rows
     -> for each step: draw `batch_size` prompts, sample `num_generations` completions of each
        (tether.rollout: exact per-token log-probs come with the tokens)
-    -> score every completion with the reward functions (weighted sum; None = skipped)
-    -> advantages from the registry (tether.objectives.ADVANTAGE_ESTIMATORS), within each group
+    -> score every completion with the reward functions (weighted sum; None = skipped), + DAPO's
+       overlong shaping; with dynamic sampling drop zero-variance groups and refill (online_sampling)
+    -> advantages from the registry (tether.objectives.ADVANTAGE_ESTIMATORS), within each group,
+       of the score, or of score − β·Σ k1 when the KL goes in the reward (kl_in=reward)
     -> `num_iterations` (μ) optimizer updates on that batch with the clipped surrogate
-       (objectives.policy_loss), + β·k3 KL to the reference in the loss
+       (objectives.policy_loss), + β·k3 KL to the reference in the loss (kl_in=loss)
     -> log (TRL's metric names) / samples / checkpoint (exactly resumable).
 
 Old log-probs: with μ = 1 the ratio's denominator is the sampler's own log-probs (same weights,
@@ -22,7 +25,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -31,14 +34,16 @@ from tether.errors import NonFiniteLossError, UserError
 from tether.models import load_model, load_tokenizer
 from tether.objectives import (ADVANTAGE_ESTIMATORS, compute_advantages, entropy_from_logits,
                                group_stats, policy_loss, token_logps)
+from tether.objectives.policy import kl_penalized_rewards
 from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
                                     save_training)
-
-RewardFn = Callable[..., list]
+from tether.trainers.online_rewards import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
+                                            score, score_rollout)
+from tether.trainers.online_sampling import collect
 
 
 @dataclass
@@ -89,13 +94,23 @@ class GRPOConfig:
     importance_level: Literal["token", "sequence"] = "token"
     "per-token ratios (PPO/GRPO) or one sequence ratio (GSPO: use clip 3e-4/4e-4)"
     beta: float = 0.0
-    "k3 KL-to-reference coefficient in the loss (0 = no reference model is loaded)"
+    "KL-to-reference coefficient (0 = no reference model is loaded); where it goes: kl_in"
+    kl_in: Literal["loss", "reward"] = "loss"
+    "'loss': + β·k3 per token in the loss (GRPO); 'reward': − β·k1 per token in the reward (PPO, RLOO, REINFORCE++)"
     num_iterations: int = 1
     "μ: optimizer updates per sampled batch (>1 recomputes old log-probs once per batch)"
     micro_batch_size: int = 0
     "sequences per forward/backward (0 = the whole batch at once)"
     mask_truncated_completions: bool = False
     "exclude completions cut at max_new_tokens from the loss (DAPO)"
+    overlong_buffer: int = 0
+    "DAPO soft overlong punishment: the reward ramps down over the last N tokens before max_new_tokens (0 = off)"
+    overlong_penalty: float = 1.0
+    "the overlong punishment at max_new_tokens (it is 0 at max_new_tokens − overlong_buffer)"
+    dynamic_sampling: bool = False
+    "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill the batch"
+    max_sampling_rounds: int = 3
+    "dynamic sampling: most rounds of batch_size prompts per step (then the step trains on what it has)"
     max_steps: int = 100
     "steps (sampled batches) to run"
     lr: float = 1e-6
@@ -120,6 +135,14 @@ class GRPOConfig:
     "attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2)"
     gradient_checkpointing: bool = False
     "recompute activations in backward to save memory"
+    lora_r: int = 0
+    "LoRA rank (0 = full fine-tuning); the reference is then the base with adapters disabled (no copy)"
+    lora_alpha: int = 16
+    "LoRA scaling numerator (the update is scaled by alpha / r)"
+    lora_dropout: float = 0.0
+    "dropout on the LoRA input"
+    lora_targets: str = "all-linear"
+    "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
     log_entropy: bool = True
     "log the policy's mean token entropy over completions (one extra pass over the logits)"
     log_every: int = 1
@@ -148,43 +171,42 @@ class GRPOConfig:
             raise ValueError("temperature must be > 0 (RL needs sampled completions)")
         if len(self.adam_betas) != 2:
             raise ValueError("adam_betas must be two numbers")
+        if not 0 <= self.overlong_buffer < self.max_new_tokens:
+            raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
+        if self.dynamic_sampling and (self.num_generations < 2 or self.max_sampling_rounds < 1):
+            raise ValueError("dynamic_sampling needs num_generations >= 2 and max_sampling_rounds >= 1")
 
 
-# ---- reward functions ---------------------------------------------------------------------------
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """`tether rloo`: REINFORCE leave-one-out (Ahmadian et al. 2024) with a per-token k1 KL penalty
+    in the reward, as TRL's RLOOTrainer (whose defaults beta=0.05 these follow)."""
+    name: str = "rloo"
+    "run name: everything is written to <runs_dir>/<name>/"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline"] = "rloo"
+    "advantage estimator: rloo = r_i − mean of the other completions of the same prompt"
+    beta: float = 0.05
+    "KL-to-reference coefficient (0 = no reference model is loaded)"
+    kl_in: Literal["loss", "reward"] = "reward"
+    "'reward': − β·k1 per token in the reward (RLOO); 'loss': + β·k3 in the loss"
 
-def resolve_reward_funcs(specs: Sequence) -> list[RewardFn]:
-    """Callables pass through; strings are built-in names ('math', 'arithmetic', 'format',
-    'length_penalty', 'code') or 'module:function' (tether.rewards.load_reward)."""
-    from tether.rewards import load_reward
 
-    return [load_reward(s) for s in specs]
-
-
-def _fn_name(fn) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def score(funcs: list[RewardFn], weights: list[float], rows: list[dict], texts: list[str],
-          completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every function on every completion → (per-function rewards [N, F] with NaN for None,
-    weighted reward [N] = Σ_f w_f r_f over the functions that scored it; NaN if none did)."""
-    prompts = [r["prompt"] for r in rows]
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
-    per_fn = torch.full((len(rows), len(funcs)), float("nan"))
-    for j, fn in enumerate(funcs):
-        try:
-            out = fn(prompts=prompts, completions=texts, completion_ids=completion_ids, **columns)
-        except Exception as e:
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise UserError(f"reward function {_fn_name(fn)!r} failed: {type(e).__name__}: {first}") from e
-        if len(out) != len(rows):
-            raise UserError(f"reward function {_fn_name(fn)!r} returned {len(out)} rewards "
-                             f"for {len(rows)} completions")
-        per_fn[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in out])
-    w = torch.tensor(weights, dtype=per_fn.dtype)
-    scored = ~per_fn.isnan()
-    total = torch.where(scored, per_fn * w, 0.0).sum(1)
-    return per_fn, torch.where(scored.any(1), total, float("nan"))
+@dataclass
+class ReMaxConfig(GRPOConfig):
+    """`tether remax`: REINFORCE with the greedy completion's reward as baseline (Li et al. 2023):
+    one sample per prompt (no group), one extra greedy rollout per prompt, KL in the reward."""
+    name: str = "remax"
+    "run name: everything is written to <runs_dir>/<name>/"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline"] = "remax"
+    "advantage estimator: remax = r_i − r(greedy completion of the same prompt)"
+    num_generations: int = 1
+    "completions sampled per prompt (ReMax needs no group: the greedy completion is the baseline)"
+    batch_size: int = 64
+    "prompts per step (as many sequences as GRPO's 8 × 8, plus as many greedy ones)"
+    beta: float = 0.05
+    "KL-to-reference coefficient (0 = no reference model is loaded)"
+    kl_in: Literal["loss", "reward"] = "reward"
+    "'reward': − β·k1 per token in the reward (ReMax, as RLHF-PPO); 'loss': + β·k3 in the loss"
 
 
 # ---- one forward: per-token log-probs aligned with input_ids ------------------------------------
@@ -232,7 +254,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     weights = list(reward_weights if reward_weights is not None else cfg.reward_weights) or [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise UserError(f"grpo: {len(weights)} reward_weights for {len(funcs)} reward functions")
-    names = [_fn_name(f) for f in funcs]
+    names = [fn_name(f) for f in funcs] + (["overlong_penalty"] if cfg.overlong_buffer else [])
 
     run_path = Path(cfg.runs_dir) / cfg.name
     ckpt = latest_checkpoint(run_path) if cfg.resume else None
@@ -242,20 +264,35 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                                   tokenizer, cfg.max_prompt_length, cfg.truncation, source=cfg.data)
     if not rows:
         raise UserError(f"grpo: no prompts left in {cfg.data} after encoding")
-    model = load_model(str(ckpt) if ckpt else cfg.model, dtype=cfg.dtype, device=cfg.device,
-                       attn_implementation=cfg.attn_implementation)
+    if cfg.lora_r > 0:  # the base always comes from cfg.model; a checkpoint holds the adapter only
+        from tether.trainers.sft import apply_lora
+        model = apply_lora(load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                      attn_implementation=cfg.attn_implementation), cfg, ckpt)
+    else:
+        model = load_model(str(ckpt) if ckpt else cfg.model, dtype=cfg.dtype, device=cfg.device,
+                           attn_implementation=cfg.attn_implementation)
     device = next(model.parameters()).device
+    amp = autocast_context(device, cfg.mixed_precision)
+    # The reference is the *initial* policy, also on resume. Under LoRA that is the base model under
+    # the adapters, so it is the same module with its adapters disabled: no second copy of the weights.
     ref_model = None
-    if cfg.beta > 0:  # the reference is the *initial* policy, also on resume
+    if cfg.beta > 0 and cfg.lora_r == 0:
         ref_model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                attn_implementation=cfg.attn_implementation) if ckpt else copy.deepcopy(model)
         ref_model.eval().requires_grad_(False)
+
+    def ref_logps(mb):
+        if ref_model is not None:
+            return _forward_logps(ref_model, mb, cfg.temperature, amp)[0]
+        with model.disable_adapter():
+            return _forward_logps(model, mb, cfg.temperature, amp)[0]
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if cfg.lora_r > 0:  # frozen embeddings: inputs must require grad for checkpointed blocks
+            model.enable_input_require_grads()
     model.train()
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.log_with)
-    amp = autocast_context(device, cfg.mixed_precision)
 
     updates = cfg.max_steps * cfg.num_iterations
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, betas=tuple(cfg.adam_betas))
@@ -278,39 +315,32 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     bar = Progress(cfg.max_steps, step, cfg.name, enabled=cfg.progress and run.is_main)
     history: list[float] = []
     last: dict = {}
+
+    def next_prompts():
+        return [rows[i] for i in prompt_order.next()]
+
+    def sample(prompt_ids, seed):
+        return sampler.sample(prompt_ids, n=G, seed=seed)
+
+    def scorer(seq_rows, ro):
+        return score_rollout(funcs, weights, seq_rows, ro, cfg)
+
     while step < cfg.max_steps:
         t_step = time.perf_counter()
-        # 1. sample: G completions per prompt; the seed is a function of (seed, step) so a resumed
-        #    run draws the same completions as an uninterrupted one.
-        batch_rows = [rows[i] for i in prompt_order.next()]
-        ro = sampler.sample([r["prompt_ids"] for r in batch_rows], n=G,
-                            seed=cfg.seed * 1_000_003 + step)
-        seq_rows = [batch_rows[i // G] for i in range(len(ro))]
-        comp_ids = [ids[m].tolist() for ids, m in zip(ro.completion_ids, ro.completion_mask)]
-
-        # 2. score (None = skipped: such a completion leaves its group and the loss)
-        per_fn, rewards = score(funcs, weights, seq_rows, ro.texts, comp_ids)
-        valid = ~rewards.isnan()
+        # 1-2. sample G completions per prompt and score them (+ overlong shaping). The seed is a
+        #    function of (seed, step) so a resumed run draws the same completions. Dynamic sampling
+        #    drops groups with no reward variance and samples more prompts (online_sampling.collect).
+        b = collect(sample, next_prompts, scorer, cfg.batch_size, G, seed=cfg.seed * 1_000_003 + step,
+                    dynamic=cfg.dynamic_sampling, max_rounds=cfg.max_sampling_rounds)
+        ro, rewards, seq_rows = b.rollout, b.rewards, b.seq_rows
+        valid = ~rewards.isnan()  # None from every function = skipped: out of its group and the loss
         tb = {k: v.to(device) for k, v in ro.training_batch().items()}
         mask = tb["completion_mask"] & valid.to(device).unsqueeze(1)
         truncated = torch.tensor([f == "length" for f in ro.finish_reasons])
         if cfg.mask_truncated_completions:
             mask &= ~truncated.to(device).unsqueeze(1)
 
-        # 3. advantages within each prompt's group, over the scored completions only
-        adv = torch.zeros(len(ro), mask.shape[1], device=device)
-        if valid.any():
-            kw = {"scale": cfg.scale_rewards} if cfg.advantage == "grpo" else {}
-            if cfg.advantage == "remax":
-                greedy = sampler.sample([r["prompt_ids"] for r in batch_rows], n=1, temperature=0.0)
-                g_ids = [ids[m].tolist() for ids, m in zip(greedy.completion_ids, greedy.completion_mask)]
-                kw["greedy_rewards"] = torch.nan_to_num(
-                    score(funcs, weights, batch_rows, greedy.texts, g_ids)[1])[ro.group][valid]
-            a = compute_advantages(cfg.advantage, rewards[valid].to(device), ro.group[valid].to(device),
-                                   mask[valid.to(device)], **kw)
-            adv[valid.to(device)] = (a.unsqueeze(1) if a.dim() == 1 else a).expand(-1, mask.shape[1]).float()
-
-        # 4. old / reference log-probs (no grad)
+        # 3. old / reference log-probs (no grad)
         parts = _slices(len(ro), cfg.micro_batch_size)
         n_tok = int(mask.sum())
         with torch.no_grad():
@@ -319,9 +349,27 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 old = torch.cat([_forward_logps(model, {k: v[s] for k, v in tb.items()},
                                                 ro.logprob_temperature, amp)[0].float() for s in parts])
             ref = None
-            if ref_model is not None:
-                ref = torch.cat([_forward_logps(ref_model, {k: v[s] for k, v in tb.items()},
-                                                ro.logprob_temperature, amp)[0].float() for s in parts])
+            if cfg.beta > 0:
+                ref = torch.cat([ref_logps({k: v[s] for k, v in tb.items()}).float() for s in parts])
+
+        # 4. advantages within each prompt's group, over the scored completions only. KL in the
+        #    reward: r_t = −β·(log π_old − log π_ref)_t + [t = last]·R (k1, as PPO/REINFORCE++);
+        #    group estimators take its sequence sum R − β·Σ_t k1_t, REINFORCE++ the token rewards.
+        adv = torch.zeros(len(ro), mask.shape[1], device=device)
+        r, kl_pen = rewards.to(device), None
+        if cfg.kl_in == "reward" and ref is not None:
+            tok_r = kl_penalized_rewards(torch.nan_to_num(r), old, ref, tb["completion_mask"], cfg.beta)
+            kl_pen = torch.where(tb["completion_mask"], tok_r, 0.0).sum(1) - torch.nan_to_num(r)
+            r = tok_r if cfg.advantage.startswith("reinforce_pp") else r + kl_pen
+        vd = valid.to(device)
+        if valid.any():
+            kw = {"scale": cfg.scale_rewards} if cfg.advantage == "grpo" else {}
+            if cfg.advantage == "remax":
+                greedy = sampler.sample([p["prompt_ids"] for p in b.prompt_rows], n=1, temperature=0.0)
+                kw["greedy_rewards"] = torch.nan_to_num(
+                    scorer(b.prompt_rows, greedy)[1])[ro.group][valid].to(device)
+            a = compute_advantages(cfg.advantage, r[vd], ro.group[valid].to(device), mask[vd], **kw)
+            adv[vd] = (a.unsqueeze(1) if a.dim() == 1 else a).expand(-1, mask.shape[1]).float()
 
         # 5. μ updates on this batch
         stats: dict[str, float] = {}
@@ -334,7 +382,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                                             want_entropy=cfg.log_entropy and it == 0)
                 loss, m = policy_loss(logps, old[s], adv[s], mask[s], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, agg=cfg.loss_agg,
-                                      ref_logps=None if ref is None else ref[s], beta=cfg.beta,
+                                      ref_logps=None if ref is None else ref[s],
+                                      beta=cfg.beta if cfg.kl_in == "loss" else 0.0,
                                       importance_level=cfg.importance_level,
                                       norm_length=cfg.max_new_tokens)
                 w = _agg_weight(mask, s, cfg.loss_agg, n_tok)
@@ -358,24 +407,27 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             stats.update({**acc, "loss": loss_value, "grad_norm": grad_norm})
         step += 1
 
-        # 6. metrics, TRL's names
-        gs = group_stats(torch.nan_to_num(rewards[valid]), ro.group[valid]) if valid.any() else None
+        # 6. metrics, TRL's names; the reward statistics are over everything sampled this step
+        #    (with dynamic sampling the kept groups are a biased subset), the rest over the trained batch
+        sr, sv = b.sampled_rewards, ~b.sampled_rewards.isnan()
+        gs = group_stats(torch.nan_to_num(sr[sv]), b.sampled_groups[sv]) if sv.any() else None
         lengths = ro.lengths.float()
         dt = time.perf_counter() - t_step
-        mean_reward = float(rewards[valid].mean()) if valid.any() else float("nan")
+        mean_reward = float(sr[sv].mean()) if sv.any() else float("nan")
         history.append(mean_reward)
         last = {"reward": mean_reward,
                 "reward_std": float(gs["std"].mean()) if gs else float("nan"),
                 "frac_reward_zero_std": float(gs["constant"].float().mean()) if gs else float("nan"),
-                **{f"rewards/{n}/mean": float(per_fn[:, j].nanmean()) for j, n in enumerate(names)},
-                "frac_skipped": float((~valid).float().mean()),
+                **{f"rewards/{n}/mean": float(b.sampled_per_fn[:, j].nanmean()) for j, n in enumerate(names)},
+                **({"rewards/kl_penalty/mean": float(kl_pen[vd].mean())} if kl_pen is not None and valid.any() else {}),
+                **b.metrics, "frac_skipped": float((~valid).float().mean()),
                 "completions/mean_length": float(lengths.mean()),
                 "completions/min_length": float(lengths.min()),
                 "completions/max_length": float(lengths.max()),
                 "completions/clipped_ratio": float(truncated.float().mean()),
                 **stats, "lr": scheduler.get_last_lr()[0], "skipped_steps": skipped,
                 "epoch": prompt_order.epoch, "step_time": dt,
-                "tokens_per_second": float(lengths.sum()) / dt,
+                "tokens_per_second": b.sampled_tokens / dt,
                 "rollout/tokens_per_second": ro.stats.get("tokens_per_s", 0.0),
                 "rollout/seconds": ro.stats.get("total_s", 0.0)}
         if step % cfg.log_every == 0 or step == cfg.max_steps:

@@ -1,0 +1,259 @@
+"""One GRPO step, ours (`tether grpo`) vs TRL's `GRPOTrainer`: same model, same prompts, same config.
+
+    python bench/grpo_step.py                   # CPU: tiny Qwen2 model, 2 prompts x 4 generations x 16 tokens
+    python bench/grpo_step.py --device cuda     # GPU: random-init Qwen2.5-0.5B shape, 8 x 8, 128 + 256 tokens
+
+A step = sample `generations` completions of each of `prompts` prompts, score them, one optimizer
+update (token-mean loss: ours `loss_agg=token-mean`, TRL `loss_type="dapo"`; group-std advantages;
+β = 0 so no reference model on either side; micro-batches of `--micro-batch` sequences, TRL as
+per_device_train_batch_size with gradient_accumulation_steps = prompts·generations / micro-batch,
+which makes it generate the whole batch once per optimizer step). Weights are bf16 on CUDA on both
+sides (TRL with `bf16=True`), fp32 on CPU.
+
+Lengths are forced equal: the tokenizer's EOS is an id outside the model's vocabulary, so it is
+never sampled and every completion runs to --new-tokens on both sides (checked from the logged
+mean lengths). Prompts are --prompt-len random word-level tokens ("<123> <9> ..."), no BOS.
+Timing: wall time of each optimizer step (TRL: on_step_begin -> on_step_end, CUDA-synchronized;
+ours: `step_time` from metrics.jsonl, measured the same way around the whole step), median over
+the steps after --warmup. Peak memory (CUDA) is the allocator's peak *reserved* bytes over the whole
+training call (model already on the GPU for TRL; loaded inside the call for ours), cache emptied
+first. Prints a markdown section and appends it to benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout import QWEN05, device_name  # noqa: E402
+
+TINY = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True, rope_theta=1e6,
+            max_position_embeddings=4096)
+
+
+def build(kind: str, out: Path) -> int:
+    """Save a random-init Qwen2 model (bf16 for qwen0.5b) and a word-level tokenizer over its
+    vocabulary ("<0>" ... "<V-1>", plus an EOS outside it) to `out`; returns the vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    shape = QWEN05 if kind == "qwen0.5b" else TINY
+    V = shape["vocab_size"]
+    cfg = Qwen2Config(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if kind == "qwen0.5b" else torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out)
+    # "<i>", not "ti": special tokens are matched as substrings first, and "t1" is inside "t15"
+    vocab = {f"<{i}>": i for i in range(V)}
+    vocab["<eos>"] = V  # never sampled: the model has V logits
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<1>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<0>", unk_token="<1>")
+    fast.model_max_length = 1 << 20
+    fast.save_pretrained(out)
+    return V
+
+
+def make_prompts(n: int, length: int, vocab: int) -> list[str]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, vocab, (n, length), generator=g)
+    return [" ".join(f"<{i}>" for i in row.tolist()) for row in ids]
+
+
+def reward(completions, **_):
+    """Cheap and varied (so advantages are non-zero): the completion's text length mod 7."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def reset_peak(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb(device):
+    return torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None
+
+
+def load_tok(model_dir: Path):
+    """The word-level tokenizer itself: AutoTokenizer would see model_type qwen2 in config.json and
+    rebuild it as a (byte-level BPE) Qwen2Tokenizer, which cannot encode "<123>"."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tok.padding_side = "right"
+    return tok
+
+
+def run_ours(a, model_dir: Path, prompts: list[str], work: Path) -> dict:
+    from tether.trainers import online
+    from tether.trainers.online import GRPOConfig, train_grpo
+
+    online.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok
+
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    cfg = GRPOConfig(model=str(model_dir), data=str(data), name="ours", runs_dir=str(work / "runs"),
+                     batch_size=a.prompts, num_generations=a.generations, max_new_tokens=a.new_tokens,
+                     max_prompt_length=a.prompt_len, max_steps=a.warmup + a.steps, lr=1e-6,
+                     loss_agg="token-mean", advantage="grpo", beta=0.0, temperature=1.0,
+                     micro_batch_size=a.micro_batch, dtype="bf16" if a.device == "cuda" else "fp32",
+                     device=a.device, progress=False, log_entropy=True, keep_last=1, seed=0)
+    reset_peak(a.device)
+    t0 = time.perf_counter()
+    train_grpo(cfg, reward_funcs=[reward])
+    total = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()]
+    warm = rows[a.warmup:]
+    return dict(first_s=rows[0]["step_time"], step_s=statistics.median(r["step_time"] for r in warm),
+                peak_gb=peak_gb(a.device), total_s=total,
+                mean_length=statistics.mean(r["completions/mean_length"] for r in rows),
+                rollout_s=statistics.median(r["rollout/seconds"] for r in warm),
+                mismatch_max=max(r.get("sampling/sampling_logp_difference/max", 0.0) for r in warm))
+
+
+def run_trl(a, model_dir: Path, prompts: list[str], work: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    dev = a.device
+    n_seq = a.prompts * a.generations
+    if n_seq % a.micro_batch:
+        raise SystemExit(f"--micro-batch {a.micro_batch} must divide prompts x generations = {n_seq}")
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t)
+
+    tok = load_tok(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+    model.to(dev)
+    args = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=n_seq // a.micro_batch, num_generations=a.generations,
+        max_completion_length=a.new_tokens, max_steps=a.warmup + a.steps, learning_rate=1e-6,
+        beta=0.0, loss_type="dapo", scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
+        num_iterations=1, bf16=dev == "cuda", use_cpu=dev == "cpu", logging_steps=1,
+        report_to="none", save_strategy="no", log_completions=False, shuffle_dataset=False,
+        gradient_checkpointing=False, dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                          callbacks=[timer])
+    reset_peak(dev)
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    out = dict(first_s=timer.times[0], step_s=statistics.median(timer.times[a.warmup:]),
+               peak_gb=peak_gb(dev), total_s=total,
+               mean_length=statistics.mean(h["completions/mean_length"] for h in logs) if logs else None)
+    del trainer, model
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default=None, help="tiny | qwen0.5b (default: tiny on CPU, qwen0.5b on CUDA)")
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--generations", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (both sides)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
+    ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    a = ap.parse_args(argv)
+    gpu = a.device == "cuda"
+    kind = a.model or ("qwen0.5b" if gpu else "tiny")
+    a.prompts = a.prompts or (8 if gpu else 2)
+    a.generations = a.generations or (8 if gpu else 4)
+    a.prompt_len = a.prompt_len or (128 if gpu else 16)
+    a.new_tokens = a.new_tokens or (256 if gpu else 16)
+    a.micro_batch = a.micro_batch or (8 if gpu else 4)
+    a.steps = a.steps or (3 if gpu else 2)
+    if a.threads or not gpu:
+        torch.set_num_threads(a.threads or 1)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        vocab = build(kind, work / "model")
+        prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
+        results["ours"] = run_ours(a, work / "model", prompts, work / "ours")
+        print(f"ours: {json.dumps(results['ours'])}", flush=True)
+        if not a.skip_trl:
+            try:
+                import trl  # noqa: F401
+            except ImportError:
+                print("trl is not importable: skipping TRL (pip install trl)", flush=True)
+            else:
+                results["trl"] = run_trl(a, work / "model", prompts, work / "trl")
+                print(f"trl: {json.dumps(results['trl'])}", flush=True)
+    table = render(results, kind, a)
+    print(table)
+    with open(a.results, "a") as f:
+        f.write(table + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": results, "args": vars(a)}, indent=1))
+
+
+def render(results, kind, a) -> str:
+    date = datetime.date.today().isoformat()
+    cmd = "python bench/grpo_step.py " + " ".join(sys.argv[1:])
+    try:
+        import trl
+        trl_v = f", trl {trl.__version__}"
+    except ImportError:
+        trl_v = ""
+    n_tok = a.prompts * a.generations * a.new_tokens
+    lines = [f"## grpo step: ours vs TRL GRPOTrainer — {kind}, {a.prompts} prompts × {a.generations} "
+             f"generations, {a.prompt_len}-token prompts, {a.new_tokens} new tokens",
+             "", f"Card: {device_name(a.device)}. Date: {date}. torch {torch.__version__}, transformers "
+             f"{__import__('transformers').__version__}{trl_v}. Micro-batch {a.micro_batch}, median of "
+             f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",
+             "| trainer | s/step | first step (s) | completion tokens/s | peak mem (GB) | mean length | speed-up |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    trl_r = results.get("trl")
+    for name, r in results.items():
+        up = f"{trl_r['step_s'] / r['step_s']:.1f}×" if trl_r and name == "ours" else ""
+        peak = f"{r['peak_gb']:.2f}" if r.get("peak_gb") else "—"
+        length = f"{r['mean_length']:.1f}" if r.get("mean_length") is not None else "—"
+        lines.append(f"| {name} | {r['step_s']:.3f} | {r['first_s']:.2f} | {n_tok / r['step_s']:,.0f} | "
+                     f"{peak} | {length} | {up} |")
+    o = results["ours"]
+    notes = [f"- ours: rollout {o['rollout_s']:.3f} s of the step; sampler–trainer max |Δ log-prob| "
+             f"{o['mismatch_max']:.2e}"]
+    return "\n".join(lines + [""] + notes + [""])
+
+
+if __name__ == "__main__":
+    main()

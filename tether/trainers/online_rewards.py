@@ -1,0 +1,79 @@
+"""Scoring for the online trainer: reward functions -> one scalar per completion (+ DAPO overlong shaping).
+
+    per_fn, rewards = score(funcs, weights, rows, texts, completion_ids)      # [N, F], [N]; NaN = skipped
+    rewards += overlong_penalty(lengths, max_new_tokens, buffer, coef)        # DAPO eq. 13, ≤ 0
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from tether.errors import UserError
+
+RewardFn = Callable[..., list]
+
+
+def resolve_reward_funcs(specs: Sequence) -> list[RewardFn]:
+    """Callables pass through; strings are built-in names ('math', 'arithmetic', 'format',
+    'length_penalty', 'code') or 'module:function' (tether.rewards.load_reward)."""
+    from tether.rewards import load_reward
+
+    return [load_reward(s) for s in specs]
+
+
+def fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def score(funcs: list[RewardFn], weights: list[float], rows: list[dict], texts: list[str],
+          completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every function on every completion → (per-function rewards [N, F] with NaN for None,
+    weighted reward [N] = Σ_f w_f r_f over the functions that scored it; NaN if none did)."""
+    prompts = [r["prompt"] for r in rows]
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    per_fn = torch.full((len(rows), len(funcs)), float("nan"))
+    for j, fn in enumerate(funcs):
+        try:
+            out = fn(prompts=prompts, completions=texts, completion_ids=completion_ids, **columns)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise UserError(f"reward function {fn_name(fn)!r} failed: {type(e).__name__}: {first}") from e
+        if len(out) != len(rows):
+            raise UserError(f"reward function {fn_name(fn)!r} returned {len(out)} rewards "
+                            f"for {len(rows)} completions")
+        per_fn[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in out])
+    w = torch.tensor(weights, dtype=per_fn.dtype)
+    scored = ~per_fn.isnan()
+    total = torch.where(scored, per_fn * w, 0.0).sum(1)
+    return per_fn, torch.where(scored.any(1), total, float("nan"))
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, coef: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `coef`:
+
+        R_len(y) = 0                              if |y| ≤ L − B
+                 = coef · ((L − B) − |y|) / B     if L − B < |y| ≤ L
+    with L = max_new_tokens and B = buffer: 0 up to the buffer, then linearly down to −coef at L
+    (a completion cannot exceed L here, so the paper's −1 branch is the end point of the ramp).
+    Shapes: lengths [N] → [N] float32. buffer = 0 gives zeros.
+    """
+    lengths = lengths.float()
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    expected = max_new_tokens - buffer
+    return coef * ((expected - lengths) / buffer).clamp(max=0.0)
+
+
+def score_rollout(funcs, weights, seq_rows: list[dict], ro, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score a Rollout and add the overlong shaping (to scored completions only; a skipped one
+    stays NaN). Returns (per-function rewards [N, F], total reward [N]); with shaping on, the
+    penalty is per_fn's last column (logged as `rewards/overlong_penalty/mean`)."""
+    comp_ids = [ids[m].tolist() for ids, m in zip(ro.completion_ids, ro.completion_mask)]
+    per_fn, rewards = score(funcs, weights, seq_rows, ro.texts, comp_ids)
+    if cfg.overlong_buffer > 0:
+        pen = overlong_penalty(ro.lengths.cpu(), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        rewards = rewards + pen
+        per_fn = torch.cat([per_fn, pen.unsqueeze(1)], 1)
+    return per_fn, rewards

@@ -1,0 +1,145 @@
+"""Collecting one step's scored rollouts, with DAPO dynamic sampling (Yu et al. 2025, §3.2).
+
+Without dynamic sampling a step is one round: `batch_size` prompts × G completions, scored.
+With it, a group whose scored rewards are all equal (zero variance: every completion right, or
+every one wrong) has all-zero advantages and only dilutes the batch, so it is dropped, and further
+rounds of `batch_size` new prompts are sampled until `batch_size` groups with signal are in hand
+or `max_sampling_rounds` rounds were drawn (then the step trains on fewer groups; if none had
+signal, on the last round's groups, whose advantages are all 0). Extra kept groups are cut.
+
+The seed of round k of step s is a function of (seed, s, k), and prompts come from the resumable
+EpochSampler, so a resumed run samples exactly what an uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tether.objectives import group_stats
+from tether.rollout import Rollout
+
+
+def _pad_to(x: torch.Tensor, width: int, value) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value) if x.shape[1] < width else x
+
+
+def select_groups(ro: Rollout, groups: list[int], G: int) -> Rollout:
+    """The sequences of prompt-groups `groups` (G each, prompt-major), renumbered 0..len-1."""
+    idx = [g * G + j for g in groups for j in range(G)]
+    t = torch.tensor(idx, dtype=torch.long)
+    return Rollout(prompt_ids=[ro.prompt_ids[i] for i in idx], completion_ids=ro.completion_ids[t],
+                   completion_mask=ro.completion_mask[t], logprobs=ro.logprobs[t],
+                   texts=[ro.texts[i] for i in idx], finish_reasons=[ro.finish_reasons[i] for i in idx],
+                   group=torch.arange(len(groups)).repeat_interleave(G),
+                   logprob_temperature=ro.logprob_temperature, pad_token_id=ro.pad_token_id,
+                   stats=dict(ro.stats))
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts one after the other (completions re-padded to the longest; group ids offset)."""
+    if len(parts) == 1:
+        return parts[0]
+    T = max(p.completion_ids.shape[1] for p in parts)
+    groups, offset = [], 0
+    for p in parts:
+        groups.append(p.group + offset)
+        offset += int(p.group.max()) + 1 if len(p) else 0
+    first = parts[0]
+    return Rollout(prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+                   completion_ids=torch.cat([_pad_to(p.completion_ids, T, first.pad_token_id) for p in parts]),
+                   completion_mask=torch.cat([_pad_to(p.completion_mask, T, False) for p in parts]),
+                   logprobs=torch.cat([_pad_to(p.logprobs, T, 0.0) for p in parts]),
+                   texts=[s for p in parts for s in p.texts],
+                   finish_reasons=[f for p in parts for f in p.finish_reasons], group=torch.cat(groups),
+                   logprob_temperature=first.logprob_temperature, pad_token_id=first.pad_token_id,
+                   stats=sum_stats([p.stats for p in parts]))
+
+
+def sum_stats(stats: list[dict]) -> dict:
+    """Sampler timings and token counts of several calls, added up (tokens/s recomputed)."""
+    out: dict = {}
+    for st in stats:
+        for k in ("prefill_s", "decode_s", "capture_s", "total_s", "tokens", "decode_steps"):
+            out[k] = out.get(k, 0) + st.get(k, 0)
+    out["tokens_per_s"] = out["tokens"] / max(out["prefill_s"] + out["decode_s"], 1e-9)
+    return out
+
+
+@dataclass
+class StepBatch:
+    rollout: Rollout
+    "the sequences to train on (kept groups, prompt-major)"
+    prompt_rows: list[dict]
+    "one data row per kept group"
+    per_fn: torch.Tensor
+    "[N, F] per-function rewards of the kept sequences (NaN = not scored)"
+    rewards: torch.Tensor
+    "[N] total reward of the kept sequences (NaN = skipped)"
+    sampled_rewards: torch.Tensor
+    "[M] rewards of everything sampled this step (M ≥ N with dynamic sampling): the policy's score"
+    sampled_per_fn: torch.Tensor
+    "[M, F]"
+    sampled_groups: torch.Tensor
+    "[M] group id of each sampled sequence (unique across rounds)"
+    sampled_tokens: int = 0
+    "completion tokens generated this step, dropped groups included"
+    metrics: dict = field(default_factory=dict)
+    "num_sampling_rounds, dynamic_sampling/{kept,dropped}_groups"
+
+    @property
+    def seq_rows(self) -> list[dict]:
+        G = len(self.rollout) // max(len(self.prompt_rows), 1)
+        return [self.prompt_rows[i // G] for i in range(len(self.rollout))]
+
+
+def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    """[num_groups] bool: the group's scored (non-NaN) rewards are not all equal (needs ≥ 2 scored)."""
+    valid = ~rewards.isnan()
+    groups = torch.arange(len(rewards)) // G
+    out = torch.zeros(len(rewards) // G, dtype=torch.bool)
+    if valid.any():
+        s = group_stats(rewards[valid], groups[valid])
+        out[groups[valid]] = ~s["constant"]
+    return out
+
+
+def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
+            dynamic: bool = False, max_rounds: int = 1) -> StepBatch:
+    """`sample(prompt_ids, seed) -> Rollout` (G per prompt), `next_prompts() -> rows`,
+    `score(seq_rows, rollout) -> (per_fn [N, F], rewards [N])`; see the module doc."""
+    kept: list[tuple] = []  # (rollout, prompt rows, per_fn, rewards) of kept groups per round
+    all_r, all_f, all_g, stats, n_kept, n_signal, rounds = [], [], [], [], 0, 0, 0
+    while True:
+        rows = next_prompts()
+        ro = sample([r["prompt_ids"] for r in rows], seed + rounds * (1 << 32))
+        per_fn, rewards = score([rows[i // G] for i in range(len(ro))], ro)
+        all_r.append(rewards), all_f.append(per_fn), all_g.append(torch.arange(len(ro)) // G + rounds * len(rows))
+        stats.append({**ro.stats, "tokens": int(ro.lengths.sum())})
+        rounds += 1
+        if not dynamic:
+            kept.append((ro, rows, per_fn, rewards))
+            break
+        signal = has_signal(rewards, G).nonzero().flatten().tolist()
+        n_signal += len(signal)
+        signal = signal[:batch_size - n_kept]
+        if signal:
+            idx = torch.tensor([g * G + j for g in signal for j in range(G)])
+            kept.append((select_groups(ro, signal, G), [rows[g] for g in signal], per_fn[idx], rewards[idx]))
+            n_kept += len(signal)
+        if n_kept >= batch_size or rounds >= max_rounds:
+            break
+    if not kept:  # no group had signal within the cap: train on the last round (all advantages 0)
+        kept.append((ro, rows, per_fn, rewards))
+    rollout = cat_rollouts([k[0] for k in kept])
+    rollout.stats = sum_stats(stats)  # the sampling cost of the step, dropped rounds included
+    metrics = {"num_sampling_rounds": rounds}
+    if dynamic:
+        n_groups = sum(len(g) for g in all_g) // G
+        metrics.update({"dynamic_sampling/sampled_groups": n_groups,
+                        "dynamic_sampling/dropped_groups": n_groups - n_signal,
+                        "dynamic_sampling/kept_groups": n_kept})
+    return StepBatch(rollout, [r for k in kept for r in k[1]], torch.cat([k[2] for k in kept]),
+                     torch.cat([k[3] for k in kept]), torch.cat(all_r), torch.cat(all_f), torch.cat(all_g),
+                     rollout.stats["tokens"], metrics)
