@@ -98,7 +98,7 @@ def load_tok(model_dir: Path):
     return tok
 
 
-def run_ours(a, model_dir: Path, prompts: list[str], work: Path) -> dict:
+def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int) -> dict:
     from tether.trainers import online
     from tether.trainers.online import GRPOConfig, train_grpo
 
@@ -111,7 +111,8 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path) -> dict:
                      batch_size=a.prompts, num_generations=a.generations, max_new_tokens=a.new_tokens,
                      max_prompt_length=a.prompt_len, max_steps=a.warmup + a.steps, lr=1e-6,
                      loss_agg="token-mean", advantage="grpo", beta=0.0, temperature=1.0,
-                     micro_batch_size=a.micro_batch, dtype="bf16" if a.device == "cuda" else "fp32",
+                     micro_batch_size=micro_batch, dtype="bf16" if a.device == "cuda" else "fp32",
+                     gradient_checkpointing=a.grad_ckpt == "on",
                      device=a.device, progress=False, log_entropy=True, keep_last=1, seed=0)
     reset_peak(a.device)
     t0 = time.perf_counter()
@@ -160,7 +161,7 @@ def run_trl(a, model_dir: Path, prompts: list[str], work: Path) -> dict:
         beta=0.0, loss_type="dapo", scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
         num_iterations=1, bf16=dev == "cuda", use_cpu=dev == "cpu", logging_steps=1,
         report_to="none", save_strategy="no", log_completions=False, shuffle_dataset=False,
-        gradient_checkpointing=False, dataloader_num_workers=0, seed=0, disable_tqdm=True)
+        gradient_checkpointing=a.grad_ckpt == "on", dataloader_num_workers=0, seed=0, disable_tqdm=True)
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
@@ -186,6 +187,10 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (both sides)")
+    ap.add_argument("--ours-micro-batches", default=None,
+                    help="comma list: one row of ours per micro-batch size (default: --micro-batch; GPU 8,16,32)")
+    ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
+                    help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true")
@@ -208,16 +213,20 @@ def main(argv=None):
         work = Path(tmp)
         vocab = build(kind, work / "model")
         prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
-        results["ours"] = run_ours(a, work / "model", prompts, work / "ours")
-        print(f"ours: {json.dumps(results['ours'])}", flush=True)
+        mbs = [int(x) for x in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(",")]
+        for mb in mbs:
+            name = f"ours (micro-batch {mb})"
+            results[name] = run_ours(a, work / "model", prompts, work / f"ours{mb}", mb)
+            print(f"{name}: {json.dumps(results[name])}", flush=True)
         if not a.skip_trl:
             try:
                 import trl  # noqa: F401
             except ImportError:
                 print("trl is not importable: skipping TRL (pip install trl)", flush=True)
             else:
-                results["trl"] = run_trl(a, work / "model", prompts, work / "trl")
-                print(f"trl: {json.dumps(results['trl'])}", flush=True)
+                name = f"trl (micro-batch {a.micro_batch})"
+                results[name] = run_trl(a, work / "model", prompts, work / "trl")
+                print(f"{name}: {json.dumps(results[name])}", flush=True)
     table = render(results, kind, a)
     print(table)
     with open(a.results, "a") as f:
@@ -238,20 +247,20 @@ def render(results, kind, a) -> str:
     lines = [f"## grpo step: ours vs TRL GRPOTrainer — {kind}, {a.prompts} prompts × {a.generations} "
              f"generations, {a.prompt_len}-token prompts, {a.new_tokens} new tokens",
              "", f"Card: {device_name(a.device)}. Date: {date}. torch {torch.__version__}, transformers "
-             f"{__import__('transformers').__version__}{trl_v}. Micro-batch {a.micro_batch}, median of "
+             f"{__import__('transformers').__version__}{trl_v}. Gradient checkpointing {a.grad_ckpt} (both sides), "
+             f"bf16 weights on CUDA (both sides), median of "
              f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",
              "| trainer | s/step | first step (s) | completion tokens/s | peak mem (GB) | mean length | speed-up |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    trl_r = results.get("trl")
+    trl_r = next((r for n, r in results.items() if n.startswith("trl")), None)
     for name, r in results.items():
-        up = f"{trl_r['step_s'] / r['step_s']:.1f}×" if trl_r and name == "ours" else ""
+        up = f"{trl_r['step_s'] / r['step_s']:.1f}×" if trl_r and name.startswith("ours") else ""
         peak = f"{r['peak_gb']:.2f}" if r.get("peak_gb") else "—"
         length = f"{r['mean_length']:.1f}" if r.get("mean_length") is not None else "—"
         lines.append(f"| {name} | {r['step_s']:.3f} | {r['first_s']:.2f} | {n_tok / r['step_s']:,.0f} | "
                      f"{peak} | {length} | {up} |")
-    o = results["ours"]
-    notes = [f"- ours: rollout {o['rollout_s']:.3f} s of the step; sampler–trainer max |Δ log-prob| "
-             f"{o['mismatch_max']:.2e}"]
+    notes = [f"- {n}: rollout {o['rollout_s']:.3f} s of the step; sampler–trainer max |Δ log-prob| "
+             f"{o['mismatch_max']:.2e}" for n, o in results.items() if n.startswith("ours")]
     return "\n".join(lines + [""] + notes + [""])
 
 

@@ -39,8 +39,10 @@ class OveroptimizationConfig:
     "τ of the Bradley–Terry labels drawn from the gold reward"
     n_pairs: int = 4000
     "preference pairs the proxy reward model is trained on"
-    rm_steps: int = 300
-    "reward-model training steps"
+    rm_epochs: float = 2.0
+    "reward-model training epochs over the pairs"
+    rm_lr: float = 1e-3
+    "reward-model learning rate (tiny model: far above the 1e-5 used for real models)"
     betas: list[float] = field(default_factory=lambda: [0.001, 0.02, 0.1])
     "PPO KL coefficients to sweep (the first should be very low)"
     ppo_steps: int = 60
@@ -104,7 +106,8 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     # 3. proxy reward model
     t = time.time()
     rm = train_rm(RMConfig(model=str(policy), data=str(train_pairs), eval_data=str(test_pairs),
-                           name="rm", runs_dir=str(root), max_steps=cfg.rm_steps, seed=cfg.seed,
+                           name="rm", runs_dir=str(root), epochs=cfg.rm_epochs, lr=cfg.rm_lr,
+                           batch_size=32, device="cpu", seed=cfg.seed,
                            progress=cfg.progress))
     timings["rm"] = time.time() - t
     rm_dir = rm["checkpoint"]

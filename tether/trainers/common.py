@@ -171,3 +171,51 @@ def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_o
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "data_position": data_order.position, "step": step, "skipped_steps": skipped,
         "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last, extra=extra)
+
+
+# ---- the policy forward every RL trainer shares ---------------------------------------------------
+
+_KEEP_SUPPORT: dict[type, bool] = {}
+
+
+def supports_logits_to_keep(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (every HF causal LM of transformers 5 does)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    t = type(base)
+    if t not in _KEEP_SUPPORT:
+        _KEEP_SUPPORT[t] = "logits_to_keep" in inspect.signature(base.forward).parameters
+    return _KEEP_SUPPORT[t]
+
+
+def completion_token_logps(model, batch: dict, temperature: float, amp, want_entropy: bool = False,
+                           entropy_grad: bool = False):
+    """Per-token log-probs [B, T] aligned with `input_ids` (0 before the completions), and the
+    masked mean entropy of the completion tokens' distributions when asked (differentiable only with
+    `entropy_grad`, for an entropy bonus; otherwise a detached number for logging).
+
+    Only positions from the batch's first completion token on get logits (`logits_to_keep`): the
+    LM head's matmul and the [B, T, V] logits — the largest activation of the step — shrink by the
+    prompt's share (a third at 128-token prompts and 256-token completions).
+    """
+    from tether.objectives import entropy_from_logits, token_logps
+
+    ids, cmask = batch["input_ids"], batch["completion_mask"]
+    T = ids.shape[1]
+    first = int(cmask.float().argmax(-1).min()) if bool(cmask.any()) else T
+    start = max(first - 1, 0)  # logits at `start` predict the first completion token
+    kw = {"logits_to_keep": T - start} if start > 0 and supports_logits_to_keep(model) else {}
+    if not kw:
+        start = 0
+    with amp:
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False, **kw).logits
+    part = token_logps(logits, ids[:, start:], temperature)
+    logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part
+    ent = None
+    if want_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            z = logits[:, :-1] if entropy_grad else logits[:, :-1].detach()
+            ent = entropy_from_logits(z, cmask[:, start + 1:], temperature)
+    return logps, ent

@@ -16,7 +16,6 @@ The loop, top to bottom:
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from tether.plots import plot_metrics
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
-                                    save_training)
+                                    save_training, supports_logits_to_keep)
 from tether.trainers.offline_data import (cache_fingerprint, collate, collate_mismatched,
                                           kl_partners, load_cache, load_offline_data, save_cache)
 
@@ -179,17 +178,6 @@ class ORPOConfig(OfflineConfig):
 
 # ---- the policy's per-sequence log-probs -----------------------------------------------------------
 
-_KEEP_SUPPORT: dict[type, bool] = {}
-
-
-def _supports_logits_to_keep(model) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    t = type(base)
-    if t not in _KEEP_SUPPORT:
-        _KEEP_SUPPORT[t] = "logits_to_keep" in inspect.signature(base.forward).parameters
-    return _KEEP_SUPPORT[t]
-
-
 def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed completion log-prob [R], completion length [R]) for every row of a padded batch.
 
@@ -202,7 +190,7 @@ def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, tor
     attn = batch["attention_mask"].to(device, non_blocking=True)
     first = int(batch["completion_mask"].float().argmax(-1).min())  # on CPU: no device sync
     start = max(first - 1, 0)  # position `start` predicts the first completion token
-    kw = {"logits_to_keep": ids.shape[1] - start} if start > 0 and _supports_logits_to_keep(model) else {}
+    kw = {"logits_to_keep": ids.shape[1] - start} if start > 0 and supports_logits_to_keep(model) else {}
     if not kw:
         start = 0
     with amp:

@@ -32,13 +32,13 @@ import torch
 from tether.data import encode_prompts, load_data
 from tether.errors import NonFiniteLossError, UserError
 from tether.models import load_model, load_tokenizer
-from tether.objectives import (ADVANTAGE_ESTIMATORS, compute_advantages, entropy_from_logits,
-                               group_stats, policy_loss, token_logps)
+from tether.objectives import ADVANTAGE_ESTIMATORS, compute_advantages, group_stats, policy_loss
 from tether.objectives.policy import kl_penalized_rewards
 from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
+from tether.trainers.common import (EpochSampler, Progress, autocast_context, completion_token_logps,
+                                    guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
                                     save_training)
 from tether.trainers.online_rewards import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
@@ -212,15 +212,7 @@ class ReMaxConfig(GRPOConfig):
 # ---- one forward: per-token log-probs aligned with input_ids ------------------------------------
 
 def _forward_logps(model, mb: dict, temperature: float, amp, want_entropy: bool = False):
-    with amp:
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                       position_ids=mb["position_ids"]).logits
-    logps = token_logps(logits, mb["input_ids"], temperature)
-    ent = None
-    if want_entropy:
-        with torch.no_grad():
-            ent = entropy_from_logits(logits[:, :-1].detach(), mb["completion_mask"][:, 1:], temperature)
-    return logps, ent
+    return completion_token_logps(model, mb, temperature, amp, want_entropy)
 
 
 def _slices(n: int, size: int) -> list[slice]:

@@ -36,16 +36,16 @@ from tether.data import encode_prompts, load_data
 from tether.errors import NonFiniteLossError, UserError
 from tether.models import load_model, load_tokenizer
 from tether.models.heads import ScalarHeadModel
-from tether.objectives import (AdaptiveKLController, FixedKLController, entropy_from_logits, gae,
-                               kl_penalized_rewards, masked_mean, masked_whiten, policy_loss,
-                               token_logps, value_loss)
+from tether.objectives import (AdaptiveKLController, FixedKLController, gae, kl_penalized_rewards,
+                               masked_whiten, policy_loss, value_loss)
 from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
+from tether.trainers.common import (EpochSampler, Progress, autocast_context, completion_token_logps,
+                                    guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
                                     save_training)
-from tether.trainers.online import resolve_reward_funcs, score
+from tether.trainers.online_rewards import resolve_reward_funcs, score
 
 
 @dataclass
@@ -183,14 +183,7 @@ def load_value_model(cfg: PPOConfig, ckpt: Path | None) -> ScalarHeadModel:
 
 
 def _forward(policy, batch: dict, temperature: float, amp, with_entropy: bool):
-    with amp:
-        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        position_ids=batch["position_ids"]).logits
-    logps = token_logps(logits, batch["input_ids"], temperature)
-    ent = None
-    if with_entropy:  # entropy of the decision at each completion token (logits one step earlier)
-        ent = entropy_from_logits(logits[:, :-1], batch["completion_mask"][:, 1:], temperature)
-    return logps, ent
+    return completion_token_logps(policy, batch, temperature, amp, with_entropy, entropy_grad=True)
 
 
 def _values(value_model, batch: dict, amp) -> torch.Tensor:
