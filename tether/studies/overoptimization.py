@@ -39,11 +39,11 @@ class OveroptimizationConfig:
     "τ of the Bradley–Terry labels drawn from the gold reward"
     n_pairs: int = 4000
     "preference pairs the proxy reward model is trained on"
-    rm_epochs: float = 2.0
+    rm_epochs: float = 4.0
     "reward-model training epochs over the pairs"
     rm_lr: float = 1e-3
     "reward-model learning rate (tiny model: far above the 1e-5 used for real models)"
-    betas: list[float] = field(default_factory=lambda: [0.001, 0.02, 0.1])
+    betas: list[float] = field(default_factory=lambda: [0.001, 0.02, 0.1, 0.5])
     "PPO KL coefficients to sweep (the first should be very low)"
     ppo_steps: int = 60
     "PPO steps per β"
@@ -65,6 +65,14 @@ def _smooth(x: np.ndarray, w: int = 5) -> np.ndarray:
     k = np.ones(w) / w
     pad = np.concatenate([np.full(w // 2, x[0]), x, np.full(w - 1 - w // 2, x[-1])])
     return np.convolve(pad, k, mode="valid")
+
+
+def _pair_accuracy(reward, rows: list[dict]) -> float:
+    """Share of pairs the reward orders as labelled (ties count half)."""
+    prompts = [r["prompt"] for r in rows]
+    c = np.array(reward(prompts, [r["chosen"] for r in rows]))
+    r = np.array(reward(prompts, [r["rejected"] for r in rows]))
+    return float(((c > r) + 0.5 * (c == r)).mean())
 
 
 def _ppo_curve(run_path: Path, gold_key: str, proxy_key: str) -> dict:
@@ -101,17 +109,20 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     # 1-2. SFT policy and labelled pairs (train prompts); held-out pairs on test prompts
     lab = prepare_world(root, world, cfg.seed, cfg.n_pairs)
     policy, train_pairs, test_pairs, bayes = lab["policy"], lab["train_pairs"], lab["test_pairs"], lab["bayes"]
+    held = read_jsonl(test_pairs)
     timings["world"] = time.time() - t0
 
     # 3. proxy reward model
     t = time.time()
-    rm = train_rm(RMConfig(model=str(policy), data=str(train_pairs), eval_data=str(test_pairs),
+    # Held out two ways: 10 % of the pairs (prompts PPO trains on), and pairs on unseen prompts.
+    rm = train_rm(RMConfig(model=str(policy), data=str(train_pairs), eval_fraction=0.1,
                            name="rm", runs_dir=str(root), epochs=cfg.rm_epochs, lr=cfg.rm_lr,
                            batch_size=32, device="cpu", seed=cfg.seed,
                            progress=cfg.progress))
     timings["rm"] = time.time() - t
     rm_dir = rm["checkpoint"]
     proxy = LearnedReward(rm_dir, device="cpu")
+    unseen = _pair_accuracy(proxy, held)
 
     # 4. PPO against the proxy, gold logged (never optimized)
     prompts = root / "data" / "prompts.jsonl"
@@ -164,8 +175,10 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     plot_gold_proxy(plots / "bon.png", {"best-of-n": (bon["d"], bon["gold"], bon["proxy"])},
                     "best-of-n vs proxy RM", {"best-of-n": bon["fit_gold"]})
     summary = {"world": {k: getattr(world, k) for k in world.__dataclass_fields__},
-               "rm": {"eval_accuracy": rm.get("eval/accuracy"), "bayes_optimal_accuracy": bayes,
-                      "n_pairs": cfg.n_pairs, "model": str(rm_dir)},
+               "rm": {"eval_accuracy": rm.get("eval/accuracy"),
+                      "bayes_optimal_accuracy": rm.get("eval/bayes_accuracy"),
+                      "unseen_prompts_accuracy": unseen, "unseen_prompts_bayes_optimal_accuracy": bayes,
+                      "n_pairs": cfg.n_pairs, "eval_pairs": rm.get("eval_pairs"), "model": str(rm_dir)},
                "ppo": ppo, "bon": bon, "seconds": round(time.time() - t0, 1),
                "timings": {k: round(v, 1) for k, v in timings.items()}}
     run.write_summary(summary)
@@ -187,8 +200,9 @@ def _report(cfg: OveroptimizationConfig, s: dict) -> str:
     lines = ["# Reward over-optimization against a known gold reward", "",
              "Regenerate: `tether study overoptimization publish_dir=benchmarks/overoptimization` "
              f"(seed {cfg.seed}; {s['seconds']:.0f} s on this machine).", "",
-             f"Proxy RM on {rm['n_pairs']} pairs: held-out accuracy {rm['eval_accuracy']:.3f}, "
-             f"Bayes-optimal {rm['bayes_optimal_accuracy']:.3f}.", "",
+             f"Proxy RM on {rm['n_pairs']} pairs: accuracy on {rm['eval_pairs']} held-out pairs "
+             f"{rm['eval_accuracy']:.3f} (Bayes-optimal {rm['bayes_optimal_accuracy']:.3f}); on 1000 pairs of unseen "
+             f"prompts {rm['unseen_prompts_accuracy']:.3f} (Bayes-optimal {rm['unseen_prompts_bayes_optimal_accuracy']:.3f}).", "",
              "## PPO against the proxy (gain over the SFT policy; d = √KL)", "",
              "| β | gold peak gain | at d | gold final gain | proxy final gain | final KL | RL fit α | β_fit | R² |",
              "|---|---|---|---|---|---|---|---|---|"]
