@@ -126,3 +126,26 @@ def test_resume_continues_exactly(tmp_path):
     for ra, rb in zip(a, b):
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), k
+
+
+def test_critic_starts_from_the_reward_model_of_an_rm_spec(tmp_path):
+    """value_model='' takes the first `rm:` reward model (a run directory resolves to its newest
+    checkpoint): the critic's head starts equal to the RM's head, without the RM's centering offset."""
+    from tether.trainers.ppo import load_value_model
+
+    data = _setup(tmp_path)
+    model, tok = make_tiny_model(None, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, seed=1)
+    rm = ScalarHeadModel(model, offset=0.7)
+    with torch.no_grad():
+        rm.head.weight.normal_()
+    ck = tmp_path / "rmrun" / "checkpoints" / "step-3"
+    rm.save_pretrained(ck, tok)
+    torch.save({"step": 3}, ck / "trainer_state.pt")  # what makes it a complete checkpoint
+    cfg = _cfg(tmp_path, data, "x", value_model="", reward_funcs=[f"rm:{tmp_path / 'rmrun'}?aggregate=min"])
+    critic = load_value_model(cfg, None)
+    torch.testing.assert_close(critic.head.weight, rm.head.weight)
+    assert critic.offset == 0.0 and critic.kind == "value"
+    policy_critic = load_value_model(_cfg(tmp_path, data, "y", value_model="policy",
+                                          reward_funcs=[f"rm:{tmp_path / 'rmrun'}"]), None)
+    assert not torch.allclose(policy_critic.head.weight, rm.head.weight)

@@ -162,8 +162,12 @@ class PPOConfig:
             raise ValueError("num_minibatches cannot exceed batch_size × num_generations")
 
 
-def _rm_dirs(specs: Sequence) -> list[str]:
-    return [d for s in specs if isinstance(s, str) and s.startswith("rm:") for d in s[3:].split(",") if d]
+def _rm_dirs(specs: Sequence) -> list[Path]:
+    """Model directories of the `rm:` specs (run directories resolve to their newest checkpoint)."""
+    from tether.rewards.learned import parse_rm_spec, resolve_rm_path
+
+    return [resolve_rm_path(d) for s in specs if isinstance(s, str) and s.startswith("rm:")
+            for d in parse_rm_spec(s)[0]]
 
 
 def load_value_model(cfg: PPOConfig, ckpt: Path | None) -> ScalarHeadModel:
@@ -173,7 +177,8 @@ def load_value_model(cfg: PPOConfig, ckpt: Path | None) -> ScalarHeadModel:
     if ckpt is not None:
         src = ckpt / "value"
     elif cfg.value_model and cfg.value_model != "policy":
-        src = Path(cfg.value_model)
+        from tether.rewards.learned import resolve_rm_path
+        src = resolve_rm_path(cfg.value_model)
     else:
         rms = _rm_dirs(cfg.reward_funcs)
         src = Path(rms[0]) if rms and cfg.value_model != "policy" else Path(cfg.model)
