@@ -186,13 +186,19 @@ def _plot(path: Path, points: list[dict], sft: dict) -> None:
     markers = "osD^v<>Xp*"
     for k, label in enumerate(labels):
         pts = sorted((p["kl"], p["gold"]) for p in points if p["method"] == label)
-        xs, ys = zip(*pts)
-        style = "k-" if label == "PPO" else ""
-        ax.plot(xs, ys, style or markers[k % len(markers)], ms=5, label=label, alpha=0.85,
-                color=None if label != "PPO" else "black")
-        if label == "PPO":
-            env = upper_envelope(pts)
+        if label == "PPO":  # checkpoints of several β runs: points, and their upper envelope
+            ax.plot(*zip(*pts), "kx", ms=5, label="PPO checkpoints")
+            env = upper_envelope([(0.0, sft["gold"])] + pts)
             ax.plot(*zip(*env), "k--", lw=1, label="PPO frontier")
+        else:
+            ax.plot(*zip(*pts), markers[k % len(markers)] + "-", ms=5, lw=0.8, label=label, alpha=0.85)
+    # Zoom on the region the offline methods reach; very-low-β PPO runs far beyond it (listed in the table).
+    offline_kl = [p["kl"] for p in points if p["method"] not in ("PPO", "SFT")]
+    if offline_kl:
+        right = max(6.0, 1.5 * max(offline_kl))
+        ax.set_xlim(-0.2, right)
+        shown = [p["gold"] for p in points if p["kl"] <= right]
+        ax.set_ylim(min(shown) - 0.3, max(shown) + 0.3)
     ax.scatter([sft["kl"]], [sft["gold"]], marker="*", s=120, color="grey", label="SFT", zorder=5)
     ax.set(xlabel="KL(π ‖ π_SFT) per completion (nats)", ylabel="gold reward (held-out prompts)",
            title="Reward–KL frontier on the gold-reward world")
