@@ -39,7 +39,7 @@ class OveroptimizationConfig:
     "τ of the Bradley–Terry labels drawn from the gold reward"
     n_pairs: int = 4000
     "preference pairs the proxy reward model is trained on"
-    rm_epochs: float = 4.0
+    rm_epochs: float = 2.0
     "reward-model training epochs over the pairs"
     rm_lr: float = 1e-3
     "reward-model learning rate (tiny model: far above the 1e-5 used for real models)"
