@@ -28,10 +28,12 @@ def test_quickstart_wiring_small(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quickstart_default_hits_its_targets(tmp_path):
-    """The issue's targets: SFT accuracy in [0.2, 0.7] and above pretraining, stages 1-2 within
-    3 minutes on 2 CPU cores (timing is asserted loosely: shared CI machines vary)."""
+    """The issues' targets: SFT accuracy in [0.2, 0.7] and above pretraining; RL at least 15 points
+    above SFT; about 5 minutes on 2 CPU cores (timing asserted loosely: shared machines vary, and
+    the measured totals are 295-306 s)."""
     summary = run_quickstart(QuickstartConfig(runs_dir=str(tmp_path), progress=False))
-    pre, sft = summary["stages"]["pretrain"], summary["stages"]["sft"]
+    pre, sft, rl = (summary["stages"][k] for k in ("pretrain", "sft", "rl"))
     assert 0.2 <= sft["accuracy"] <= 0.7, sft
     assert sft["accuracy"] > pre["accuracy"]
-    assert summary["seconds"] < 300
+    assert rl["accuracy"] >= sft["accuracy"] + 0.15, (sft, rl)
+    assert summary["seconds"] < 400

@@ -43,7 +43,7 @@ class OveroptimizationConfig:
     "reward-model training epochs over the pairs"
     rm_lr: float = 1e-3
     "reward-model learning rate (tiny model: far above the 1e-5 used for real models)"
-    betas: list[float] = field(default_factory=lambda: [0.001, 0.02, 0.1, 0.5])
+    betas: list[float] = field(default_factory=lambda: [0.001, 0.02, 0.05, 0.1, 0.5])
     "PPO KL coefficients to sweep (the first should be very low)"
     ppo_steps: int = 60
     "PPO steps per β"
