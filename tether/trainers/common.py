@@ -210,7 +210,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
         start = 0
     with amp:
         logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False, **kw).logits
+                       position_ids=batch.get("position_ids"), use_cache=False, **kw).logits
     part = token_logps(logits, ids[:, start:], temperature)
     logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part
     ent = None

@@ -26,12 +26,12 @@ import torch
 from tether.errors import NonFiniteLossError, UserError
 from tether.models import load_model, load_tokenizer
 from tether.objectives import (kto_kl_reference_point, kto_loss, orpo_loss, preference_loss,
-                               sequence_logps, simpo_loss)
+                               simpo_loss)
 from tether.plots import plot_metrics
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
-                                    save_training, supports_logits_to_keep)
+                                    save_training, completion_token_logps)
 from tether.trainers.offline_data import (cache_fingerprint, collate, collate_mismatched,
                                           kl_partners, load_cache, load_offline_data, save_cache)
 
@@ -185,18 +185,10 @@ def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, tor
     asked for those alone (`logits_to_keep`), which saves the LM head's matmul and the largest
     activation on the prompt part — a third of both at 128-token prompts and 256-token answers.
     """
-    ids = batch["input_ids"].to(device, non_blocking=True)
-    mask = batch["completion_mask"].to(device, non_blocking=True)
-    attn = batch["attention_mask"].to(device, non_blocking=True)
-    first = int(batch["completion_mask"].float().argmax(-1).min())  # on CPU: no device sync
-    start = max(first - 1, 0)  # position `start` predicts the first completion token
-    kw = {"logits_to_keep": ids.shape[1] - start} if start > 0 and supports_logits_to_keep(model) else {}
-    if not kw:
-        start = 0
-    with amp:
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **kw).logits
-    logps = sequence_logps(logits, ids[:, start:], mask[:, start:])
-    return logps.float(), mask[:, 1:].sum(-1).float()
+    on = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "completion_mask")}
+    logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the completions
+    mask = on["completion_mask"]
+    return (logps * mask).sum(-1).float(), mask[:, 1:].sum(-1).float()
 
 
 # ---- the objective: per-sequence numbers -> the method's pure loss ---------------------------------

@@ -119,17 +119,6 @@ class RMConfig:
             raise ValueError("adam_betas must be two numbers")
 
 
-class _Saveable:
-    """RunDir.save_checkpoint calls save_pretrained(dir, safe_serialization=True); the scalar-head
-    model's save_pretrained takes no such keyword (it always writes safetensors)."""
-
-    def __init__(self, model: ScalarHeadModel):
-        self.model = model
-
-    def save_pretrained(self, path, **_):
-        self.model.save_pretrained(path)
-
-
 # -- data ----------------------------------------------------------------------------------------
 
 def load_pairs(source: str, tokenizer, max_length: int, split: str | None = None) -> tuple[list[dict], dict]:
@@ -258,7 +247,7 @@ def train_rm(cfg: RMConfig) -> dict:
     run.write_config(cfg)
 
     def checkpoint():
-        return save_training(run, step, _Saveable(model), tokenizer, optimizer, scheduler, sampler,
+        return save_training(run, step, model, tokenizer, optimizer, scheduler, sampler,
                              skipped, time_offset, cfg.keep_last)
 
     bar = Progress(total_steps, step, cfg.name, enabled=cfg.progress and run.is_main)
