@@ -173,7 +173,7 @@ def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_o
         "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last, extra=extra)
 
 
-# ---- the policy forward every RL trainer shares ---------------------------------------------------
+# ---- the policy forward every RL and preference trainer shares ---------------------------------------------------
 
 _KEEP_SUPPORT: dict[type, bool] = {}
 
@@ -189,20 +189,92 @@ def supports_logits_to_keep(model) -> bool:
     return _KEEP_SUPPORT[t]
 
 
+# Families whose logits are exactly lm_head(body(x)) (no soft-capping or logit scale), so the head
+# can be applied by us, chunk by chunk, to the completion positions only.
+_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gpt_neox", "phi3")
+# Logits held at once by the chunked head: 2^25 (~0.25 GB of float32 at V = 152k, ~220 tokens) on
+# an accelerator, 2^22 on CPU (cache-sized). None: per device.
+HEAD_CHUNK_ELEMENTS: int | None = None
+
+
+def _split_head(model):
+    """(body, lm_head) when the logits are plain lm_head(body(...).last_hidden_state), else None.
+    Under PEFT the LoRA layers inside the body stay in place (and `disable_adapter` still works)."""
+    m = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(m.config, "model_type", None) not in _HEAD_FAMILIES:
+        return None
+    if getattr(m.config, "final_logit_softcapping", None) or getattr(m.config, "logit_scale", None):
+        return None
+    body, head = getattr(m, getattr(m, "base_model_prefix", ""), None), m.get_output_embeddings()
+    if body is None or type(head) is not torch.nn.Linear:
+        return None
+    return body, head
+
+
+def _head_chunk(h, weight, bias, targets, temperature: float, entropy: bool):
+    """log softmax(lm_head(h)/T)[targets] and (optionally) the entropy, for one chunk of tokens."""
+    z = torch.nn.functional.linear(h, weight, bias).float()
+    if temperature != 1.0:
+        z = z / temperature
+    logp = torch.log_softmax(z, -1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    if not entropy:
+        return lp, None
+    return lp, -(logp.exp() * logp).sum(-1)
+
+
+def _chunked_head(h, head, targets, temperature: float, entropy: str):
+    """Per-token log-probs (and entropies) of `targets` [N] from hidden states `h` [N, H], never
+    holding more than one chunk of logits: under autograd each chunk is checkpointed, so backward
+    recomputes its logits instead of keeping a [N, V] tensor (and its gradient) alive.
+    `entropy`: "" (none), "detached" or "grad"."""
+    from torch.utils.checkpoint import checkpoint
+
+    budget = HEAD_CHUNK_ELEMENTS or (1 << 22 if h.device.type == "cpu" else 1 << 25)
+    step = max(1, budget // head.out_features)
+    lps, ents = [], []
+    for i in range(0, h.shape[0], step):
+        args = (h[i:i + step], head.weight, head.bias, targets[i:i + step], temperature, bool(entropy))
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(*args)
+        lps.append(lp)
+        ents.append(ent.detach() if entropy == "detached" else ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
 def completion_token_logps(model, batch: dict, temperature: float, amp, want_entropy: bool = False,
                            entropy_grad: bool = False):
-    """Per-token log-probs [B, T] aligned with `input_ids` (0 before the completions), and the
-    masked mean entropy of the completion tokens' distributions when asked (differentiable only with
-    `entropy_grad`, for an entropy bonus; otherwise a detached number for logging).
+    """Per-token log-probs [B, T] aligned with `input_ids` (0 outside the completions: at prompt and
+    padding positions), and the masked mean entropy of the completion tokens' distributions when
+    asked (differentiable only with `entropy_grad`, for an entropy bonus; otherwise a detached number
+    for logging).
 
-    Only positions from the batch's first completion token on get logits (`logits_to_keep`): the
-    LM head's matmul and the [B, T, V] logits — the largest activation of the step — shrink by the
-    prompt's share (a third at 128-token prompts and 256-token completions).
+    The LM head — the step's largest activation, [B, T, V] logits and as large a gradient — runs only
+    on the completion tokens and in checkpointed chunks (:func:`_chunked_head`) when the model's
+    logits are a plain linear head over its body (Llama / Mistral / Qwen / GPT-2 families): at 8 × 256
+    completion tokens and a 152k vocabulary that is ~1.2 GB of bf16 logits and gradient not held.
+    Other models: the HF forward with `logits_to_keep` from the first completion token.
     """
     from tether.objectives import entropy_from_logits, token_logps
 
     ids, cmask = batch["input_ids"], batch["completion_mask"]
-    T = ids.shape[1]
+    B, T = ids.shape
+    split = _split_head(model)
+    if split is not None:
+        body, head = split
+        sel = cmask[:, 1:].bool()  # hidden state t predicts token t + 1
+        with amp:
+            h = body(input_ids=ids, attention_mask=batch["attention_mask"],
+                     position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+            mode = ("grad" if entropy_grad and torch.is_grad_enabled() else "detached") if want_entropy else ""
+            lp, ent = _chunked_head(h[:, :-1][sel], head, ids[:, 1:][sel], temperature, mode)
+        logps = torch.zeros(B, T, dtype=torch.float32, device=ids.device)
+        logps = logps.masked_scatter(torch.nn.functional.pad(sel, (1, 0)), lp.float())
+        return logps, (ent.mean() if ent is not None and ent.numel() else
+                       (lp.new_zeros(()) if want_entropy else None))
+
     first = int(cmask.float().argmax(-1).min()) if bool(cmask.any()) else T
     start = max(first - 1, 0)  # logits at `start` predict the first completion token
     kw = {"logits_to_keep": T - start} if start > 0 and supports_logits_to_keep(model) else {}
@@ -213,6 +285,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
                        position_ids=batch.get("position_ids"), use_cache=False, **kw).logits
     part = token_logps(logits, ids[:, start:], temperature)
     logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part
+    logps = logps * torch.nn.functional.pad(cmask[:, 1:].to(logps.dtype), (1, 0))
     ent = None
     if want_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -1,0 +1,80 @@
+"""Diagnostic: where a decode step's GPU time goes (not a benchmark: no comparison, no RESULTS row).
+
+    python bench/profile_rollout.py [--batches 64,256]
+
+For each batch size: ms/step with CUDA graphs and eager (256 new tokens after 128-token prompts),
+then one profiled eager decode step: kernel count and the GPU time per kernel class. The sum of
+kernel times is what a captured graph cannot go below; graph ms/step minus it is launch gaps.
+"""
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout import build_model  # noqa: E402
+from tether.rollout import Sampler, SamplingConfig  # noqa: E402
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    for k, keys in (("gemm", ("gemm", "cutlass", "sm90", "sm80", "ampere", "matmul", "xmma", "nvjet")),
+                    ("attention", ("fmha", "attention", "flash", "cudnn", "sdpa")),
+                    ("reduce/softmax", ("softmax", "reduce", "scan", "cumsum", "sort", "search")),
+                    ("copy/index", ("copy", "index", "gather", "scatter", "cat", "roll", "fill"))):
+        if any(x in n for x in keys):
+            return k
+    return "elementwise/other"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--top", type=int, default=12)
+    a = ap.parse_args()
+    model = build_model("qwen0.5b", "cuda")
+    V = model.config.vocab_size
+    for B in map(int, a.batches.split(",")):
+        ids = torch.randint(10, V, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
+        for graphs in (True, False):
+            s = Sampler(model, None, SamplingConfig(max_new_tokens=a.new_tokens, ignore_eos=True, cuda_graphs=graphs))
+            s.sample(ids, seed=0)
+            ro = s.sample(ids, seed=1)
+            print(f"B={B} graphs={graphs}: {ro.stats['ms_per_step']:.2f} ms/step, "
+                  f"prefill {ro.stats['prefill_s']:.3f} s", flush=True)
+            if graphs:
+                s.release()
+        # s: the eager sampler, its state still allocated: profile 5 decode steps
+        cfg, st = s.config, s.state
+        steps = 5
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.inference_mode():
+                for _ in range(steps):
+                    s._step(B, st.slots + 1, cfg)
+            torch.cuda.synchronize()
+        per = defaultdict(lambda: [0, 0.0])
+        by_name = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                per[kind(e.name)][0] += 1
+                per[kind(e.name)][1] += t
+                by_name[e.name[:90]][0] += 1
+                by_name[e.name[:90]][1] += t
+        total = sum(v[1] for v in per.values()) / steps / 1e3
+        count = sum(v[0] for v in per.values()) / steps
+        print(f"  eager step, profiled: {count:.0f} kernels, {total:.2f} ms of kernel time per step")
+        for k, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {k:18s} {c / steps:6.0f} kernels {t / steps / 1e3:7.3f} ms")
+        for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.top]:
+            print(f"    {c / steps:5.0f} x {t / c:8.1f} us  {n}")
+        s.release()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

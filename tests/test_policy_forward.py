@@ -1,0 +1,90 @@
+"""The policy forward every RL and preference trainer shares (`common.completion_token_logps`):
+the chunked LM head over completion tokens only must give the same log-probs, entropy and
+parameter gradients as the plain path (full HF forward + logits), under padding, temperature,
+chunks smaller than a row, LoRA, and without grad."""
+
+import copy
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from tether.models import make_tiny_model
+from tether.objectives import token_logps
+from tether.trainers import common
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model, _ = make_tiny_model(None)
+    model.float()
+    B, T = 3, 14
+    ids = torch.randint(3, model.config.vocab_size, (B, T))
+    am = torch.ones(B, T, dtype=torch.long)
+    am[0, :3] = 0  # left padding
+    cm = torch.zeros(B, T, dtype=torch.long)
+    cm[:, 6:] = 1
+    cm[1, 10:] = 0  # right padding after a shorter completion
+    return model, dict(input_ids=ids, attention_mask=am, completion_mask=cm)
+
+
+def _run(model, batch, split: bool, chunk, entropy_grad=True, temperature=0.7, monkeypatch=None):
+    m = copy.deepcopy(model)
+    monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", chunk)
+    if not split:
+        monkeypatch.setattr(common, "_split_head", lambda _: None)
+    lp, ent = common.completion_token_logps(m, batch, temperature, nullcontext(), True, entropy_grad)
+    monkeypatch.undo()
+    loss = (lp * torch.linspace(0.5, 1.5, lp.shape[1])).sum() + (ent if entropy_grad else 0)
+    loss.backward()
+    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_split_head_found_for_llama(setup):
+    body, head = common._split_head(setup[0])
+    assert head is setup[0].lm_head and body is setup[0].model
+
+
+@pytest.mark.parametrize("chunk", [None, 700])  # 700 logits: fewer tokens per chunk than a row holds
+def test_chunked_head_equals_full_logits(setup, chunk, monkeypatch):
+    model, batch = setup
+    lp_full, ent_full, g_full = _run(model, batch, False, None, monkeypatch=monkeypatch)
+    lp, ent, g = _run(model, batch, True, chunk, monkeypatch=monkeypatch)
+    sel = torch.nn.functional.pad(batch["completion_mask"][:, 1:].bool(), (1, 0))
+    assert (lp[~sel] == 0).all() and (lp_full[~sel] == 0).all()  # 0 outside the completions
+    torch.testing.assert_close(lp, lp_full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ent_full, atol=1e-5, rtol=0)
+    # and both equal log_softmax(z / T)[y] read from a plain forward
+    with torch.no_grad():
+        ref = token_logps(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                          batch["input_ids"], 0.7)
+    torch.testing.assert_close(lp[sel], ref[sel], atol=1e-5, rtol=0)
+    for n in g_full:
+        torch.testing.assert_close(g[n], g_full[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_detached_entropy_does_not_train(setup, monkeypatch):
+    model, batch = setup
+    _, ent, g = _run(model, batch, True, None, entropy_grad=False, monkeypatch=monkeypatch)
+    _, _, g_full = _run(model, batch, False, None, entropy_grad=False, monkeypatch=monkeypatch)
+    assert not ent.requires_grad
+    for n in g_full:
+        torch.testing.assert_close(g[n], g_full[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_lora_reference_through_the_split_head(setup):
+    """Under PEFT the body keeps its LoRA layers and `disable_adapter` gives the base model's numbers."""
+    peft = pytest.importorskip("peft")
+    model, batch = setup
+    base = copy.deepcopy(model)
+    lm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                  init_lora_weights=False))
+    assert common._split_head(lm) is not None
+    with torch.no_grad():
+        want, _ = common.completion_token_logps(base, batch, 1.0, nullcontext())
+        with lm.disable_adapter():
+            got, _ = common.completion_token_logps(lm, batch, 1.0, nullcontext())
+        on, _ = common.completion_token_logps(lm, batch, 1.0, nullcontext())
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert (on - want).abs().max() > 1e-3  # the adapters do act when enabled
