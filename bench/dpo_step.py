@@ -179,6 +179,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
     ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    ap.add_argument("--full-logits", action="store_true", help="also time ours with the HF forward's full logits")
     args = ap.parse_args(argv)
     dev = args.device
     kind = args.model or ("qwen0.5b" if dev == "cuda" else "tiny")
@@ -198,6 +199,15 @@ def main(argv=None):
     print("ours:", json.dumps(results["ours"]), flush=True)
     del model
     free(dev)
+    if args.full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
+        from tether.trainers import common
+        split, common._split_head = common._split_head, (lambda m: None)
+        model = build_model(kind, dev, tok)
+        results["ours (full logits)"] = bench_ours(model, tok, examples, dev, warmup, steps)
+        common._split_head = split
+        print("ours (full logits):", json.dumps(results["ours (full logits)"]), flush=True)
+        del model
+        free(dev)
     trl_note = None
     if args.skip_trl:
         trl_note = "TRL skipped (--skip-trl)."
@@ -237,7 +247,7 @@ def render(results, kind, pairs, P, C, dev, warmup, steps, trl_note) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     base = results.get("trl")
     for name, r in results.items():
-        up = f"{base['step_s'] / r['step_s']:.2f}×" if base and name == "ours" else ""
+        up = f"{base['step_s'] / r['step_s']:.2f}×" if base and name.startswith("ours") else ""
         gb = lambda v: f"{v:.2f}" if v is not None else "—"  # noqa: E731
         lines.append(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['first_s']:.2f} | "
                      f"{gb(r['peak_alloc_gb'])} | {gb(r['peak_reserved_gb'])} | {up} |")

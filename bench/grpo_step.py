@@ -88,6 +88,10 @@ def peak_gb(device):
     return torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None
 
 
+def peak_alloc_gb(device):
+    return torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
+
+
 def load_tok(model_dir: Path):
     """The word-level tokenizer itself: AutoTokenizer would see model_type qwen2 in config.json and
     rebuild it as a (byte-level BPE) Qwen2Tokenizer, which cannot encode "<123>"."""
@@ -98,9 +102,13 @@ def load_tok(model_dir: Path):
     return tok
 
 
-def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int) -> dict:
-    from tether.trainers import online
+def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False) -> dict:
+    from tether.trainers import common, online
     from tether.trainers.online import GRPOConfig, train_grpo
+
+    split = common._split_head
+    if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
+        common._split_head = lambda model: None
 
     online.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok
 
@@ -116,12 +124,15 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
                      device=a.device, progress=False, log_entropy=True, keep_last=1, seed=0)
     reset_peak(a.device)
     t0 = time.perf_counter()
-    train_grpo(cfg, reward_funcs=[reward])
+    try:
+        train_grpo(cfg, reward_funcs=[reward])
+    finally:
+        common._split_head = split
     total = time.perf_counter() - t0
     rows = [json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()]
     warm = rows[a.warmup:]
     return dict(first_s=rows[0]["step_time"], step_s=statistics.median(r["step_time"] for r in warm),
-                peak_gb=peak_gb(a.device), total_s=total,
+                peak_gb=peak_gb(a.device), peak_alloc_gb=peak_alloc_gb(a.device), total_s=total,
                 mean_length=statistics.mean(r["completions/mean_length"] for r in rows),
                 rollout_s=statistics.median(r["rollout/seconds"] for r in warm),
                 mismatch_max=max(r.get("sampling/sampling_logp_difference/max", 0.0) for r in warm))
@@ -172,7 +183,7 @@ def run_trl(a, model_dir: Path, prompts: list[str], work: Path) -> dict:
     total = time.perf_counter() - t0
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     out = dict(first_s=timer.times[0], step_s=statistics.median(timer.times[a.warmup:]),
-               peak_gb=peak_gb(dev), total_s=total,
+               peak_gb=peak_gb(dev), peak_alloc_gb=peak_alloc_gb(dev), total_s=total,
                mean_length=statistics.mean(h["completions/mean_length"] for h in logs) if logs else None)
     del trainer, model
     return out
@@ -188,7 +199,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (both sides)")
     ap.add_argument("--ours-micro-batches", default=None,
-                    help="comma list: one row of ours per micro-batch size (default: --micro-batch; GPU 8,16,32)")
+                    help="comma list: one row of ours per micro-batch size, suffix f = HF forward's full "
+                         "logits instead of the chunked head (default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
@@ -213,10 +225,10 @@ def main(argv=None):
         work = Path(tmp)
         vocab = build(kind, work / "model")
         prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
-        mbs = [int(x) for x in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(",")]
-        for mb in mbs:
-            name = f"ours (micro-batch {mb})"
-            results[name] = run_ours(a, work / "model", prompts, work / f"ours{mb}", mb)
+        for spec in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(","):
+            mb, full = int(spec.rstrip("f")), spec.endswith("f")
+            name = f"ours (micro-batch {mb}{', full logits' if full else ''})"
+            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full)
             print(f"{name}: {json.dumps(results[name])}", flush=True)
         if not a.skip_trl:
             try:
@@ -250,15 +262,17 @@ def render(results, kind, a) -> str:
              f"{__import__('transformers').__version__}{trl_v}. Gradient checkpointing {a.grad_ckpt} (both sides), "
              f"bf16 weights on CUDA (both sides), median of "
              f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",
-             "| trainer | s/step | first step (s) | completion tokens/s | peak mem (GB) | mean length | speed-up |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| trainer | s/step | first step (s) | completion tokens/s | peak reserved (GB) | peak alloc (GB) "
+             "| mean length | speed-up |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     trl_r = next((r for n, r in results.items() if n.startswith("trl")), None)
     for name, r in results.items():
         up = f"{trl_r['step_s'] / r['step_s']:.1f}×" if trl_r and name.startswith("ours") else ""
         peak = f"{r['peak_gb']:.2f}" if r.get("peak_gb") else "—"
+        alloc = f"{r['peak_alloc_gb']:.2f}" if r.get("peak_alloc_gb") else "—"
         length = f"{r['mean_length']:.1f}" if r.get("mean_length") is not None else "—"
         lines.append(f"| {name} | {r['step_s']:.3f} | {r['first_s']:.2f} | {n_tok / r['step_s']:,.0f} | "
-                     f"{peak} | {length} | {up} |")
+                     f"{peak} | {alloc} | {length} | {up} |")
     notes = [f"- {n}: rollout {o['rollout_s']:.3f} s of the step; sampler–trainer max |Δ log-prob| "
              f"{o['mismatch_max']:.2e}" for n, o in results.items() if n.startswith("ours")]
     return "\n".join(lines + [""] + notes + [""])

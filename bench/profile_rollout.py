@@ -8,6 +8,7 @@ kernel times is what a captured graph cannot go below; graph ms/step minus it is
 """
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout import build_model  # noqa: E402
+from rollout import build_model, mismatch  # noqa: E402
 from tether.rollout import Sampler, SamplingConfig  # noqa: E402
 
 
@@ -35,21 +36,36 @@ def main():
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--compile", action="store_true", help="native.COMPILE: torch.compile'd pointwise pieces")
+    ap.add_argument("--attn", default="sdpa,bmm", help="native.DECODE_ATTN values to compare (graphs only)")
     a = ap.parse_args()
+    if a.compile:
+        from tether.rollout import native
+        native.COMPILE = True
     model = build_model("qwen0.5b", "cuda")
     V = model.config.vocab_size
+    from tether.rollout import native
+    attns = a.attn.split(",")
     for B in map(int, a.batches.split(",")):
         ids = torch.randint(10, V, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
-        for graphs in (True, False):
+        for attn in attns + ["eager"]:
+            graphs = attn != "eager"
+            native.DECODE_ATTN = attn if graphs else attns[-1]
             s = Sampler(model, None, SamplingConfig(max_new_tokens=a.new_tokens, ignore_eos=True, cuda_graphs=graphs))
+            t0 = time.perf_counter()
             s.sample(ids, seed=0)
+            first = time.perf_counter() - t0
             ro = s.sample(ids, seed=1)
-            print(f"B={B} graphs={graphs}: {ro.stats['ms_per_step']:.2f} ms/step, "
-                  f"prefill {ro.stats['prefill_s']:.3f} s", flush=True)
+            mm = mismatch(model, ro, rows_max=32) if graphs else ""
+            print(f"B={B} attn={native.DECODE_ATTN} graphs={graphs}: {ro.stats['ms_per_step']:.2f} ms/step, "
+                  f"first call {first:.1f} s, prefill {ro.stats['prefill_s']:.3f} s {mm}", flush=True)
             if graphs:
                 s.release()
         # s: the eager sampler, its state still allocated: profile 5 decode steps
         cfg, st = s.config, s.state
+        st.slot.fill_(129)  # back inside the cache and RoPE table (the call above left them at the end)
+        st.pos.fill_(129)
+        st.step.fill_(1)
         steps = 5
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with torch.inference_mode():

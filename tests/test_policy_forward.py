@@ -88,3 +88,23 @@ def test_lora_reference_through_the_split_head(setup):
         on, _ = common.completion_token_logps(lm, batch, 1.0, nullcontext())
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert (on - want).abs().max() > 1e-3  # the adapters do act when enabled
+
+
+def test_autocast_fp32_weights(setup, monkeypatch):
+    """fp32 weights under bf16 autocast (the DPO bench's setting): the head runs in bf16, the
+    weight gradient comes back fp32, and both agree with the full-logits path to bf16 precision."""
+    model, batch = setup
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    out = {}
+    for split in (False, True):
+        m = copy.deepcopy(model)
+        if not split:
+            monkeypatch.setattr(common, "_split_head", lambda _: None)
+        lp, _ = common.completion_token_logps(m, batch, 1.0, amp)
+        monkeypatch.undo()
+        lp.sum().backward()
+        out[split] = lp.detach(), m.lm_head.weight.grad
+    assert out[True][1].dtype == torch.float32
+    torch.testing.assert_close(out[True][0], out[False][0], atol=0.05, rtol=0)
+    g0, g1 = out[False][1], out[True][1]
+    assert (g1 - g0).norm() / g0.norm() < 0.02

@@ -177,9 +177,11 @@ def test_finish_reasons_eos_stop_token_and_length(lm, eosy):
         assert _completion(ign, i)[:len(_completion(ro, i))] == _completion(ro, i)
 
 
-def test_graph_code_path_and_compaction_match_plain_eager(eosy):
-    """The CUDA-graph path (bucketed batch, scratch-slot warm-up, full-cache attention, compaction
-    to smaller buckets) emulated on CPU gives the same tokens as the plain eager loop."""
+def test_graph_code_path_and_compaction_match_plain_eager(eosy, monkeypatch):
+    """The CUDA-graph path (bucketed batch, scratch-slot warm-up, attention over KV-length buckets,
+    compaction to smaller buckets) emulated on CPU gives the same tokens as the plain eager loop."""
+    from tether.rollout import engine
+    monkeypatch.setattr(engine, "KV_BUCKET", 8)  # prompts + 40 new tokens: graphs at several KV lengths
     model, tok = eosy
     prompts = [f"{i}: " + PROMPTS[i % 5] for i in range(20)]
     for settings in (dict(temperature=0), dict(temperature=0.9, top_p=0.95)):
@@ -190,6 +192,7 @@ def test_graph_code_path_and_compaction_match_plain_eager(eosy):
         assert ro.texts == plain.texts and ro.finish_reasons == plain.finish_reasons
         assert torch.allclose(ro.logprobs, plain.logprobs, atol=1e-5)
         assert {k[0] for k in g.graphs} >= {48, 16}  # 40 rows -> bucket 48, compacted to 16 or less
+        assert len({k[1] for k in g.graphs}) >= 3  # several attended KV lengths
         b, lp = _train_logps(model, ro)
         assert logprob_mismatch(b["logprobs"], lp, b["completion_mask"])[
             "sampling/sampling_logp_difference/max"] <= 1e-4

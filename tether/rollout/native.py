@@ -79,11 +79,39 @@ def _linear(m):
 FUSE = True
 
 
+# Decode attention. "sdpa": torch's fused kernel (cuDNN's on an H100 at these shapes: 22 us per layer
+# at batch 64, 74 us at batch 256 over 400 slots, 3-5x its KV-read time, its 64-query tiles mostly
+# empty with 7 queries per KV head). "bmm": scores = baddbmm(mask, q, K^T), softmax, @ V — three
+# bandwidth-bound kernels, scores rounded to the model dtype before the softmax as in HF's eager
+# attention.
+DECODE_ATTN = "sdpa"
+
+# Experimental (bench/profile_rollout.py --compile): the pointwise pieces of a layer (RMSNorm, RoPE
+# with the q/k concat, SiLU·up) as torch.compile'd functions, one Triton kernel each instead of
+# 2–5 eager kernels. Shapes repeat across layers, so each piece compiles once per batch bucket.
+COMPILE = False
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False, fullgraph=True) if COMPILE else fn
+
+
+def _rms_w(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _swiglu(g: Tensor, u: Tensor) -> Tensor:
+    return F.silu(g) * u
+
+
 def _rmsnorm(m):
     """HF's Llama/Qwen RMSNorm: normalize in float32, cast back, times the weight in the model dtype.
     F.rms_norm without a weight is that first part in one op (its float32 upcast is internal)."""
     if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
         w, eps = m.weight, m.variance_epsilon
+        if COMPILE:
+            f = _compiled(_rms_w)
+            return lambda x: f(x, w, eps)
         if FUSE:
             return lambda x: F.rms_norm(x, (x.shape[-1],), w, eps)
         return lambda x: F.rms_norm(x, (x.shape[-1],), eps=eps) * w
@@ -104,6 +132,9 @@ def _mlp_add(m):
     """(x, residual) -> residual + down(act(gate(x)) * up(x)), the SwiGLU MLP of these families."""
     if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         gate, up, down, act = _linear(m.gate_proj), _linear(m.up_proj), _linear_add(m.down_proj), m.act_fn
+        if COMPILE and type(act) is nn.SiLU:
+            f = _compiled(_swiglu)
+            return lambda x, res: down(f(gate(x), up(x)), res)
         return lambda x, res: down(act(gate(x)) * up(x), res)
     return lambda x, res: res + m(x)
 
@@ -113,6 +144,11 @@ def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     roll(x, D/2) * [-sin_1, sin_2]: the same products (negation is exact), two ops fewer.
     x, cos, sin_signed [B, T, heads, D], all the same shape (broadcasting makes GPU kernels slower)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def _rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """q and k [B, T, H | Hkv, D] rotated together: [B, T, H + Hkv, D]."""
+    return _rope(torch.cat([q, k], 2), cos, sin_signed)
 
 
 class _Layer:
@@ -127,6 +163,7 @@ class _Layer:
         self.qn = _rmsnorm(a.q_norm) if hasattr(a, "q_norm") else None
         self.kn = _rmsnorm(a.k_norm) if hasattr(a, "k_norm") else None
         self.mlp = _mlp_add(layer.mlp)  # (normed x, residual) -> residual + mlp(normed x)
+        self.rope_qk = _compiled(_rope_qk)
 
 
 class NativeBackend:
@@ -175,7 +212,7 @@ class NativeBackend:
         v = L.v(h).view(B, T, -1, self.head_dim)
         if L.qn is not None:
             q, k = L.qn(q), L.kn(k)
-        qk = _rope(torch.cat([q, k], 2), cos, sin)
+        qk = L.rope_qk(q, k, cos, sin)
         return qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], v
 
     @torch.no_grad()
@@ -211,7 +248,11 @@ class NativeBackend:
         B = tokens.shape[0]
         G, D = self.n_heads // self.n_kv, self.head_dim
         bias.index_fill_(1, slot, 0.0)
-        bias = bias[:, None, None, :kv_len]
+        bmm = DECODE_ATTN == "bmm"
+        if bmm:  # one [B*Hkv, 1, S] copy per step, broadcast over the G query heads by baddbmm
+            bias = bias[:, None, :kv_len].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
+        else:
+            bias = bias[:, None, None, :kv_len]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
         x = self.embed(tokens[:, None])
         for i, L in enumerate(self.layers):
@@ -220,9 +261,14 @@ class NativeBackend:
             kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
             vc.index_copy_(2, slot, v.transpose(1, 2))
             # GQA without repeating the cache: the G query heads of one KV head act as G queries.
-            # (On an H200 torch picks cuDNN's attention here; pinning mem-efficient was 0.4 ms slower.)
-            o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
-                                               vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
+            if bmm:
+                kk = kc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)  # views: no copy of the cache
+                vv = vc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)
+                scores = torch.baddbmm(bias, q.reshape(B * self.n_kv, G, D), kk.transpose(1, 2), alpha=self.scaling)
+                o = torch.bmm(torch.softmax(scores, -1), vv)
+            else:
+                o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
+                                                   vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
             x = L.o(o.reshape(B, 1, -1), x)
             x = L.mlp(L.ln2(x), x)
         return self.lm_head(self.norm(x))[:, 0]

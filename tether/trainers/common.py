@@ -192,8 +192,8 @@ def supports_logits_to_keep(model) -> bool:
 # Families whose logits are exactly lm_head(body(x)) (no soft-capping or logit scale), so the head
 # can be applied by us, chunk by chunk, to the completion positions only.
 _HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gpt_neox", "phi3")
-# Logits held at once by the chunked head: 2^25 (~0.25 GB of float32 at V = 152k, ~220 tokens) on
-# an accelerator, 2^22 on CPU (cache-sized). None: per device.
+# Logits held at once by the chunked head: 2^25 (~220 tokens at V = 152k, 128 MB per float32
+# temporary) on an accelerator, 2^22 on CPU (cache-sized). None: per device.
 HEAD_CHUNK_ELEMENTS: int | None = None
 
 
@@ -211,37 +211,84 @@ def _split_head(model):
     return body, head
 
 
-def _head_chunk(h, weight, bias, targets, temperature: float, entropy: bool):
-    """log softmax(lm_head(h)/T)[targets] and (optionally) the entropy, for one chunk of tokens."""
-    z = torch.nn.functional.linear(h, weight, bias).float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp = torch.log_softmax(z, -1)
-    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
-    if not entropy:
-        return lp, None
-    return lp, -(logp.exp() * logp).sum(-1)
+class _HeadLogps(torch.autograd.Function):
+    """lp_i = log softmax(z_i / T)[y_i] and H_i = entropy(softmax(z_i / T)) with z_i = W h_i + b,
+    one chunk of tokens at a time. Saves only h and two numbers per token (logsumexp, entropy);
+    backward recomputes each chunk's logits once and writes
+        dz'/T with dz' = g_lp (onehot(y) − p) − g_H p (log p + H),
+        dh = dz W (by token chunks),   dW = dz^T h (by vocabulary chunks),
+    so no [N, V] tensor is ever held (Liger's fused linear cross-entropy, for per-token outputs)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, targets, temperature: float, step: int, cd, want_ent: bool):
+        ctx.set_materialize_grads(False)
+        wc, bc = w.to(cd), (b.to(cd) if b is not None else None)
+        N = h.shape[0]
+        lp = torch.empty(N, dtype=torch.float32, device=h.device)
+        lse, ent = torch.empty_like(lp), torch.empty_like(lp)
+        for i in range(0, N, step):
+            z = torch.nn.functional.linear(h[i:i + step].to(cd), wc, bc).float().div_(temperature)
+            lse[i:i + step] = torch.logsumexp(z, -1)
+            lp[i:i + step] = z.gather(-1, targets[i:i + step, None]).squeeze(-1) - lse[i:i + step]
+            if want_ent:  # H = lse − Σ p z
+                ent[i:i + step] = lse[i:i + step] - torch.softmax(z, -1).mul_(z).sum(-1)
+        ctx.save_for_backward(h, w, b, targets, lse, ent)
+        ctx.temperature, ctx.step, ctx.cd = temperature, step, cd
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        h, w, b, targets, lse, ent = ctx.saved_tensors
+        T, step, cd = ctx.temperature, ctx.step, ctx.cd
+        wc, bc = w.to(cd), (b.to(cd) if b is not None else None)
+        N, V = h.shape[0], w.shape[0]
+
+        def dz(hc, rows, v0, v1):
+            """dz for tokens `rows` over vocabulary columns v0..v1 ([n, v1 - v0], compute dtype)."""
+            logp = torch.nn.functional.linear(hc, wc[v0:v1], bc[v0:v1] if bc is not None else None)
+            logp = logp.float().div_(T).sub_(lse[rows, None])
+            p = logp.exp()
+            coef = g_lp[rows, None] if g_lp is not None else 0.0
+            if g_ent is not None:
+                coef = logp.add_(ent[rows, None]).mul_(g_ent[rows, None]).add_(coef)
+            d = p.mul_(coef).neg_()
+            if g_lp is not None:  # + g_lp at the target column (where it falls inside v0..v1)
+                y = targets[rows] - v0
+                inside = (y >= 0) & (y < v1 - v0)
+                d.scatter_add_(-1, y.clamp(0, v1 - v0 - 1)[:, None], (g_lp[rows] * inside)[:, None])
+            return d.div_(T).to(cd)
+
+        dh = torch.empty_like(h)
+        for i in range(0, N, step):  # dh = dz W, by token chunks
+            rows = slice(i, i + step)
+            dh[rows] = (dz(h[rows].to(cd), rows, 0, V) @ wc).to(h.dtype)
+        dw = db = None
+        if ctx.needs_input_grad[1] or (b is not None and ctx.needs_input_grad[2]):
+            # dW = dz^T h by vocabulary chunks over all tokens: each row of dW is one GEMM with float32
+            # accumulation (as in the full-logits path), no [V, H] accumulator summed chunk by chunk
+            hc, vstep = h.to(cd), max(1, (step * V) // max(N, 1))
+            dw = torch.empty_like(w)
+            db = torch.empty_like(b) if b is not None else None
+            for v0 in range(0, V, vstep):
+                v1 = min(V, v0 + vstep)
+                d = dz(hc, slice(None), v0, v1)
+                dw[v0:v1] = (d.t() @ hc).to(w.dtype)
+                if db is not None:
+                    db[v0:v1] = d.sum(0, dtype=torch.float32).to(b.dtype)
+        return dh, dw, db, None, None, None, None, None
 
 
 def _chunked_head(h, head, targets, temperature: float, entropy: str):
-    """Per-token log-probs (and entropies) of `targets` [N] from hidden states `h` [N, H], never
-    holding more than one chunk of logits: under autograd each chunk is checkpointed, so backward
-    recomputes its logits instead of keeping a [N, V] tensor (and its gradient) alive.
+    """Per-token log-probs (and entropies) of `targets` [N] from hidden states `h` [N, H] through
+    the linear `head`, never holding more than one chunk of logits (:class:`_HeadLogps`).
     `entropy`: "" (none), "detached" or "grad"."""
-    from torch.utils.checkpoint import checkpoint
-
     budget = HEAD_CHUNK_ELEMENTS or (1 << 22 if h.device.type == "cpu" else 1 << 25)
     step = max(1, budget // head.out_features)
-    lps, ents = [], []
-    for i in range(0, h.shape[0], step):
-        args = (h[i:i + step], head.weight, head.bias, targets[i:i + step], temperature, bool(entropy))
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)
-        else:
-            lp, ent = _head_chunk(*args)
-        lps.append(lp)
-        ents.append(ent.detach() if entropy == "detached" else ent)
-    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+    dev = h.device.type
+    cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
+    lp, ent = _HeadLogps.apply(h, head.weight, head.bias, targets, float(temperature), step, cd, bool(entropy))
+    return lp, (None if not entropy else ent.detach() if entropy == "detached" else ent)
 
 
 def completion_token_logps(model, batch: dict, temperature: float, amp, want_entropy: bool = False,
