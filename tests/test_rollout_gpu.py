@@ -76,3 +76,29 @@ def test_bf16_mismatch_is_small():
     m = _mismatch(model, ro)
     print(m)
     assert m["sampling/sampling_logp_difference/mean"] < 0.02 and m["sampling/sampling_logp_difference/max"] < 0.5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("G,D", [(7, 64), (2, 16), (4, 128)])
+def test_decode_attention_kernel_equals_sdpa(dtype, tol, G, D):
+    """The Triton decode-attention kernel against torch's SDPA: strided cache views (a slice of a
+    larger cache), left-padding and future-slot masks, a block of 64 slots masked entirely."""
+    from tether.rollout import attention
+    if not attention.available(torch.device("cuda"), dtype, D, G):
+        pytest.skip("triton not importable")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, Hkv, S, slots = 5, 2, 150, 201
+    q = torch.randn(B, Hkv, G, D, device="cuda", generator=g).to(dtype)
+    kc = torch.randn(B, Hkv, slots, D, device="cuda", generator=g).to(dtype)
+    vc = torch.randn(B, Hkv, slots, D, device="cuda", generator=g).to(dtype)
+    bias = torch.zeros(B, slots, device="cuda", dtype=dtype)
+    bias[0, :20] = float("-inf")
+    bias[1, 100:] = float("-inf")
+    bias[2, 64:128] = float("-inf")  # one whole kernel block masked
+    bias[3, :149] = float("-inf")  # only the last slot
+    k, v, b = kc[:, :, :S], vc[:, :, :S], bias[:, :S]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=b.float()[:, None, None], scale=D ** -0.5)
+    got = attention.decode_attention(q, k, v, b, D ** -0.5)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)

@@ -49,8 +49,9 @@ KV_BUCKET = 64
 
 class _State:
     """Every tensor a decode step touches, allocated once so a captured graph can keep pointing at it.
-    Row ``rows`` of the output buffers and column ``steps`` / slot ``slots`` are scratch space that
-    graph warm-up writes into, so capturing mid-run never disturbs real rows."""
+    Row ``rows`` and column ``steps`` of the output buffers are scratch space that graph warm-up
+    writes into (its cache writes go to a slot no real token occupies yet), so capturing mid-run
+    never disturbs real rows."""
 
     def __init__(self, rows: int, slots: int, steps: int, device, dtype):
         z = dict(device=device)
@@ -273,7 +274,9 @@ class Sampler:
         def scratch_state():
             for t, s in zip(st.small(), saved):
                 t.copy_(s)
-            st.slot.fill_(st.slots)
+            # the last attended slot: never one a real token already sits in (it is >= the slot the
+            # next real step writes), and unmasked by the warm-up step, so no row attends to nothing
+            st.slot.fill_(kv - 1)
             st.step.fill_(st.steps)
 
         cuda = self._device().type == "cuda"
@@ -299,7 +302,7 @@ class Sampler:
             g = _EagerGraph(step)
         for t, s in zip(st.small(), saved):
             t.copy_(s)
-        st.bias[:, st.slots] = float("-inf")
+        st.bias[:, kv - 1] = float("-inf")  # the real step unmasks it when it writes there
         _sync(self._device())
         self.graphs[key] = g
         stats["capture_s"] += time.perf_counter() - t0

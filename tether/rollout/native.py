@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import attention
+
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -79,12 +81,10 @@ def _linear(m):
 FUSE = True
 
 
-# Decode attention. "sdpa": torch's fused kernel (cuDNN's on an H100 at these shapes: 22 us per layer
-# at batch 64, 74 us at batch 256 over 400 slots, 3-5x its KV-read time, its 64-query tiles mostly
-# empty with 7 queries per KV head). "bmm": scores = baddbmm(mask, q, K^T), softmax, @ V — three
-# bandwidth-bound kernels, scores rounded to the model dtype before the softmax as in HF's eager
-# attention.
-DECODE_ATTN = "sdpa"
+# Decode attention: "auto" = our Triton kernel (attention.py) on CUDA when Triton is importable,
+# else torch's SDPA; "sdpa" / "triton" force one. (SDPA picks cuDNN's kernel on an H100 here: 22 µs
+# per layer at batch 64 and 74 µs at batch 256 over 400 slots, 3-5x its KV-read time.)
+DECODE_ATTN = "auto"
 
 # Experimental (bench/profile_rollout.py --compile): the pointwise pieces of a layer (RMSNorm, RoPE
 # with the q/k concat, SiLU·up) as torch.compile'd functions, one Triton kernel each instead of
@@ -183,6 +183,7 @@ class NativeBackend:
         self.head_dim, self.scaling = a.head_dim, a.scaling
         p = next(m.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.own_attention = attention.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
         self.k = self.v = self.cos = self.sin = None
 
     def alloc(self, rows: int, slots: int) -> None:
@@ -248,11 +249,10 @@ class NativeBackend:
         B = tokens.shape[0]
         G, D = self.n_heads // self.n_kv, self.head_dim
         bias.index_fill_(1, slot, 0.0)
-        bmm = DECODE_ATTN == "bmm"
-        if bmm:  # one [B*Hkv, 1, S] copy per step, broadcast over the G query heads by baddbmm
-            bias = bias[:, None, :kv_len].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
-        else:
-            bias = bias[:, None, None, :kv_len]
+        bias = bias[:, :kv_len]
+        own = DECODE_ATTN == "triton" or (DECODE_ATTN == "auto" and self.own_attention)
+        if not own:
+            bias = bias[:, None, None]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
         x = self.embed(tokens[:, None])
         for i, L in enumerate(self.layers):
@@ -261,11 +261,9 @@ class NativeBackend:
             kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
             vc.index_copy_(2, slot, v.transpose(1, 2))
             # GQA without repeating the cache: the G query heads of one KV head act as G queries.
-            if bmm:
-                kk = kc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)  # views: no copy of the cache
-                vv = vc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)
-                scores = torch.baddbmm(bias, q.reshape(B * self.n_kv, G, D), kk.transpose(1, 2), alpha=self.scaling)
-                o = torch.bmm(torch.softmax(scores, -1), vv)
+            if own:
+                o = attention.decode_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
+                                               vc[:, :, :kv_len], bias, self.scaling)
             else:
                 o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
                                                    vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
