@@ -83,7 +83,7 @@ def test_bf16_mismatch_is_small():
 def test_decode_attention_kernel_equals_sdpa(dtype, tol, G, D):
     """The Triton decode-attention kernel against torch's SDPA: strided cache views (a slice of a
     larger cache), left-padding and future-slot masks, a block of 64 slots masked entirely."""
-    from tether.rollout import attention
+    from tether.rollout import kernels as attention
     if not attention.available(torch.device("cuda"), dtype, D, G):
         pytest.skip("triton not importable")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -96,9 +96,37 @@ def test_decode_attention_kernel_equals_sdpa(dtype, tol, G, D):
     bias[1, 100:] = float("-inf")
     bias[2, 64:128] = float("-inf")  # one whole kernel block masked
     bias[3, :149] = float("-inf")  # only the last slot
+    # this step's key / value, written into slot 140 by the kernel itself (k_new a strided view)
+    k_new = torch.randn(B, Hkv + 3, D, device="cuda", generator=g).to(dtype)[:, 3:]
+    v_new = torch.randn(B, Hkv, D, device="cuda", generator=g).to(dtype)
+    bias[1, 140] = 0.0
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[:, :, 140], want_v[:, :, 140] = k_new, v_new
     k, v, b = kc[:, :, :S], vc[:, :, :S], bias[:, :S]
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=b.float()[:, None, None], scale=D ** -0.5)
-    got = attention.decode_attention(q, k, v, b, D ** -0.5)
+        q.float(), want_k[:, :, :S].float(), want_v[:, :, :S].float(), attn_mask=b.float()[:, None, None],
+        scale=D ** -0.5)
+    got = attention.decode_attention(q, k, v, b, D ** -0.5, k_new, v_new, torch.tensor([140], device="cuda"))
     assert got.dtype == dtype and torch.isfinite(got).all()
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # the cache write, and nothing else
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("T,V", [(1.0, 5000), (0.7, 5000), (1.0, 1500)])  # 1500: one block, not a power of 2
+def test_blockwise_sampling_equals_the_softmax_draw(T, V):
+    """The Triton block-statistics draw (no float32 [B, V] copy) picks the token the softmax +
+    inverse-CDF draw picks for the same uniform (but for float32 rounding at a token boundary), and
+    its log-prob is log_softmax(z / T) at that token."""
+    from tether.rollout import kernels, sampling
+    if not kernels.sampling_available(torch.zeros(1, device="cuda")):
+        pytest.skip("triton not importable")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(2048, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    logits[0, 1200:] = float("-inf")  # a whole block of -inf logits (V = 5000)
+    u = torch.rand(2048, device="cuda", generator=g)
+    p = torch.softmax(logits.float() / T, -1)
+    want = sampling._inverse_cdf(p, u).squeeze(1)
+    y, lp = sampling._sample_blockwise(logits, u, T)
+    assert (y == want).float().mean() >= 0.99
+    ref = torch.log_softmax(logits.float() / T, -1).gather(1, y[:, None]).squeeze(1)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)

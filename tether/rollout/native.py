@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import attention
+from . import kernels
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -81,7 +81,7 @@ def _linear(m):
 FUSE = True
 
 
-# Decode attention: "auto" = our Triton kernel (attention.py) on CUDA when Triton is importable,
+# Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable,
 # else torch's SDPA; "sdpa" / "triton" force one. (SDPA picks cuDNN's kernel on an H100 here: 22 µs
 # per layer at batch 64 and 74 µs at batch 256 over 400 slots, 3-5x its KV-read time.)
 DECODE_ATTN = "auto"
@@ -183,7 +183,7 @@ class NativeBackend:
         self.head_dim, self.scaling = a.head_dim, a.scaling
         p = next(m.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.own_attention = attention.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
+        self.own_attention = kernels.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
         self.k = self.v = self.cos = self.sin = None
 
     def alloc(self, rows: int, slots: int) -> None:
@@ -258,13 +258,13 @@ class NativeBackend:
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, L.ln1(x), cos, sin)
             kc, vc = self.k[i, :B], self.v[i, :B]
-            kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
-            vc.index_copy_(2, slot, v.transpose(1, 2))
             # GQA without repeating the cache: the G query heads of one KV head act as G queries.
-            if own:
-                o = attention.decode_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
-                                               vc[:, :, :kv_len], bias, self.scaling)
+            if own:  # the kernel also writes k, v into the cache slot
+                o = kernels.decode_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
+                                               vc[:, :, :kv_len], bias, self.scaling, k[:, 0], v[:, 0], slot)
             else:
+                kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
+                vc.index_copy_(2, slot, v.transpose(1, 2))
                 o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
                                                    vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
             x = L.o(o.reshape(B, 1, -1), x)

@@ -134,6 +134,35 @@ def _inverse_cdf(w: Tensor, u: Tensor) -> Tensor:
     return bi * blk + j
 
 
+def _sample_blockwise(logits: Tensor, u: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """Full-vocabulary sampling at ``temperature`` from per-block statistics (a Triton kernel reads
+    the logits once): the same inverse-CDF draw as :func:`_inverse_cdf` on softmax(z / T), without
+    materializing the float32 [B, V] probabilities (on an H100 at batch 256 those cost a bf16 → fp32
+    copy and a softmax, 0.33 ms of a 3 ms decode step). Block weights are S_j · exp(M_j − m) with m
+    the row max; the log-prob is z_y / T − (m + log Σ_j weights)."""
+    from .kernels import block_stats
+    B, V = logits.shape
+    blk = CDF_BLOCK if V > 2 * CDF_BLOCK else V
+    nb = -(-V // blk)
+    M, S = block_stats(logits, temperature, blk)
+    m = M.amax(-1, keepdim=True)
+    cs = S.mul_(torch.exp(M - m)).cumsum_(-1)  # cumulative block weights
+    total = cs[:, -1:]
+    target = (u.to(cs.dtype)[:, None] * total).clamp_min(torch.finfo(cs.dtype).tiny)
+    bi = torch.searchsorted(cs, target).clamp_max(nb - 1)
+    before = cs.gather(1, (bi - 1).clamp_min(0)).masked_fill(bi == 0, 0.0)
+    cols = bi * blk + torch.arange(blk, device=logits.device)
+    zb = logits.gather(1, cols.clamp_max(V - 1)).float()
+    zb = zb / temperature if temperature != 1.0 else zb
+    wb = zb.sub_(m).exp_().masked_fill_(cols >= V, 0.0).cumsum_(-1)
+    j = torch.searchsorted(wb, target - before)
+    j = torch.minimum(j, torch.searchsorted(wb, wb[:, -1:].contiguous()))  # see _inverse_cdf
+    y = bi * blk + j
+    zy = logits.gather(1, y).float()
+    zy = zy / temperature if temperature != 1.0 else zy
+    return y.squeeze(1), (zy - m - total.log()).squeeze(1)
+
+
 def sample_tokens(logits: Tensor, u: Tensor, cfg: SamplingConfig) -> tuple[Tensor, Tensor]:
     """Draw one token per row of ``logits`` [B, V] with uniforms ``u`` [B].
 
@@ -145,6 +174,10 @@ def sample_tokens(logits: Tensor, u: Tensor, cfg: SamplingConfig) -> tuple[Tenso
         lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         y = logits.argmax(-1)
         return y, lp.gather(1, y[:, None]).squeeze(1)
+    if cfg.top_k == 0 and cfg.top_p >= 1.0 and cfg.min_p == 0.0 and logits.stride(-1) == 1:
+        from .kernels import sampling_available
+        if sampling_available(logits):  # CUDA + Triton: the common RL setting without a [B, V] copy
+            return _sample_blockwise(logits, u, cfg.temperature)
     # The full tempered distribution (its log at the drawn token is the returned log-prob: equal to
     # log_softmax to ~1e-7); at T = 1 the float32 upcast is fused into the softmax.
     if cfg.temperature == 1.0:
