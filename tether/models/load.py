@@ -6,7 +6,6 @@ tokenizer a pad token when it has none (most base models), and turn a missing pa
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
