@@ -37,7 +37,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--compile", action="store_true", help="native.COMPILE: torch.compile'd pointwise pieces")
-    ap.add_argument("--attn", default="sdpa,bmm", help="native.DECODE_ATTN values to compare (graphs only)")
+    ap.add_argument("--attn", default="sdpa,triton", help="native.DECODE_ATTN values to compare (graphs only)")
+    ap.add_argument("--memory", action="store_true", help="only: where a warm call's reserved memory goes")
     a = ap.parse_args()
     if a.compile:
         from tether.rollout import native
@@ -45,6 +46,8 @@ def main():
     model = build_model("qwen0.5b", "cuda")
     V = model.config.vocab_size
     from tether.rollout import native
+    if a.memory:
+        return memory(model, a)
     attns = a.attn.split(",")
     for B in map(int, a.batches.split(",")):
         ids = torch.randint(10, V, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
@@ -89,6 +92,34 @@ def main():
         for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.top]:
             print(f"    {c / steps:5.0f} x {t / c:8.1f} us  {n}")
         s.release()
+        torch.cuda.empty_cache()
+
+
+def memory(model, a):
+    """Reserved memory after a warm call, split into the general pool and the CUDA-graph pool(s)."""
+    gb = lambda x: f"{x / 1e9:.3f}"  # noqa: E731
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    for B in map(int, a.batches.split(",")):
+        ids = torch.randint(10, model.config.vocab_size, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
+        s = Sampler(model, None, SamplingConfig(max_new_tokens=a.new_tokens, ignore_eos=True))
+        s.sample(ids, seed=0)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        s.sample(ids, seed=1)
+        torch.cuda.synchronize()
+        pools = defaultdict(lambda: [0, 0])
+        for seg in torch.cuda.memory_snapshot():
+            pools[str(seg.get("segment_pool_id"))][0] += seg["total_size"]
+            pools[str(seg.get("segment_pool_id"))][1] += seg["allocated_size"]
+        kv = 2 * s.backend.k.numel() * s.backend.k.element_size()
+        print(f"B={B}: peak reserved {gb(torch.cuda.max_memory_reserved())} peak alloc "
+              f"{gb(torch.cuda.max_memory_allocated())} now reserved {gb(torch.cuda.memory_reserved())}; "
+              f"weights {gb(weights)} KV cache {gb(kv)} graphs {len(s.graphs)}")
+        for pid, (tot, used) in pools.items():
+            print(f"   pool {pid}: reserved {gb(tot)} allocated {gb(used)}")
+        s.release()
+        del s
         torch.cuda.empty_cache()
 
 

@@ -46,7 +46,21 @@ def test_split_head_found_for_llama(setup):
     assert head is setup[0].lm_head and body is setup[0].model
 
 
-@pytest.mark.parametrize("chunk", [None, 700])  # 700 logits: fewer tokens per chunk than a row holds
+def test_chunked_only_when_logits_exceed_one_chunk(setup, monkeypatch):
+    """Small logits take the plain forward (same numbers, less overhead); large ones the chunked head."""
+    model, batch = setup
+    calls = []
+    real = common._chunked_head
+    monkeypatch.setattr(common, "_chunked_head", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        common.completion_token_logps(model, batch, 1.0, nullcontext())
+        assert not calls  # 3 x 14 x V logits fit the CPU budget
+        monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 2000)
+        common.completion_token_logps(model, batch, 1.0, nullcontext())
+        assert calls
+
+
+@pytest.mark.parametrize("chunk", [2000, 700])  # logits of several tokens / of fewer than one row per chunk
 def test_chunked_head_equals_full_logits(setup, chunk, monkeypatch):
     model, batch = setup
     lp_full, ent_full, g_full = _run(model, batch, False, None, monkeypatch=monkeypatch)
@@ -66,16 +80,17 @@ def test_chunked_head_equals_full_logits(setup, chunk, monkeypatch):
 
 def test_detached_entropy_does_not_train(setup, monkeypatch):
     model, batch = setup
-    _, ent, g = _run(model, batch, True, None, entropy_grad=False, monkeypatch=monkeypatch)
+    _, ent, g = _run(model, batch, True, 2000, entropy_grad=False, monkeypatch=monkeypatch)
     _, _, g_full = _run(model, batch, False, None, entropy_grad=False, monkeypatch=monkeypatch)
     assert not ent.requires_grad
     for n in g_full:
         torch.testing.assert_close(g[n], g_full[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_lora_reference_through_the_split_head(setup):
+def test_lora_reference_through_the_split_head(setup, monkeypatch):
     """Under PEFT the body keeps its LoRA layers and `disable_adapter` gives the base model's numbers."""
     peft = pytest.importorskip("peft")
+    monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 2000)  # the chunked path at these tiny shapes
     model, batch = setup
     base = copy.deepcopy(model)
     lm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
@@ -98,7 +113,9 @@ def test_autocast_fp32_weights(setup, monkeypatch):
     out = {}
     for split in (False, True):
         m = copy.deepcopy(model)
-        if not split:
+        if split:
+            monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 2000)
+        else:
             monkeypatch.setattr(common, "_split_head", lambda _: None)
         lp, _ = common.completion_token_logps(m, batch, 1.0, amp)
         monkeypatch.undo()

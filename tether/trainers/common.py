@@ -279,12 +279,15 @@ class _HeadLogps(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
+def _head_budget(device) -> int:
+    return HEAD_CHUNK_ELEMENTS or (1 << 22 if device.type == "cpu" else 1 << 25)
+
+
 def _chunked_head(h, head, targets, temperature: float, entropy: str):
     """Per-token log-probs (and entropies) of `targets` [N] from hidden states `h` [N, H] through
     the linear `head`, never holding more than one chunk of logits (:class:`_HeadLogps`).
     `entropy`: "" (none), "detached" or "grad"."""
-    budget = HEAD_CHUNK_ELEMENTS or (1 << 22 if h.device.type == "cpu" else 1 << 25)
-    step = max(1, budget // head.out_features)
+    step = max(1, _head_budget(h.device) // head.out_features)
     dev = h.device.type
     cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
     lp, ent = _HeadLogps.apply(h, head.weight, head.bias, targets, float(temperature), step, cd, bool(entropy))
@@ -299,16 +302,19 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
     for logging).
 
     The LM head — the step's largest activation, [B, T, V] logits and as large a gradient — runs only
-    on the completion tokens and in checkpointed chunks (:func:`_chunked_head`) when the model's
-    logits are a plain linear head over its body (Llama / Mistral / Qwen / GPT-2 families): at 8 × 256
-    completion tokens and a 152k vocabulary that is ~1.2 GB of bf16 logits and gradient not held.
-    Other models: the HF forward with `logits_to_keep` from the first completion token.
+    on the completion tokens and in chunks (:func:`_chunked_head`) when the model's logits are a plain
+    linear head over its body (Llama / Mistral / Qwen / GPT-2 families) and the logits would not fit
+    in one chunk: at 16 × 256 completion tokens and a 152k vocabulary that is ~2.5 GB of bf16 logits
+    and gradient not held. Otherwise: the HF forward with `logits_to_keep` from the first completion
+    token.
     """
     from tether.objectives import entropy_from_logits, token_logps
 
     ids, cmask = batch["input_ids"], batch["completion_mask"]
     B, T = ids.shape
     split = _split_head(model)
+    if split is not None and B * T * split[1].out_features <= _head_budget(ids.device):
+        split = None  # the logits fit in one chunk: the plain forward is as lean and a little faster
     if split is not None:
         body, head = split
         sel = cmask[:, 1:].bool()  # hidden state t predicts token t + 1
