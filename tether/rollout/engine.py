@@ -354,9 +354,7 @@ class Sampler:
         t0 = time.perf_counter()
         st.bias[:b] = float("-inf")
         st.bias[:b, :P].masked_fill_(attn, 0.0)
-        # at least 4 chunks: the prefill's transient (MLP activations) stays a fraction of the cache
-        # it fills, so the prefill is not what sets the sampler's peak memory
-        chunk = max(1, min(cfg.prefill_tokens // P, -(-b // 4))) if be.name == "native" else b
+        chunk = max(1, cfg.prefill_tokens // P) if be.name == "native" else b
         st.step.fill_(0)
         for r in range(0, b, chunk):  # each chunk's first token is drawn before the next chunk runs:
             self._emit(be.prefill(ids[r:r + chunk], attn[r:r + chunk], r), cfg, r)  # [chunk, V] transients only

@@ -52,8 +52,8 @@ class SamplingConfig:
     "capture the decode step in CUDA graphs (native backend on CUDA only)"
     sync_every: int = 0
     "decode steps between host checks for finished rows and stop strings (0 = 1 on CPU, 8 on CUDA)"
-    prefill_tokens: int = 8192
-    "native backend: most prompt tokens per prefill chunk; a batch is prefilled in at least 4 chunks, so the prefill's activations stay small next to the KV cache"
+    prefill_tokens: int = 4096
+    "native backend: prompt tokens per prefill chunk (bounds the prefill's activation memory)"
 
     def __post_init__(self):
         if self.temperature < 0:
