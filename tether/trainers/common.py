@@ -173,7 +173,7 @@ def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_o
         "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last, extra=extra)
 
 
-# ---- the policy forward every RL and preference trainer shares ---------------------------------------------------
+# ---- the policy forward every RL and preference trainer shares -----------------------------------
 
 _KEEP_SUPPORT: dict[type, bool] = {}
 
