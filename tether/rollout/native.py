@@ -82,7 +82,8 @@ FUSE = True
 
 
 # Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable,
-# else torch's SDPA; "sdpa" / "triton" force one. (SDPA picks cuDNN's kernel on an H100 here: 22 µs
+# baddbmm + softmax + bmm on CPU, else torch's SDPA; "sdpa" / "triton" / "bmm" force one. (On an H100
+# the bmm form was slower than SDPA and rounds scores to bf16; on CPU it is the faster one.) (SDPA picks cuDNN's kernel on an H100 here: 22 µs
 # per layer at batch 64 and 74 µs at batch 256 over 400 slots, 3-5x its KV-read time.)
 DECODE_ATTN = "auto"
 
@@ -254,7 +255,11 @@ class NativeBackend:
         bias.index_fill_(1, slot, 0.0)
         bias = bias[:, :kv_len]
         own = DECODE_ATTN == "triton" or (DECODE_ATTN == "auto" and self.own_attention)
-        if not own:
+        # CPU: scores by bmm, softmax, bmm — three ops at ~5 µs against SDPA's ~45 µs on these tiny shapes
+        bmm = not own and (DECODE_ATTN == "bmm" or (DECODE_ATTN == "auto" and self.device.type == "cpu"))
+        if bmm:  # one [B*Hkv, 1, S] mask per step, broadcast over the G query heads by baddbmm
+            bias = bias[:, None].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
+        elif not own:
             bias = bias[:, None, None]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
         x = self.embed(tokens[:, None])
@@ -268,8 +273,15 @@ class NativeBackend:
             else:
                 kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
                 vc.index_copy_(2, slot, v.transpose(1, 2))
-                o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
-                                                   vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
+                if bmm:
+                    kk = kc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)  # views of the cache
+                    vv = vc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)
+                    scores = torch.baddbmm(bias, q.reshape(B * self.n_kv, G, D), kk.transpose(1, 2),
+                                           alpha=self.scaling)
+                    o = torch.bmm(torch.softmax(scores, -1, dtype=torch.float32).to(vv.dtype), vv)
+                else:
+                    o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
+                                                       vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
             x = L.o(o.reshape(B, 1, -1), x)
             x = L.mlp(L.ln2(x), x)
         return self.lm_head(self.norm(x))[:, 0]
