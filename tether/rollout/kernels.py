@@ -11,8 +11,9 @@ of each tile; on an H100 cuDNN's kernel took 74 µs per layer at batch 256 over 
 Here one program handles one (row, KV head): its G queries (padded to 16, the smallest tensor-core
 tile) against the cache in blocks of BLOCK slots, with the online softmax of flash attention in
 float32: scores s = q·k × scale + bias (the additive 0 / −inf mask), running max m and sum l,
-acc = Σ exp(s − m) v, out = acc / l. P·V uses float32 P (TF32 tensor cores). Used by the native backend on CUDA when Triton is importable and the head
-size is a power of two; otherwise torch's scaled_dot_product_attention.
+acc = Σ exp(s − m) v, out = acc / l. P·V uses float32 P (TF32 tensor cores). The kernel also writes
+the step's key and value into the cache slot first. Used by the native backend on CUDA when Triton is
+importable and the head size is a power of two; otherwise torch ops (native.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the native backend uses torch's SDPA
+except ImportError:  # CPU-only installs: the native backend uses torch ops
     triton = None
 
 BLOCK = 64  # cache slots per inner step (64 × 64 bf16 keys = 8 KB per load)
