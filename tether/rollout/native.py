@@ -81,9 +81,11 @@ def _linear(m):
 FUSE = True
 
 
-# Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable,
-# baddbmm + softmax + bmm on CPU, else torch's SDPA; "sdpa" / "triton" / "bmm" force one. (On an H100
-# the bmm form was slower than SDPA and rounds scores to bf16; on CPU it is the faster one.) (SDPA picks cuDNN's kernel on an H100 here: 22 µs
+# Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable, else
+# torch's SDPA; "sdpa" / "triton" / "bmm" (baddbmm + softmax + bmm) force one. bmm: slower than SDPA
+# on an H100 (and rounds bf16 scores); 3-6 % faster on CPU at the quickstart's sizes, but not the
+# default there: it moved the quickstart's RL result 0.660 -> 0.640 (same target met, different
+# float32 rounding, a different trajectory) and the documented numbers are SDPA's. (SDPA picks cuDNN's kernel on an H100 here: 22 µs
 # per layer at batch 64 and 74 µs at batch 256 over 400 slots, 3-5x its KV-read time.)
 DECODE_ATTN = "auto"
 
@@ -255,8 +257,7 @@ class NativeBackend:
         bias.index_fill_(1, slot, 0.0)
         bias = bias[:, :kv_len]
         own = DECODE_ATTN == "triton" or (DECODE_ATTN == "auto" and self.own_attention)
-        # CPU: scores by bmm, softmax, bmm — three ops at ~5 µs against SDPA's ~45 µs on these tiny shapes
-        bmm = not own and (DECODE_ATTN == "bmm" or (DECODE_ATTN == "auto" and self.device.type == "cpu"))
+        bmm = not own and DECODE_ATTN == "bmm"
         if bmm:  # one [B*Hkv, 1, S] mask per step, broadcast over the G query heads by baddbmm
             bias = bias[:, None].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
         elif not own:
