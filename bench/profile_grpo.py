@@ -12,7 +12,7 @@ from tether.models import load_model
 from tether.objectives import policy_loss
 from tether.rollout import Sampler, SamplingConfig
 from tether.trainers.common import make_optimizer, autocast_context
-from tether.trainers.online import _forward_logps
+from tether.trainers.common import completion_token_logps
 
 
 def mem():
@@ -41,7 +41,7 @@ for rep in range(3):
             t = time.perf_counter()
             for i in range(0, 64, mb_size):
                 mb = {k: v[i:i+mb_size] for k, v in tb.items()}
-                logps, e = _forward_logps(model, mb, 1.0, amp, want_entropy=ent)
+                logps, e = completion_token_logps(model, mb, 1.0, amp, want_entropy=ent)
                 loss, m = policy_loss(logps, mb["logprobs"], adv[i:i+mb_size], mb["completion_mask"])
                 (loss * mb_size / 64).backward()
                 float(loss)
@@ -58,7 +58,7 @@ for rep in range(3):
     t = time.perf_counter()
     for i in range(0, 64, 8):
         mb = {k: v[i:i+8] for k, v in tb.items()}
-        logps, e = _forward_logps(cm, mb, 1.0, amp, want_entropy=True)
+        logps, e = completion_token_logps(cm, mb, 1.0, amp, want_entropy=True)
         loss, m = policy_loss(logps, mb["logprobs"], adv[i:i+8], mb["completion_mask"])
         (loss * 8 / 64).backward()
         float(loss.detach())

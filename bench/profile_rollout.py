@@ -36,13 +36,9 @@ def main():
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--compile", action="store_true", help="native.COMPILE: torch.compile'd pointwise pieces")
     ap.add_argument("--attn", default="sdpa,triton", help="native.DECODE_ATTN values to compare (graphs only)")
     ap.add_argument("--memory", action="store_true", help="only: where a warm call's reserved memory goes")
     a = ap.parse_args()
-    if a.compile:
-        from tether.rollout import native
-        native.COMPILE = True
     model = build_model("qwen0.5b", "cuda")
     V = model.config.vocab_size
     from tether.rollout import native

@@ -124,6 +124,7 @@ class Sampler:
         self.backend = self.state = None
         self.graphs: dict = {}
         self.pool = None
+        self._side = None  # the CUDA stream graph captures warm up on (one for all captures)
         self._fingerprint = None
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
         gen = getattr(unwrap(model), "generation_config", None)
@@ -284,7 +285,7 @@ class Sampler:
             torch.cuda.synchronize()
             # one side stream for every capture: each new stream would get its own cuBLAS workspace
             # and cached blocks, kept for the process's life
-            side = self._side = getattr(self, "_side", None) or torch.cuda.Stream()
+            side = self._side = self._side or torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # first calls create cuBLAS handles / pick kernels off-capture
@@ -370,9 +371,13 @@ class Sampler:
         stop_end: dict[int, int] = {}
         t, checked = 1, 0
         capture0 = stats["capture_s"]  # graphs for new KV lengths / batch sizes captured mid-loop
+        graph, gkey = None, None
         while t < T:
             if use_graphs:  # slots 0..P+t-1 hold tokens once this step wrote slot P+t-1
-                self._graph(b, self._kv(P + t), cfg, stats).replay()
+                key = (b, self._kv(P + t))
+                if key != gkey:  # a new KV bucket, or a smaller batch after compaction
+                    graph, gkey = self._graph(b, key[1], cfg, stats), key
+                graph.replay()
             else:
                 self._step(b, P + t, cfg)
             t += 1

@@ -85,26 +85,10 @@ FUSE = True
 # torch's SDPA; "sdpa" / "triton" / "bmm" (baddbmm + softmax + bmm) force one. bmm: slower than SDPA
 # on an H100 (and rounds bf16 scores); 3-6 % faster on CPU at the quickstart's sizes, but not the
 # default there: it moved the quickstart's RL result 0.660 -> 0.640 (same target met, different
-# float32 rounding, a different trajectory) and the documented numbers are SDPA's. (SDPA picks cuDNN's kernel on an H100 here: 22 µs
-# per layer at batch 64 and 74 µs at batch 256 over 400 slots, 3-5x its KV-read time.)
+# float32 rounding, a different trajectory) and the documented numbers are SDPA's. (SDPA picks
+# cuDNN's kernel on an H100 here: 22 µs per layer at batch 64 and 74 µs at batch 256 over 400 slots,
+# 3-5x its KV-read time.) Read when a backend is built.
 DECODE_ATTN = "auto"
-
-# Experimental (bench/profile_rollout.py --compile): the pointwise pieces of a layer (RMSNorm, RoPE
-# with the q/k concat, SiLU·up) as torch.compile'd functions, one Triton kernel each instead of
-# 2–5 eager kernels. Shapes repeat across layers, so each piece compiles once per batch bucket.
-COMPILE = False
-
-
-def _compiled(fn):
-    return torch.compile(fn, dynamic=False, fullgraph=True) if COMPILE else fn
-
-
-def _rms_w(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def _swiglu(g: Tensor, u: Tensor) -> Tensor:
-    return F.silu(g) * u
 
 
 def _rmsnorm(m):
@@ -112,9 +96,6 @@ def _rmsnorm(m):
     F.rms_norm without a weight is that first part in one op (its float32 upcast is internal)."""
     if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
         w, eps = m.weight, m.variance_epsilon
-        if COMPILE:
-            f = _compiled(_rms_w)
-            return lambda x: f(x, w, eps)
         if FUSE:
             return lambda x: F.rms_norm(x, (x.shape[-1],), w, eps)
         return lambda x: F.rms_norm(x, (x.shape[-1],), eps=eps) * w
@@ -135,9 +116,6 @@ def _mlp_add(m):
     """(x, residual) -> residual + down(act(gate(x)) * up(x)), the SwiGLU MLP of these families."""
     if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         gate, up, down, act = _linear(m.gate_proj), _linear(m.up_proj), _linear_add(m.down_proj), m.act_fn
-        if COMPILE and type(act) is nn.SiLU:
-            f = _compiled(_swiglu)
-            return lambda x, res: down(f(gate(x), up(x)), res)
         if type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation":  # in place (the sampler runs under inference_mode): two [T, I] tensors
             # at a time instead of four — the prefill's largest transient (40 MB each per 4k tokens)
             return lambda x, res: down(F.silu(gate(x), inplace=True).mul_(up(x)), res)
@@ -152,11 +130,6 @@ def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def _rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """q and k [B, T, H | Hkv, D] rotated together: [B, T, H + Hkv, D]."""
-    return _rope(torch.cat([q, k], 2), cos, sin_signed)
-
-
 class _Layer:
     """One decoder layer's callables, resolved once (attribute lookups are per-token overhead)."""
 
@@ -169,7 +142,6 @@ class _Layer:
         self.qn = _rmsnorm(a.q_norm) if hasattr(a, "q_norm") else None
         self.kn = _rmsnorm(a.k_norm) if hasattr(a, "k_norm") else None
         self.mlp = _mlp_add(layer.mlp)  # (normed x, residual) -> residual + mlp(normed x)
-        self.rope_qk = _compiled(_rope_qk)
 
 
 class NativeBackend:
@@ -189,7 +161,9 @@ class NativeBackend:
         self.head_dim, self.scaling = a.head_dim, a.scaling
         p = next(m.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.own_attention = kernels.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
+        own = kernels.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
+        self.attention = "triton" if DECODE_ATTN == "auto" and own else \
+            ("sdpa" if DECODE_ATTN == "auto" else DECODE_ATTN)
         self.k = self.v = self.cos = self.sin = None
 
     def alloc(self, rows: int, slots: int) -> None:
@@ -219,7 +193,7 @@ class NativeBackend:
         v = L.v(h).view(B, T, -1, self.head_dim)
         if L.qn is not None:
             q, k = L.qn(q), L.kn(k)
-        qk = L.rope_qk(q, k, cos, sin)
+        qk = _rope(torch.cat([q, k], 2), cos, sin)
         return qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], v
 
     @torch.no_grad()
@@ -256,8 +230,7 @@ class NativeBackend:
         G, D = self.n_heads // self.n_kv, self.head_dim
         bias.index_fill_(1, slot, 0.0)
         bias = bias[:, :kv_len]
-        own = DECODE_ATTN == "triton" or (DECODE_ATTN == "auto" and self.own_attention)
-        bmm = not own and DECODE_ATTN == "bmm"
+        own, bmm = self.attention == "triton", self.attention == "bmm"
         if bmm:  # one [B*Hkv, 1, S] mask per step, broadcast over the G query heads by baddbmm
             bias = bias[:, None].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
         elif not own:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .kernels import block_stats, sampling_available
+
 
 @dataclass
 class SamplingConfig:
@@ -140,7 +142,6 @@ def _sample_blockwise(logits: Tensor, u: Tensor, temperature: float) -> tuple[Te
     materializing the float32 [B, V] probabilities (on an H100 at batch 256 those cost a bf16 → fp32
     copy and a softmax, 0.33 ms of a 3 ms decode step). Block weights are S_j · exp(M_j − m) with m
     the row max; the log-prob is z_y / T − (m + log Σ_j weights)."""
-    from .kernels import block_stats
     B, V = logits.shape
     blk = CDF_BLOCK if V > 2 * CDF_BLOCK else V
     nb = -(-V // blk)
@@ -174,10 +175,9 @@ def sample_tokens(logits: Tensor, u: Tensor, cfg: SamplingConfig) -> tuple[Tenso
         lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         y = logits.argmax(-1)
         return y, lp.gather(1, y[:, None]).squeeze(1)
-    if cfg.top_k == 0 and cfg.top_p >= 1.0 and cfg.min_p == 0.0 and logits.stride(-1) == 1:
-        from .kernels import sampling_available
-        if sampling_available(logits):  # CUDA + Triton: the common RL setting without a [B, V] copy
-            return _sample_blockwise(logits, u, cfg.temperature)
+    if (cfg.top_k == 0 and cfg.top_p >= 1.0 and cfg.min_p == 0.0 and logits.stride(-1) == 1
+            and sampling_available(logits)):  # CUDA + Triton: the common RL setting, no [B, V] copy
+        return _sample_blockwise(logits, u, cfg.temperature)
     # The full tempered distribution (its log at the drawn token is the returned log-prob: equal to
     # log_softmax to ~1e-7); at T = 1 the float32 upcast is fused into the softmax.
     if cfg.temperature == 1.0:

@@ -181,14 +181,13 @@ class ORPOConfig(OfflineConfig):
 def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed completion log-prob [R], completion length [R]) for every row of a padded batch.
 
-    Only positions from the first completion token of the batch on need logits: the model is
-    asked for those alone (`logits_to_keep`), which saves the LM head's matmul and the largest
-    activation on the prompt part — a third of both at 128-token prompts and 256-token answers.
+    Only completion positions get logits (`common.completion_token_logps`: the LM head over the
+    completion tokens, chunked when the logits are large), which saves the LM head's matmul and the
+    largest activation on the prompt part.
     """
     on = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "completion_mask")}
     logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the completions
-    mask = on["completion_mask"]
-    return (logps * mask).sum(-1).float(), mask[:, 1:].sum(-1).float()
+    return logps.sum(-1).float(), on["completion_mask"][:, 1:].sum(-1).float()
 
 
 # ---- the objective: per-sequence numbers -> the method's pure loss ---------------------------------

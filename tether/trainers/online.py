@@ -209,12 +209,6 @@ class ReMaxConfig(GRPOConfig):
     "'reward': − β·k1 per token in the reward (ReMax, as RLHF-PPO); 'loss': + β·k3 in the loss"
 
 
-# ---- one forward: per-token log-probs aligned with input_ids ------------------------------------
-
-def _forward_logps(model, mb: dict, temperature: float, amp, want_entropy: bool = False):
-    return completion_token_logps(model, mb, temperature, amp, want_entropy)
-
-
 def _slices(n: int, size: int) -> list[slice]:
     size = size if size > 0 else n
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
@@ -275,9 +269,9 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
 
     def ref_logps(mb):
         if ref_model is not None:
-            return _forward_logps(ref_model, mb, cfg.temperature, amp)[0]
+            return completion_token_logps(ref_model, mb, cfg.temperature, amp)[0]
         with model.disable_adapter():
-            return _forward_logps(model, mb, cfg.temperature, amp)[0]
+            return completion_token_logps(model, mb, cfg.temperature, amp)[0]
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -338,8 +332,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         with torch.no_grad():
             old = tb["logprobs"]
             if cfg.num_iterations > 1:
-                old = torch.cat([_forward_logps(model, {k: v[s] for k, v in tb.items()},
-                                                ro.logprob_temperature, amp)[0].float() for s in parts])
+                old = torch.cat([completion_token_logps(model, {k: v[s] for k, v in tb.items()},
+                                                        ro.logprob_temperature, amp)[0].float() for s in parts])
             ref = None
             if cfg.beta > 0:
                 ref = torch.cat([ref_logps({k: v[s] for k, v in tb.items()}).float() for s in parts])
@@ -370,8 +364,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             loss_value, train_logps, ents = 0.0, [], []
             for s in parts:
                 mb = {k: v[s] for k, v in tb.items()}
-                logps, ent = _forward_logps(model, mb, ro.logprob_temperature, amp,
-                                            want_entropy=cfg.log_entropy and it == 0)
+                logps, ent = completion_token_logps(model, mb, ro.logprob_temperature, amp,
+                                                    want_entropy=cfg.log_entropy and it == 0)
                 loss, m = policy_loss(logps, old[s], adv[s], mask[s], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, agg=cfg.loss_agg,
                                       ref_logps=None if ref is None else ref[s],

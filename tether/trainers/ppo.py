@@ -187,10 +187,6 @@ def load_value_model(cfg: PPOConfig, ckpt: Path | None) -> ScalarHeadModel:
     return value
 
 
-def _forward(policy, batch: dict, temperature: float, amp, with_entropy: bool):
-    return completion_token_logps(policy, batch, temperature, amp, with_entropy, entropy_grad=True)
-
-
 def _values(value_model, batch: dict, amp) -> torch.Tensor:
     """V aligned with input_ids: position t holds V(state before token t) = head at t − 1."""
     with amp:
@@ -304,9 +300,9 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         # 3. old log-probs, reference log-probs, old values (no grad)
         with torch.no_grad():
             policy.eval()  # dropout off: π_old must be the policy that sampled
-            old_logps = _forward(policy, tb, ro.logprob_temperature, amp, False)[0].float()
+            old_logps = completion_token_logps(policy, tb, ro.logprob_temperature, amp)[0].float()
             policy.train()
-            ref_logps = _forward(ref, tb, ro.logprob_temperature, amp, False)[0].float()
+            ref_logps = completion_token_logps(ref, tb, ro.logprob_temperature, amp)[0].float()
             old_values = _values(value, tb, amp)
             beta = kl_ctl.value
             _, advantages, returns = ppo_advantages(scores.to(device), old_logps, ref_logps, old_values,
@@ -321,7 +317,8 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
             for idx in torch.randperm(N, generator=g).chunk(cfg.num_minibatches):
                 idx = idx.to(device)
                 mb = {k: v[idx] for k, v in tb.items()}
-                logps, ent = _forward(policy, mb, ro.logprob_temperature, amp, True)
+                logps, ent = completion_token_logps(policy, mb, ro.logprob_temperature, amp, True,
+                                                   entropy_grad=True)
                 pg, pm = policy_loss(logps, old_logps[idx], advantages[idx], mask[idx],
                                      clip_low=cfg.cliprange)
                 vl, vm = value_loss(_values(value, mb, amp), old_values[idx], returns[idx], mask[idx],
