@@ -117,3 +117,11 @@ def test_cli_table_and_json(capsys):
     assert main(["memory", "--model", "7e9", "--algo", "dpo", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["totals_gb"]["weights_and_optimizer"] == pytest.approx(84.0)
+
+
+def test_rl_trainers_hold_one_chunk_of_logits():
+    """SFT holds [B, T, V] logits; the RL / preference trainers' chunked LM head holds one chunk."""
+    from tether.memory import HEAD_CHUNK_BYTES_PER_LOGIT, HEAD_CHUNK_LOGITS
+    sft = _gb(_est(model="7e9", algo="sft", batch_size=16), "policy logits")
+    grpo = _gb(_est(model="7e9", algo="grpo", batch_size=16), "policy logits")
+    assert sft > 1.0 and grpo == pytest.approx(HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT / 1e9, rel=1e-6)

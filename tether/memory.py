@@ -271,10 +271,20 @@ def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
     return tokens * shape.layers * per_token_layer
 
 
+# The RL and preference trainers apply the LM head themselves, chunk by chunk (trainers/common.py,
+# `_HeadLogps`, for Llama / Mistral / Qwen / GPT-2-style heads): at most this many logits at once,
+# with ~14 bytes of transients each (bf16 logits, float32 logits, probabilities, log-probs, bf16 grad).
+HEAD_CHUNK_LOGITS, HEAD_CHUNK_BYTES_PER_LOGIT = 1 << 25, 14
+
+
 def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
     """Logits in weight dtype + the fp32 log-softmax kept for backward + its fp32 gradient in backward.
-    For RL on a 32k-150k vocabulary this is often the largest single activation tensor."""
-    return seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
+    For SFT on a 32k-150k vocabulary this is often the largest single activation tensor; the other
+    trainers hold one chunk of it (HEAD_CHUNK_LOGITS)."""
+    full = seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
+    if cfg.algo == "sft":
+        return full
+    return min(full, HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT)
 
 
 def estimate(cfg: MemoryConfig) -> dict:
@@ -309,8 +319,12 @@ def estimate(cfg: MemoryConfig) -> dict:
         add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs),
             note=f"{seqs} seq x {cfg.seq_len} tok, {ckpt}, {cfg.attention}")
         if m.activations == "lm":
-            add(f"{m.name} logits", "training", logits_bytes(cfg, shape, seqs),
-                note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab: {d} B + fp32 log-probs + fp32 grad")
+            lb = logits_bytes(cfg, shape, seqs)
+            chunked = lb < seqs * cfg.seq_len * shape.vocab * (d + 8)
+            add(f"{m.name} logits", "training", lb,
+                note=("one chunk of the LM head (plain-head families; others hold all " if chunked else "")
+                + f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab: {d} B + fp32 log-probs + fp32 grad"
+                + (")" if chunked else ""))
     if cfg.algo in ONLINE:
         gen = cfg.rollout_batch * (cfg.num_generations if cfg.algo != "ppo" else 1)
         add("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(d),
