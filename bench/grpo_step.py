@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -260,7 +261,8 @@ def render(results, kind, a) -> str:
              f"generations, {a.prompt_len}-token prompts, {a.new_tokens} new tokens",
              "", f"Card: {device_name(a.device)}. Date: {date}. torch {torch.__version__}, transformers "
              f"{__import__('transformers').__version__}{trl_v}. Gradient checkpointing {a.grad_ckpt} (both sides), "
-             f"bf16 weights on CUDA (both sides), median of "
+             f"bf16 weights on CUDA (both sides), allocator "
+             f"`PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}` (both sides), median of "
              f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",
              "| trainer | s/step | first step (s) | completion tokens/s | peak reserved (GB) | peak alloc (GB) "
              "| mean length | speed-up |",

@@ -38,12 +38,16 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--attn", default="sdpa,triton", help="native.DECODE_ATTN values to compare (graphs only)")
     ap.add_argument("--memory", action="store_true", help="only: where a warm call's reserved memory goes")
+    ap.add_argument("--prefill", default="", help="only: prefill time and peak memory per prefill_tokens "
+                    "value (comma-separated), then the kernels of one prefill")
     a = ap.parse_args()
     model = build_model("qwen0.5b", "cuda")
     V = model.config.vocab_size
     from tether.rollout import native
     if a.memory:
         return memory(model, a)
+    if a.prefill:
+        return prefill(model, a)
     attns = a.attn.split(",")
     for B in map(int, a.batches.split(",")):
         ids = torch.randint(10, V, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
@@ -89,6 +93,46 @@ def main():
             print(f"    {c / steps:5.0f} x {t / c:8.1f} us  {n}")
         s.release()
         torch.cuda.empty_cache()
+
+
+def prefill(model, a):
+    """Prefill seconds and whole-call peak memory per prefill chunk size; kernels of the last one."""
+    for B in map(int, a.batches.split(",")):
+        ids = torch.randint(10, model.config.vocab_size, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
+        from tether.rollout import native
+        chunks = [int(c) for c in a.prefill.split(",")]
+        for chunk, causal in [(c, True) for c in chunks] + [(chunks[-1], False), (chunks[-1], True)]:
+            native.PREFILL_CAUSAL = causal
+            s = Sampler(model, None, SamplingConfig(max_new_tokens=a.new_tokens, ignore_eos=True, prefill_tokens=chunk))
+            s.sample(ids, seed=0)
+            torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+            ro = [s.sample(ids, seed=i) for i in (1, 2)][-1]
+            print(f"B={B} prefill_tokens={chunk} causal_fast={causal}: prefill {ro.stats['prefill_s']:.4f} s, "
+                  f"{ro.stats['ms_per_step']:.2f} ms/step, total {ro.stats['total_s']:.3f} s, peak alloc "
+                  f"{torch.cuda.max_memory_allocated() / 1e9:.3f} reserved {torch.cuda.max_memory_reserved() / 1e9:.3f} GB",
+                  flush=True)
+            if not (chunk == chunks[-1] and causal):
+                s.release(); del s; torch.cuda.empty_cache()
+        be = s.backend
+        x = torch.tensor(ids, device="cuda")
+        m = torch.ones_like(x, dtype=torch.bool)
+        step = min(B, max(1, chunk // 128))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.inference_mode():
+                for r in range(0, B, step):
+                    be.prefill(x[r:r + step], m[r:r + step], r)
+            torch.cuda.synchronize()
+        by_name = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                by_name[kind(e.name) + " | " + e.name[:80]][0] += 1
+                by_name[kind(e.name) + " | " + e.name[:80]][1] += t
+        total = sum(v[1] for v in by_name.values()) / 1e3
+        print(f"  one eager prefill of {B} prompts, {step} per chunk: {total:.1f} ms of kernels")
+        for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.top]:
+            print(f"    {c:5d} x {t / c:8.1f} us = {t / 1e3:7.2f} ms  {n}")
+        s.release(); del s; torch.cuda.empty_cache()
 
 
 def memory(model, a):

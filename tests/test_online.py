@@ -136,3 +136,34 @@ def test_resume_matches_uninterrupted(setup):
     a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(root, "ref")]
     b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(root, "cut")]
     assert a == b
+
+
+def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
+    """The sampler's KV cache lives in the trainer's gradient buffer (common.flat_grad_buffer):
+    the run — rewards, losses, log-prob mismatch, weights — is the same as with a cache of its own,
+    and the cache really is inside the buffer."""
+    import tether.trainers.online as online
+    from tether.rollout import Sampler
+
+    seen = []
+    real_sample = Sampler.sample
+
+    def spy(self, *a, **k):
+        out = real_sample(self, *a, **k)
+        if self.kv_storage is not None:
+            b, s = self.backend.k, self.kv_storage
+            seen.append(s.data_ptr() <= b.data_ptr() < s.data_ptr() + s.numel() * s.element_size())
+        return out
+    monkeypatch.setattr(Sampler, "sample", spy)
+    shared = train_grpo(_cfg(setup, "kv_shared", max_steps=4, batch_size=2, micro_batch_size=8), reward_funcs=[digit_frac])
+    assert seen and all(seen)
+    monkeypatch.setattr(online, "flat_grad_buffer", lambda model: None)
+    own = train_grpo(_cfg(setup, "kv_own", max_steps=4, batch_size=2, micro_batch_size=8), reward_funcs=[digit_frac])
+    volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds"}
+    a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "kv_shared")]
+    b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "kv_own")]
+    assert a == b
+    from safetensors.torch import load_file
+    wa = load_file(f"{shared['checkpoint']}/model.safetensors")
+    wb = load_file(f"{own['checkpoint']}/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

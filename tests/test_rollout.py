@@ -248,3 +248,31 @@ def test_config_validation_and_inputs(lm):
     ro = Sampler(model, None).sample([_ids(tok, "2+3=")], max_new_tokens=4, temperature=0)
     assert ro.texts == [""] and ro.completion_ids.shape == (1, 4)
     assert Sampler(model, tok).sample("2+3=", max_new_tokens=4, temperature=0).prompt_ids == [_ids(tok, "2+3=")]
+
+
+def test_kv_cache_in_lent_storage_same_samples_and_stale_values_masked():
+    """Sampler.kv_storage: the cache is a view of the lent buffer, the samples and log-probs equal
+    those with a cache of its own, and garbage left in the buffer between calls (a lender's
+    gradients, even NaN) does not leak into the next call."""
+    from tether.models import make_tiny_model
+    from tether.rollout import Sampler, SamplingConfig
+    model, _ = make_tiny_model(None)
+    model.eval()
+    V = model.config.vocab_size
+    ids = torch.randint(5, V, (3, 9), generator=torch.Generator().manual_seed(0)).tolist()
+    ids[1] = ids[1][:4]  # ragged: left padding in the cache
+    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    own = Sampler(model, None, cfg).sample(ids, n=2, seed=5)
+    s = Sampler(model, None, cfg)
+    s.kv_storage = torch.zeros(1 << 20)
+    a = s.sample(ids, n=2, seed=5)
+    st = s.kv_storage
+    assert s.backend.borrowed and st.data_ptr() <= s.backend.v.data_ptr() < st.data_ptr() + st.numel() * 4
+    st.fill_(float("nan"))  # what a lender might leave
+    b = s.sample(ids, n=2, seed=5)
+    for r in (a, b):
+        assert torch.equal(r.completion_ids, own.completion_ids)
+        assert torch.equal(r.logprobs, own.logprobs)
+    s.kv_storage = torch.zeros(10)  # too small: a cache of its own again
+    c = s.sample(ids, n=2, seed=5)
+    assert not s.backend.borrowed and torch.equal(c.completion_ids, own.completion_ids)

@@ -54,8 +54,8 @@ class SamplingConfig:
     "capture the decode step in CUDA graphs (native backend on CUDA only)"
     sync_every: int = 0
     "decode steps between host checks for finished rows and stop strings (0 = 1 on CPU, 8 on CUDA)"
-    prefill_tokens: int = 4096
-    "native backend: prompt tokens per prefill chunk (bounds the prefill's activation memory)"
+    prefill_tokens: int = 0
+    "native backend: prompt tokens per prefill chunk, bounding the prefill's activations (0 = a quarter of the batch's prompt tokens, within 2048..8192)"
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -38,7 +38,7 @@ from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, completion_token_logps,
-                                    guarded_step,
+                                    flat_grad_buffer, guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
                                     save_training)
 from tether.trainers.online_rewards import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
@@ -287,6 +287,9 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     sampler = Sampler(model, tokenizer, SamplingConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, stop=list(cfg.stop)))
+    # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
+    # two held, not both; common.flat_grad_buffer), which is zeroed after sampling.
+    grad_buf = sampler.kv_storage = flat_grad_buffer(model)
 
     step, time_offset, skipped = 0, 0.0, 0
     if ckpt:
@@ -357,7 +360,9 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             a = compute_advantages(cfg.advantage, r[vd], ro.group[valid].to(device), mask[vd], **kw)
             adv[vd] = (a.unsqueeze(1) if a.dim() == 1 else a).expand(-1, mask.shape[1]).float()
 
-        # 5. μ updates on this batch
+        # 5. μ updates on this batch (the gradient buffer held the sampler's KV cache until now)
+        if grad_buf is not None:
+            grad_buf.zero_()
         stats: dict[str, float] = {}
         for it in range(cfg.num_iterations):
             acc: dict[str, float] = {}
@@ -382,7 +387,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                     if ent is not None:
                         ents.append(float(ent) * w)
             try:
-                grad_norm = guarded_step(model, optimizer, scheduler, cfg.max_grad_norm, loss_value)
+                grad_norm = guarded_step(model, optimizer, scheduler, cfg.max_grad_norm, loss_value,
+                                         keep_grads=grad_buf is not None)
             except NonFiniteLossError:
                 skipped += 1
                 grad_norm = float("nan")
