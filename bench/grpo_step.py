@@ -103,7 +103,8 @@ def load_tok(model_dir: Path):
     return tok
 
 
-def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False) -> dict:
+def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
+             compile=False) -> dict:
     from tether.trainers import common, online
     from tether.trainers.online import GRPOConfig, train_grpo
 
@@ -121,7 +122,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
                      max_prompt_length=a.prompt_len, max_steps=a.warmup + a.steps, lr=1e-6,
                      loss_agg="token-mean", advantage="grpo", beta=0.0, temperature=1.0,
                      micro_batch_size=micro_batch, dtype="bf16" if a.device == "cuda" else "fp32",
-                     gradient_checkpointing=a.grad_ckpt == "on",
+                     gradient_checkpointing=a.grad_ckpt == "on", compile=compile,
                      device=a.device, progress=False, log_entropy=True, keep_last=1, seed=0)
     reset_peak(a.device)
     t0 = time.perf_counter()
@@ -201,7 +202,7 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (both sides)")
     ap.add_argument("--ours-micro-batches", default=None,
                     help="comma list: one row of ours per micro-batch size, suffix f = HF forward's full "
-                         "logits instead of the chunked head (default: --micro-batch; GPU 8,16,32)")
+                         "logits instead of the chunked head, c = compile=true (default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
@@ -227,9 +228,9 @@ def main(argv=None):
         vocab = build(kind, work / "model")
         prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
         for spec in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(","):
-            mb, full = int(spec.rstrip("f")), spec.endswith("f")
-            name = f"ours (micro-batch {mb}{', full logits' if full else ''})"
-            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full)
+            mb, full, comp = int(spec.rstrip("fc")), "f" in spec, "c" in spec
+            name = f"ours (micro-batch {mb}{', full logits' if full else ''}{', compile' if comp else ''})"
+            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full, comp)
             print(f"{name}: {json.dumps(results[name])}", flush=True)
         if not a.skip_trl:
             try:

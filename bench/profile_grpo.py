@@ -44,6 +44,7 @@ def main():
     ap.add_argument("--micro-batches", default="8,16,32")
     ap.add_argument("--profile", type=int, default=16)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--compile", action="store_true", help="also time with each decoder layer compiled")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp())
     V = build("qwen0.5b", work / "m")
@@ -75,6 +76,18 @@ def main():
                   f"sampling {held / GB:.2f}, peak sample {peak_s / GB:.2f} fwd+bwd {peak_fb / GB:.2f} "
                   f"opt {peak_o / GB:.2f}; reserved peak {torch.cuda.max_memory_reserved() / GB:.2f}", flush=True)
 
+    if a.compile:  # each decoder layer through torch.compile (fuses norms, RoPE, SiLU·up; fewer launches)
+        import os
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())
+        for layer in model.model.layers:
+            layer.compile(dynamic=False)
+        for rep in range(3):
+            for mb_size in map(int, a.micro_batches.split(",")):
+                sync(); torch.cuda.reset_peak_memory_stats()
+                t = time.perf_counter(); train_pass(model, tb, adv, mb_size, amp); sync()
+                print(f"compiled layers, mb {mb_size} rep {rep}: fwd+bwd {time.perf_counter() - t:.3f}s peak "
+                      f"{torch.cuda.max_memory_allocated() / GB:.2f}", flush=True)
+                opt.zero_grad(set_to_none=True)
     mb_size = a.profile
     sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

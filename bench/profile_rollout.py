@@ -38,9 +38,12 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--attn", default="sdpa,triton", help="native.DECODE_ATTN values to compare (graphs only)")
     ap.add_argument("--memory", action="store_true", help="only: where a warm call's reserved memory goes")
+    ap.add_argument("--sweep", action="store_true", help="only: decode-attention kernel time per launch setting")
     ap.add_argument("--prefill", default="", help="only: prefill time and peak memory per prefill_tokens "
                     "value (comma-separated), then the kernels of one prefill")
     a = ap.parse_args()
+    if a.sweep:
+        return sweep(a)
     model = build_model("qwen0.5b", "cuda")
     V = model.config.vocab_size
     from tether.rollout import native
@@ -93,6 +96,36 @@ def main():
             print(f"    {c / steps:5.0f} x {t / c:8.1f} us  {n}")
         s.release()
         torch.cuda.empty_cache()
+
+
+def sweep(a):
+    """µs per decode-attention call (Qwen2.5-0.5B heads: 2 KV heads x 7, head 64; 400 slots) for
+    each BLOCK / num_warps / num_stages."""
+    from triton.testing import do_bench
+    from tether.rollout import kernels
+    for B in map(int, a.batches.split(",")):
+        S, Hkv, G, D = 400, 2, 7, 64
+        q = torch.randn(B, Hkv, G, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, 448, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        bias = torch.zeros(B, 448, device="cuda", dtype=torch.bfloat16)
+        kn, vn = torch.randn(B, Hkv, D, device="cuda", dtype=torch.bfloat16), torch.randn(B, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        slot = torch.tensor([300], device="cuda")
+        res = []
+        for blk in (32, 64, 128):
+            for w in (2, 4, 8):
+                for st in (1, 2, 3, 4):
+                    kernels.BLOCK, kernels.NUM_WARPS, kernels.NUM_STAGES = blk, w, st
+                    try:
+                        t = do_bench(lambda: kernels.decode_attention(q, k[:, :, :S], v[:, :, :S], bias[:, :S], 0.125, kn, vn, slot))
+                    except Exception as e:  # noqa: BLE001 (a setting that does not fit shared memory)
+                        print(f"B={B} BLOCK={blk} warps={w} stages={st}: {type(e).__name__}")
+                        continue
+                    res.append((t * 1e3, blk, w, st))
+        for t, blk, w, st in sorted(res)[:8]:
+            print(f"B={B} BLOCK={blk} warps={w} stages={st}: {t:.1f} us")
+        kv_bytes = 2 * B * Hkv * S * D * 2
+        print(f"B={B}: KV read {kv_bytes / 1e6:.1f} MB = {kv_bytes / 3.35e12 * 1e6:.1f} us at 3.35 TB/s")
 
 
 def prefill(model, a):

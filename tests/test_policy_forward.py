@@ -125,3 +125,32 @@ def test_autocast_fp32_weights(setup, monkeypatch):
     torch.testing.assert_close(out[True][0], out[False][0], atol=0.05, rtol=0)
     g0, g1 = out[False][1], out[True][1]
     assert (g1 - g0).norm() / g0.norm() < 0.02
+
+
+def test_compile_layers_wraps_every_decoder_layer(setup):
+    """GRPOConfig.compile: every decoder layer (not the LM head, not the model) gets compiled."""
+    m = copy.deepcopy(setup[0])
+    assert common.compile_layers(m) == len(m.model.layers)
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in m.model.layers)
+    assert getattr(m, "_compiled_call_impl", None) is None and getattr(m.lm_head, "_compiled_call_impl", None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiling on CPU takes ~35 s)")
+def test_compiled_layers_same_logps_and_grads(setup, monkeypatch):
+    model, batch = setup
+    batch = {k: v.cuda() for k, v in batch.items()}
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    out = []
+    for comp in (False, True):
+        m = copy.deepcopy(model).cuda()
+        m.gradient_checkpointing_enable()
+        m.train()
+        if comp:
+            common.compile_layers(m)
+        lp, ent = common.completion_token_logps(m, batch, 0.7, nullcontext(), True, True)
+        ((lp * torch.linspace(0.5, 1.5, lp.shape[1], device="cuda")).sum() + ent).backward()
+        out.append((lp.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-5, rtol=0)
+    for n in out[0][1]:
+        torch.testing.assert_close(out[1][1][n], out[0][1][n], atol=1e-5, rtol=1e-4, msg=n)

@@ -27,6 +27,7 @@ except ImportError:  # CPU-only installs: the native backend uses torch ops
     triton = None
 
 BLOCK = 64  # cache slots per inner step (64 × 64 bf16 keys = 8 KB per load)
+NUM_WARPS, NUM_STAGES = 4, 3  # decode attention's launch (bench/profile_rollout.py --sweep)
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -97,7 +98,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
                            o.stride(0), o.stride(1), o.stride(2), k_new.stride(0), k_new.stride(1),
                            v_new.stride(0), v_new.stride(1),
                            G=G, GP=GP, D=D, BLOCK_S=BLOCK,
-                           PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "tf32")
+                           PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "tf32",
+                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return o
 
 

@@ -37,8 +37,8 @@ from tether.objectives.policy import kl_penalized_rewards
 from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, autocast_context, completion_token_logps,
-                                    flat_grad_buffer, guarded_step,
+from tether.trainers.common import (EpochSampler, Progress, autocast_context, compile_layers,
+                                    completion_token_logps, flat_grad_buffer, guarded_step,
                                     make_optimizer, make_scheduler, restore_training,
                                     save_training)
 from tether.trainers.online_rewards import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
@@ -135,6 +135,8 @@ class GRPOConfig:
     "attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2)"
     gradient_checkpointing: bool = False
     "recompute activations in backward to save memory"
+    compile: bool = False
+    "torch.compile each decoder layer of the policy (H100, Qwen2.5-0.5B shape: training forward+backward -30 %, less memory; the first step pays ~10 s of compilation, a new sequence length once more)"
     lora_r: int = 0
     "LoRA rank (0 = full fine-tuning); the reference is then the base with adapters disabled (no copy)"
     lora_alpha: int = 16
@@ -277,6 +279,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         model.config.use_cache = False
         if cfg.lora_r > 0:  # frozen embeddings: inputs must require grad for checkpointed blocks
             model.enable_input_require_grads()
+    if cfg.compile:
+        compile_layers(model)
     model.train()
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.log_with)
 
