@@ -130,6 +130,10 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
         train_grpo(cfg, reward_funcs=[reward])
     finally:
         common._split_head = split
+        if compile:  # compiled frames keep the run's model alive: free it before the next row's peak
+            torch._dynamo.reset()
+        import gc
+        gc.collect()
     total = time.perf_counter() - t0
     rows = [json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()]
     warm = rows[a.warmup:]

@@ -125,3 +125,20 @@ def test_rl_trainers_hold_one_chunk_of_logits():
     sft = _gb(_est(model="7e9", algo="sft", batch_size=16), "policy logits")
     grpo = _gb(_est(model="7e9", algo="grpo", batch_size=16), "policy logits")
     assert sft > 1.0 and grpo == pytest.approx(HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT / 1e9, rel=1e-6)
+
+
+def test_grpo_kv_cache_lives_in_the_gradient_buffer_when_it_fits():
+    """GRPO keeps one flat gradient buffer and puts the rollout KV cache inside it when it fits
+    (common.flat_grad_buffer); PPO frees its gradients while sampling."""
+    def parts(est):
+        t = est["totals_bytes"]
+        kv = sum(r["bytes"] for r in est["components"] if r["group"] == "rollout")
+        return t, kv, t["with_gradients"]
+    t, kv, with_grads = parts(_est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128))
+    assert 0 < kv < with_grads - t["weights_and_optimizer"] and t["kv_in_gradient_buffer"]
+    assert t["rollout"] == with_grads
+    t, kv, with_grads = parts(_est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128,
+                                   lora=True, lora_rank=8))
+    assert not t["kv_in_gradient_buffer"] and t["rollout"] == with_grads + kv
+    t, kv, _ = parts(_est(model="1e9", algo="ppo", rollout_batch=8, seq_len=512))
+    assert t["rollout"] == t["weights_and_optimizer"] + kv

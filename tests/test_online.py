@@ -155,10 +155,13 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
             seen.append(s.data_ptr() <= b.data_ptr() < s.data_ptr() + s.numel() * s.element_size())
         return out
     monkeypatch.setattr(Sampler, "sample", spy)
-    shared = train_grpo(_cfg(setup, "kv_shared", max_steps=4, batch_size=2, micro_batch_size=8), reward_funcs=[digit_frac])
+    shared = train_grpo(_cfg(setup, "kv_shared", max_steps=4, batch_size=1, micro_batch_size=4), reward_funcs=[digit_frac])
     assert seen and all(seen)
-    monkeypatch.setattr(online, "flat_grad_buffer", lambda model: None)
-    own = train_grpo(_cfg(setup, "kv_own", max_steps=4, batch_size=2, micro_batch_size=8), reward_funcs=[digit_frac])
+    seen.clear()
+    train_grpo(_cfg(setup, "kv_too_big", max_steps=1, batch_size=8), reward_funcs=[digit_frac])
+    assert not seen  # 64 sequences' cache > the gradients: no shared buffer, gradients freed as usual
+    monkeypatch.setattr(online, "flat_grad_buffer", lambda model, at_least=0: None)
+    own = train_grpo(_cfg(setup, "kv_own", max_steps=4, batch_size=1, micro_batch_size=4), reward_funcs=[digit_frac])
     volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds"}
     a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "kv_shared")]
     b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "kv_own")]

@@ -336,10 +336,16 @@ def estimate(cfg: MemoryConfig) -> dict:
     resident = total("resident")
     grads = total("gradients")
     training, rollout = total("training"), total("rollout")
-    peak = resident + max(grads + training, rollout)  # generation and the training step never overlap
+    # Generation and the training step never overlap. PPO frees its gradients while sampling; the
+    # GRPO trainer keeps them in one flat buffer and puts the KV cache inside it when it fits
+    # (common.flat_grad_buffer), else next to it.
+    lent = cfg.algo in ("grpo", "rloo") and rollout <= grads
+    during_rollout = resident + (grads + rollout * (not lent) if cfg.algo in ("grpo", "rloo") else rollout)
+    peak = max(resident + grads + training, during_rollout)
     totals = {"weights_and_optimizer": resident, "with_gradients": resident + grads,
               "training_step": resident + grads + training,
-              "rollout": resident + rollout if cfg.algo in ONLINE else None, "peak": peak,
+              "rollout": during_rollout if cfg.algo in ONLINE else None, "peak": peak,
+              "kv_in_gradient_buffer": lent,
               "cpu_offloaded": total("resident", device="cpu")}
     return {"model": info["name"], "params": n, "source": info["source"], "shape": asdict(shape),
             "algo": cfg.algo, "config": asdict(cfg), "unit": "GB = 1e9 bytes", "components": rows,
@@ -385,9 +391,12 @@ def format_table(est: dict) -> str:
     if by["rollout"]:
         lines += [tot("= training step", t["training_step"], "resident + gradients + activations"),
                   *map(row, by["rollout"]),
-                  tot("= rollout generation", t["rollout"], "resident + KV cache (grads freed, no activations)")]
+                  tot("= rollout generation", t["rollout"],
+                      "resident + gradient buffer, the KV cache inside it" if t.get("kv_in_gradient_buffer") else
+                      "resident + gradient buffer + KV cache (larger than the buffer)" if est["algo"] in ("grpo", "rloo")
+                      else "resident + KV cache (grads freed, no activations)")]
     lines += [rule, tot("total (peak estimate)", t["peak"],
-                        "resident + max(gradients + activations, KV cache)" if by["rollout"]
+                        "max(training step, rollout generation)" if by["rollout"]
                         else "resident + gradients + activations")]
     if t["cpu_offloaded"]:
         lines.append(f"(offloaded to CPU memory, not counted above: {t['cpu_offloaded']:.2f} GB)")

@@ -181,6 +181,20 @@ class Sampler:
         out.stats = stats
         return out
 
+    def kv_cache_elements(self, sequences: int, max_len: int) -> int | None:
+        """Elements of the KV cache (keys + values) a call of `sequences` sequences of up to
+        `max_len` tokens allocates, after the batch and slot rounding of the CUDA-graph path (an
+        upper bound elsewhere); None when the native backend would not run (no static cache)."""
+        cfg = self.config
+        if cfg.backend == "hf" or native_support(self.model, max_len) is not None:
+            return None
+        m = unwrap(self.model).config
+        heads = m.num_attention_heads
+        kv_heads = getattr(m, "num_key_value_heads", None) or heads
+        head_dim = getattr(m, "head_dim", None) or m.hidden_size // heads
+        rows = _bucket(min(sequences, cfg.max_batch_size or sequences))
+        return 2 * m.num_hidden_layers * kv_heads * head_dim * rows * _round_up(max_len + 1, 16)
+
     def release(self) -> None:
         """Free the KV cache, state buffers and captured graphs (the next call rebuilds them)."""
         self.graphs.clear()

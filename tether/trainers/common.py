@@ -116,9 +116,10 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
     return norm
 
 
-def flat_grad_buffer(model) -> torch.Tensor | None:
+def flat_grad_buffer(model, at_least: int = 0) -> torch.Tensor | None:
     """Make every trainable parameter's `.grad` a view of one zeroed flat buffer, and return it
-    (None when the parameters differ in dtype or device).
+    (None, and nothing changed, when the parameters differ in dtype or device or the buffer would
+    hold fewer than `at_least` elements).
 
     Why: an online RL step has two phases that never overlap — sampling, which needs a KV cache,
     and the update, which needs gradients. Lending this buffer to the sampler as the home of its
@@ -133,6 +134,8 @@ def flat_grad_buffer(model) -> torch.Tensor | None:
         return None
     align = 64  # elements: each view starts on a 128-byte boundary (vectorized optimizer kernels)
     sizes = [-(-p.numel() // align) * align for p in params]
+    if sum(sizes) < at_least:
+        return None
     buf = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].device)
     off = 0
     for p, n in zip(params, sizes):

@@ -292,8 +292,10 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, stop=list(cfg.stop)))
     # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
-    # two held, not both; common.flat_grad_buffer), which is zeroed after sampling.
-    grad_buf = sampler.kv_storage = flat_grad_buffer(model)
+    # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
+    kv = sampler.kv_cache_elements(cfg.batch_size * cfg.num_generations,
+                                   max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens)
+    grad_buf = sampler.kv_storage = flat_grad_buffer(model, kv) if kv is not None else None
 
     step, time_offset, skipped = 0, 0.0, 0
     if ckpt:
