@@ -128,17 +128,17 @@ def test_rl_trainers_hold_one_chunk_of_logits():
 
 
 def test_grpo_kv_cache_lives_in_the_gradient_buffer_when_it_fits():
-    """GRPO keeps one flat gradient buffer and puts the rollout KV cache inside it when it fits
-    (common.flat_grad_buffer); PPO frees its gradients while sampling."""
+    """GRPO keeps one flat gradient buffer with the rollout KV cache inside when it fits
+    (common.flat_grad_buffer); otherwise (and in PPO) gradients are freed while sampling."""
     def parts(est):
         t = est["totals_bytes"]
-        kv = sum(r["bytes"] for r in est["components"] if r["group"] == "rollout")
-        return t, kv, t["with_gradients"]
-    t, kv, with_grads = parts(_est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128))
-    assert 0 < kv < with_grads - t["weights_and_optimizer"] and t["kv_in_gradient_buffer"]
-    assert t["rollout"] == with_grads
-    t, kv, with_grads = parts(_est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128,
-                                   lora=True, lora_rank=8))
-    assert not t["kv_in_gradient_buffer"] and t["rollout"] == with_grads + kv
-    t, kv, _ = parts(_est(model="1e9", algo="ppo", rollout_batch=8, seq_len=512))
-    assert t["rollout"] == t["weights_and_optimizer"] + kv
+        return t, sum(r["bytes"] for r in est["components"] if r["group"] == "rollout")
+    est = _est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128)
+    t, kv = parts(est)
+    assert est["kv_in_gradient_buffer"] and 0 < kv < t["with_gradients"] - t["weights_and_optimizer"]
+    assert t["rollout"] == t["with_gradients"]
+    for kw in ({"algo": "grpo", "lora": True, "lora_rank": 8}, {"algo": "ppo"}):
+        est = _est(model="1e9", rollout_batch=4, num_generations=8, seq_len=128, **kw)
+        t, kv = parts(est)
+        assert not est["kv_in_gradient_buffer"] and t["rollout"] == t["weights_and_optimizer"] + kv
+        assert t["peak"] == max(t["training_step"], t["rollout"])

@@ -336,19 +336,19 @@ def estimate(cfg: MemoryConfig) -> dict:
     resident = total("resident")
     grads = total("gradients")
     training, rollout = total("training"), total("rollout")
-    # Generation and the training step never overlap. PPO frees its gradients while sampling; the
-    # GRPO trainer keeps them in one flat buffer and puts the KV cache inside it when it fits
-    # (common.flat_grad_buffer), else next to it.
-    lent = cfg.algo in ("grpo", "rloo") and rollout <= grads
-    during_rollout = resident + (grads + rollout * (not lent) if cfg.algo in ("grpo", "rloo") else rollout)
+    # Generation and the training step never overlap. Gradients are freed while sampling, except
+    # that the GRPO trainer keeps them in one flat buffer when the KV cache fits inside it
+    # (common.flat_grad_buffer): then generation holds the buffer, with the cache in it.
+    lent = cfg.algo in ("grpo", "rloo") and 0 < rollout <= grads
+    during_rollout = resident + (grads if lent else rollout)
     peak = max(resident + grads + training, during_rollout)
     totals = {"weights_and_optimizer": resident, "with_gradients": resident + grads,
               "training_step": resident + grads + training,
               "rollout": during_rollout if cfg.algo in ONLINE else None, "peak": peak,
-              "kv_in_gradient_buffer": lent,
               "cpu_offloaded": total("resident", device="cpu")}
     return {"model": info["name"], "params": n, "source": info["source"], "shape": asdict(shape),
             "algo": cfg.algo, "config": asdict(cfg), "unit": "GB = 1e9 bytes", "components": rows,
+            "kv_in_gradient_buffer": lent,
             "totals_bytes": totals, "totals_gb": {k: None if v is None else v / GB for k, v in totals.items()}}
 
 
@@ -392,8 +392,7 @@ def format_table(est: dict) -> str:
         lines += [tot("= training step", t["training_step"], "resident + gradients + activations"),
                   *map(row, by["rollout"]),
                   tot("= rollout generation", t["rollout"],
-                      "resident + gradient buffer, the KV cache inside it" if t.get("kv_in_gradient_buffer") else
-                      "resident + gradient buffer + KV cache (larger than the buffer)" if est["algo"] in ("grpo", "rloo")
+                      "resident + gradient buffer, the KV cache inside it" if est["kv_in_gradient_buffer"]
                       else "resident + KV cache (grads freed, no activations)")]
     lines += [rule, tot("total (peak estimate)", t["peak"],
                         "max(training step, rollout generation)" if by["rollout"]
