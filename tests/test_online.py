@@ -125,16 +125,18 @@ def test_reward_function_error_names_it(setup):
         train_grpo(_cfg(setup, "broken", max_steps=1), reward_funcs=[broken])
 
 
-def test_resume_matches_uninterrupted(setup):
+@pytest.mark.parametrize("batch_size", [4, 1])  # 1: the KV cache fits in the gradient buffer
+def test_resume_matches_uninterrupted(setup, batch_size):
     root = setup
-    ref = train_grpo(_cfg(setup, "ref", max_steps=6, save_every=3), reward_funcs=[digit_frac])
-    train_grpo(_cfg(setup, "cut", max_steps=3), reward_funcs=[digit_frac])
+    ref, cut = f"ref{batch_size}", f"cut{batch_size}"
+    train_grpo(_cfg(setup, ref, max_steps=6, save_every=3, batch_size=batch_size), reward_funcs=[digit_frac])
+    train_grpo(_cfg(setup, cut, max_steps=3, batch_size=batch_size), reward_funcs=[digit_frac])
     # the 3-step run's final checkpoint is step 3 with an untouched schedule (constant lr)
-    res = train_grpo(_cfg(setup, "cut", max_steps=6, resume=True), reward_funcs=[digit_frac])
+    res = train_grpo(_cfg(setup, cut, max_steps=6, resume=True, batch_size=batch_size), reward_funcs=[digit_frac])
     assert res["steps"] == 6
     volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds"}
-    a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(root, "ref")]
-    b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(root, "cut")]
+    a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(root, ref)]
+    b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(root, cut)]
     assert a == b
 
 
