@@ -28,11 +28,11 @@ def test_compiled_grpo_step_equals_eager(tmp_path, monkeypatch):
     for comp in (False, True):
         cfg = GRPOConfig(model=str(tmp_path / "model"), data=str(tmp_path / "p.jsonl"), runs_dir=str(tmp_path / "runs"),
                          name=f"c{int(comp)}", batch_size=1, num_generations=8, max_new_tokens=16, max_steps=2,
-                         lr=1e-3, beta=0.05, device="cuda", compile=comp, progress=False, seed=0)
+                         lr=1e-3, beta=0.05, device="cuda", mixed_precision="no", compile=comp, progress=False, seed=0)
         train_grpo(cfg, reward_funcs=[digit_frac])
         rows[comp] = [json.loads(x) for x in (tmp_path / "runs" / cfg.name / "metrics.jsonl").read_text().splitlines()]
     torch._dynamo.reset()
     a, b = rows[False][0], rows[True][0]
     assert a["reward"] == b["reward"]  # same weights, same seed: the same completions
     for k in ("loss", "kl", "grad_norm", "entropy"):
-        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k  # fp32 (no autocast), TF32 off
