@@ -127,18 +127,20 @@ def test_rl_trainers_hold_one_chunk_of_logits():
     assert sft > 1.0 and grpo == pytest.approx(HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT / 1e9, rel=1e-6)
 
 
-def test_grpo_kv_cache_lives_in_the_gradient_buffer_when_it_fits():
-    """GRPO keeps one flat gradient buffer with the rollout KV cache inside when it fits
-    (common.flat_grad_buffer); otherwise (and in PPO) gradients are freed while sampling."""
+def test_kv_cache_lives_in_the_gradient_buffer_when_it_fits():
+    """The RL trainers keep one flat gradient buffer with the sampler's KV cache inside when it fits
+    (common.flat_grad_buffer); otherwise gradients are freed while sampling and the cache, which the
+    sampler keeps between calls, is held through the training step as well."""
     def parts(est):
         t = est["totals_bytes"]
         return t, sum(r["bytes"] for r in est["components"] if r["group"] == "rollout")
-    est = _est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128)
-    t, kv = parts(est)
-    assert est["kv_in_gradient_buffer"] and 0 < kv < t["with_gradients"] - t["weights_and_optimizer"]
-    assert t["rollout"] == t["with_gradients"]
-    for kw in ({"algo": "grpo", "lora": True, "lora_rank": 8}, {"algo": "ppo"}):
-        est = _est(model="1e9", rollout_batch=4, num_generations=8, seq_len=128, **kw)
+    for algo in ("grpo", "ppo"):
+        est = _est(model="1e9", algo=algo, rollout_batch=4, num_generations=8, seq_len=128)
         t, kv = parts(est)
-        assert not est["kv_in_gradient_buffer"] and t["rollout"] == t["weights_and_optimizer"] + kv
-        assert t["peak"] == max(t["training_step"], t["rollout"])
+        assert est["kv_in_gradient_buffer"] and 0 < kv < t["with_gradients"] - t["weights_and_optimizer"]
+        assert t["rollout"] == t["with_gradients"] and t["peak"] == t["training_step"]
+    est = _est(model="1e9", algo="grpo", rollout_batch=4, num_generations=8, seq_len=128, lora=True, lora_rank=8)
+    t, kv = parts(est)
+    assert not est["kv_in_gradient_buffer"] and t["rollout"] == t["weights_and_optimizer"] + kv
+    training = sum(r["bytes"] for r in est["components"] if r["group"] == "training")
+    assert t["training_step"] == t["with_gradients"] + training + kv == t["peak"]

@@ -336,14 +336,17 @@ def estimate(cfg: MemoryConfig) -> dict:
     resident = total("resident")
     grads = total("gradients")
     training, rollout = total("training"), total("rollout")
-    # Generation and the training step never overlap. Gradients are freed while sampling, except
-    # that the GRPO trainer keeps them in one flat buffer when the KV cache fits inside it
-    # (common.flat_grad_buffer): then generation holds the buffer, with the cache in it.
-    lent = cfg.algo in ("grpo", "rloo") and 0 < rollout <= grads
+    # Generation and the training step never overlap, but the sampler keeps its KV cache between
+    # calls (its CUDA graphs point at it). When the cache fits in the gradients, the RL trainers put
+    # it inside their flat gradient buffer (common.flat_grad_buffer): generation then holds the
+    # buffer, training the buffer as gradients, and the cache costs nothing more. Otherwise
+    # gradients are freed while sampling and the cache is held through the training step too.
+    lent = cfg.algo in ONLINE and 0 < rollout <= grads
+    step_total = resident + grads + training + (0 if lent else rollout)
     during_rollout = resident + (grads if lent else rollout)
-    peak = max(resident + grads + training, during_rollout)
+    peak = max(step_total, during_rollout)
     totals = {"weights_and_optimizer": resident, "with_gradients": resident + grads,
-              "training_step": resident + grads + training,
+              "training_step": step_total,
               "rollout": during_rollout if cfg.algo in ONLINE else None, "peak": peak,
               "cpu_offloaded": total("resident", device="cpu")}
     return {"model": info["name"], "params": n, "source": info["source"], "shape": asdict(shape),
@@ -389,7 +392,8 @@ def format_table(est: dict) -> str:
               *map(row, by["gradients"]),
               tot("= + gradients", t["with_gradients"]), *map(row, by["training"])]
     if by["rollout"]:
-        lines += [tot("= training step", t["training_step"], "resident + gradients + activations"),
+        lines += [tot("= training step", t["training_step"], "resident + gradients + activations" + (
+                      "" if est["kv_in_gradient_buffer"] else " + the sampler's KV cache (below), kept between calls")),
                   *map(row, by["rollout"]),
                   tot("= rollout generation", t["rollout"],
                       "resident + gradient buffer, the KV cache inside it" if est["kv_in_gradient_buffer"]

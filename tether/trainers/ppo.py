@@ -42,9 +42,8 @@ from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, completion_token_logps,
-                                    guarded_step,
-                                    make_optimizer, make_scheduler, restore_training,
-                                    save_training)
+                                    flat_grad_buffer, guarded_step, make_optimizer, make_scheduler,
+                                    restore_training, save_training)
 from tether.trainers.online_rewards import resolve_reward_funcs, score
 
 
@@ -257,6 +256,10 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     sampler = Sampler(policy, tokenizer, SamplingConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
         top_p=cfg.top_p, stop=list(cfg.stop)))
+    # The KV cache lives in the (policy + value) gradient buffer, idle while sampling, when it fits
+    # (common.flat_grad_buffer); zeroed before the PPO epochs.
+    kv = sampler.kv_cache_elements(N, max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens)
+    grad_buf = sampler.kv_storage = flat_grad_buffer(both, kv) if kv is not None else None
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl \
         else FixedKLController(cfg.kl_coef)
 
@@ -310,7 +313,9 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                                                     cfg.whiten_advantages)
             seq_kl = torch.where(mask, old_logps - ref_logps, 0.0).sum(1)  # k1 per sequence
 
-        # 4. PPO epochs over shuffled minibatches
+        # 4. PPO epochs over shuffled minibatches (the gradient buffer held the KV cache until now)
+        if grad_buf is not None:
+            grad_buf.zero_()
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
         acc: dict[str, list[float]] = {}
         for _ in range(cfg.ppo_epochs):
@@ -326,7 +331,8 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                 loss = pg + cfg.vf_coef * vl - cfg.ent_coef * ent
                 loss.backward()
                 try:
-                    gn = guarded_step(both, optimizer, scheduler, cfg.max_grad_norm, float(loss.detach()))
+                    gn = guarded_step(both, optimizer, scheduler, cfg.max_grad_norm, float(loss.detach()),
+                                      keep_grads=grad_buf is not None)
                 except NonFiniteLossError:
                     skipped += 1
                     gn = float("nan")
