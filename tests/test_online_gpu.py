@@ -1,5 +1,5 @@
-"""GRPO on CUDA: `compile=true` (compiled policy and reference layers) computes the same first step
-as eager (here with the sampler's KV cache in the gradient buffer: 8 short sequences fit)."""
+"""RL trainers on CUDA: `compile=true` computes the same first step as eager (GRPO, PPO), and PPO
+runs the same with the sampler's KV cache in its gradient buffer as without."""
 
 import json
 
@@ -61,3 +61,24 @@ def test_ppo_with_the_kv_cache_in_gradients_equals_without(tmp_path, monkeypatch
     assert a["objective/scores"] == b["objective/scores"]  # the same completions
     for k in a.keys() - drop:  # CUDA reductions are not bitwise deterministic: tolerances
         assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
+def test_compiled_ppo_step_equals_eager(tmp_path, monkeypatch):
+    """PPO with compile=true (policy, reference and critic layers) computes the same first step."""
+    import tether.trainers.ppo as ppo
+    from tether.run import read_jsonl
+    make_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=128)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}:"}) + "\n" for i in range(16)))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    for comp in (False, True):
+        cfg = ppo.PPOConfig(model=str(tmp_path / "model"), data=str(tmp_path / "p.jsonl"), name=f"c{int(comp)}",
+                            runs_dir=str(tmp_path / "runs"), batch_size=8, num_generations=1, max_new_tokens=16,
+                            max_steps=1, lr=1e-3, kl_coef=0.1, device="cuda", mixed_precision="no",
+                            value_model="policy", compile=comp, progress=False, seed=0)
+        ppo.train_ppo(cfg, reward_funcs=[digit_frac])
+    torch._dynamo.reset()
+    a, b = (read_jsonl(tmp_path / "runs" / n / "metrics.jsonl")[0] for n in ("c0", "c1"))
+    assert a["objective/scores"] == b["objective/scores"]
+    for k in ("objective/kl", "loss/policy_avg", "loss/value_avg", "grad_norm", "policy/entropy_avg"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
