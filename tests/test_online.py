@@ -144,7 +144,7 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     """The sampler's KV cache lives in the trainer's gradient buffer (common.flat_grad_buffer):
     the run — rewards, losses, log-prob mismatch, weights — is the same as with a cache of its own,
     and the cache really is inside the buffer."""
-    import tether.trainers.online as online
+    from tether.trainers import common
     from tether.rollout import Sampler
 
     seen = []
@@ -162,7 +162,7 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     seen.clear()
     train_grpo(_cfg(setup, "kv_too_big", max_steps=1, batch_size=8), reward_funcs=[digit_frac])
     assert not seen  # 64 sequences' cache > the gradients: no shared buffer, gradients freed as usual
-    monkeypatch.setattr(online, "flat_grad_buffer", lambda model, at_least=0: None)
+    monkeypatch.setattr(common, "flat_grad_buffer", lambda model, at_least=0: None)
     own = train_grpo(_cfg(setup, "kv_own", max_steps=4, batch_size=1, micro_batch_size=4), reward_funcs=[digit_frac])
     volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds"}
     a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "kv_shared")]

@@ -46,10 +46,11 @@ def test_ppo_with_the_kv_cache_in_gradients_equals_without(tmp_path, monkeypatch
                     intermediate_size=128)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}:"}) + "\n" for i in range(16)))
     seen = []
-    real = ppo.flat_grad_buffer
+    from tether.trainers import common
+    real = common.flat_grad_buffer
     for name, fgb in (("lent", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]),
                       ("own", lambda *a, **k: None)):
-        monkeypatch.setattr(ppo, "flat_grad_buffer", fgb)
+        monkeypatch.setattr(common, "flat_grad_buffer", fgb)
         cfg = ppo.PPOConfig(model=str(tmp_path / "model"), data=str(tmp_path / "p.jsonl"), name=name,
                             runs_dir=str(tmp_path / "runs"), batch_size=8, num_generations=1, max_new_tokens=16,
                             max_steps=1, lr=1e-3, kl_coef=0.1, device="cuda", mixed_precision="no",

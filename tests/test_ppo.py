@@ -154,8 +154,8 @@ def test_critic_starts_from_the_reward_model_of_an_rm_spec(tmp_path):
 def test_kv_cache_in_gradient_buffer_changes_nothing(tmp_path, monkeypatch):
     """The sampler's cache inside the policy + value gradient buffer (it fits here): the same run
     as with gradients freed after each step and a cache of its own."""
-    import tether.trainers.ppo as ppo
     from tether.rollout import Sampler
+    from tether.trainers import common
     data = _setup(tmp_path)
     seen = []
     real = Sampler.sample
@@ -167,7 +167,7 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(Sampler, "sample", spy)
     train_ppo(_cfg(tmp_path, data, "shared", max_steps=4, kl_coef=0.1), reward_funcs=[count_x])
     assert seen and all(seen)
-    monkeypatch.setattr(ppo, "flat_grad_buffer", lambda model, at_least=0: None)
+    monkeypatch.setattr(common, "flat_grad_buffer", lambda model, at_least=0: None)
     train_ppo(_cfg(tmp_path, data, "own", max_steps=4, kl_coef=0.1), reward_funcs=[count_x])
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "step_time", "rollout/seconds",
                                                                    "tokens_per_second")} for r in rows]

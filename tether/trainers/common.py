@@ -144,6 +144,17 @@ def flat_grad_buffer(model, at_least: int = 0) -> torch.Tensor | None:
     return buf
 
 
+def lend_gradients(sampler, model, sequences: int, max_len: int) -> torch.Tensor | None:
+    """Put `sampler`'s KV cache (for `sequences` sequences of up to `max_len` tokens) inside the
+    trainable parameters' gradients when it fits (:func:`flat_grad_buffer`); returns the buffer,
+    which the trainer zeroes after sampling and steps with `keep_grads=True`, or None (gradients
+    freed after each step as usual, the cache in memory of its own)."""
+    need = sampler.kv_cache_elements(sequences, max_len)
+    buf = flat_grad_buffer(model, need) if need is not None else None
+    sampler.kv_storage = buf
+    return buf
+
+
 def compile_layers(model) -> int:
     """torch.compile every decoder layer of a HF causal LM in place; returns how many.
 

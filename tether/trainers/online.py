@@ -38,7 +38,7 @@ from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, compile_layers,
-                                    completion_token_logps, flat_grad_buffer, guarded_step,
+                                    completion_token_logps, guarded_step, lend_gradients,
                                     make_optimizer, make_scheduler, restore_training,
                                     save_training)
 from tether.trainers.online_rewards import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
@@ -295,9 +295,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         top_k=cfg.top_k, stop=list(cfg.stop)))
     # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
     # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
-    kv = sampler.kv_cache_elements(cfg.batch_size * cfg.num_generations,
-                                   max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens)
-    grad_buf = sampler.kv_storage = flat_grad_buffer(model, kv) if kv is not None else None
+    grad_buf = lend_gradients(sampler, model, cfg.batch_size * cfg.num_generations,
+                              max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens)
 
     step, time_offset, skipped = 0, 0.0, 0
     if ckpt:

@@ -42,7 +42,7 @@ from tether.plots import plot_metrics
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, compile_layers,
-                                    completion_token_logps, flat_grad_buffer, guarded_step, make_optimizer,
+                                    completion_token_logps, guarded_step, lend_gradients, make_optimizer,
                                     make_scheduler, restore_training, save_training)
 from tether.trainers.online_rewards import resolve_reward_funcs, score
 
@@ -263,8 +263,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         top_p=cfg.top_p, stop=list(cfg.stop)))
     # The KV cache lives in the (policy + value) gradient buffer, idle while sampling, when it fits
     # (common.flat_grad_buffer); zeroed before the PPO epochs.
-    kv = sampler.kv_cache_elements(N, max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens)
-    grad_buf = sampler.kv_storage = flat_grad_buffer(both, kv) if kv is not None else None
+    grad_buf = lend_gradients(sampler, both, N, max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens)
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl \
         else FixedKLController(cfg.kl_coef)
 
