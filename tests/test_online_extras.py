@@ -110,6 +110,47 @@ def test_mask_truncated_completions_gets_no_gradient(root):
     assert moved[True] == 0.0 and moved[False] > 1e-4, moved
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_skipping_zero_advantage_rows_gives_the_same_gradient(root, monkeypatch, agg):
+    """Groups whose rewards all agree have advantage 0: they are left out of the forward/backward
+    (skip_zero_advantage) and the accumulated gradient is the full batch's — not rescaled to the
+    rows trained (which a first Adam step would hide: the gradients are compared, not weights)."""
+    def half_constant(prompts, completions, completion_ids, tag, **_):  # tag 0: one reward for the group
+        return [1.0 if g == 0 else sum(c in DIGITS for c in t) / max(len(t), 1)
+                for t, g in zip(completions, tag)]
+
+    grads, rows_seen = {}, {}
+    real_step, real_logps = online.guarded_step, online.completion_token_logps
+
+    for skip in (True, False):
+        def spy_step(model, *a, **k):
+            grads[skip] = torch.cat([p.grad.flatten().clone() for p in model.parameters()])
+            return real_step(model, *a, **k)
+
+        def spy_logps(model, mb, *a, **k):
+            rows_seen[skip] = rows_seen.get(skip, 0) + mb["input_ids"].shape[0]
+            return real_logps(model, mb, *a, **k)
+        monkeypatch.setattr(online, "guarded_step", spy_step)
+        monkeypatch.setattr(online, "completion_token_logps", spy_logps)
+        train_grpo(_cfg(root, f"skip0-{agg}-{skip}", max_steps=1, skip_zero_advantage=skip, loss_agg=agg,
+                        micro_batch_size=5), reward_funcs=[half_constant])
+        m = _metrics(root, f"skip0-{agg}-{skip}")[0]
+        assert m["frac_zero_advantage_skipped"] == (0.5 if skip else 0.0)
+    assert rows_seen == {True: 16, False: 32}  # 2 of the 4 groups (tag 0) trained on
+    assert grads[False].abs().max() > 1e-3
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-7)
+
+
+def test_skip_zero_advantage_keeps_the_kl_term(root, monkeypatch):
+    """With β > 0 in the loss every row has a KL gradient: nothing is skipped."""
+    def constant(prompts, completions, completion_ids, **_):
+        return [1.0] * len(completions)
+    train_grpo(_cfg(root, "skip0-kl", max_steps=1, beta=0.1), reward_funcs=[constant])
+    assert _metrics(root, "skip0-kl")[0]["frac_zero_advantage_skipped"] == 0.0
+    train_grpo(_cfg(root, "skip0-all", max_steps=1), reward_funcs=[constant])
+    assert _metrics(root, "skip0-all")[0]["frac_zero_advantage_skipped"] == 1.0
+
+
 # ---- dynamic sampling ------------------------------------------------------------------------------
 
 def test_has_signal():

@@ -103,6 +103,8 @@ class GRPOConfig:
     "sequences per forward/backward (0 = the whole batch at once)"
     mask_truncated_completions: bool = False
     "exclude completions cut at max_new_tokens from the loss (DAPO)"
+    skip_zero_advantage: bool = True
+    "leave completions whose advantage is 0 at every token out of the forward/backward: their gradient is exactly 0 (not with a KL term in the loss), the update is the same, the step cheaper"
     overlong_buffer: int = 0
     "DAPO soft overlong punishment: the reward ramps down over the last N tokens before max_new_tokens (0 = off)"
     overlong_penalty: float = 1.0
@@ -216,12 +218,23 @@ def _slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-def _agg_weight(mask: torch.Tensor, sl: slice, agg: str, n_tok: int) -> float:
-    """Share of the whole batch's loss carried by micro-batch `sl`, so that accumulated gradients
-    equal the full-batch loss's whatever micro_batch_size is."""
+def _agg_weight(mask: torch.Tensor, rows: torch.Tensor, agg: str, n_tok: int) -> float:
+    """Share of the whole batch's loss carried by the micro-batch of `rows` (indices), so that
+    accumulated gradients equal the full-batch loss's whatever micro_batch_size is."""
     if agg == "token-mean":
-        return float(mask[sl].sum()) / max(n_tok, 1)
-    return (sl.stop - sl.start) / mask.shape[0]
+        return float(mask[rows].sum()) / max(n_tok, 1)
+    return len(rows) / mask.shape[0]
+
+
+def _trained_rows(adv: torch.Tensor, mask: torch.Tensor, skip_zero: bool) -> torch.Tensor:
+    """Indices of the rows the update trains on. A row whose advantage is 0 at every token it
+    has contributes −min(r·0, clip(r)·0) = 0 to the surrogate and so exactly 0 to the gradient:
+    with `skip_zero` (never with a KL term in the loss, which pulls on every row) it is left out of
+    the forward and backward. In GRPO that is every group whose rewards all agree, a third to two
+    thirds of the batch in the quickstart's RL stage. The loss weights still count it."""
+    if not skip_zero:
+        return torch.arange(mask.shape[0])
+    return ((adv != 0) & mask).any(1).nonzero().squeeze(1).cpu()
 
 
 def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
@@ -370,11 +383,13 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         # 5. μ updates on this batch (the gradient buffer held the sampler's KV cache until now)
         if grad_buf is not None:
             grad_buf.zero_()
-        stats: dict[str, float] = {}
+        rows_t = _trained_rows(adv, mask, cfg.skip_zero_advantage and not (cfg.beta > 0 and cfg.kl_in == "loss"))
+        train_parts = [rows_t[s] for s in _slices(len(rows_t), cfg.micro_batch_size)] if len(rows_t) else []
+        stats: dict[str, float] = {"frac_zero_advantage_skipped": 1.0 - len(rows_t) / len(ro)}
         for it in range(cfg.num_iterations):
             acc: dict[str, float] = {}
-            loss_value, train_logps, ents = 0.0, [], []
-            for s in parts:
+            loss_value, share, train_logps, ents = 0.0, 0.0, [], []
+            for s in train_parts:
                 mb = {k: v[s] for k, v in tb.items()}
                 logps, ent = completion_token_logps(model, mb, ro.logprob_temperature, amp,
                                                     want_entropy=cfg.log_entropy and it == 0)
@@ -387,22 +402,30 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 w = _agg_weight(mask, s, cfg.loss_agg, n_tok)
                 (loss * w).backward()
                 loss_value += float(loss.detach()) * w
+                share += w
                 for k, v in m.items():
                     acc[k] = acc.get(k, 0.0) + float(v) * w
                 if it == 0:
                     train_logps.append(logps.detach())
                     if ent is not None:
                         ents.append(float(ent) * w)
+            if not train_parts:  # nothing to train on: the zero gradient still moves AdamW's moments,
+                for p in model.parameters():  # as the full batch's backward would have
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
             try:
                 grad_norm = guarded_step(model, optimizer, scheduler, cfg.max_grad_norm, loss_value,
                                          keep_grads=grad_buf is not None)
             except NonFiniteLossError:
                 skipped += 1
                 grad_norm = float("nan")
-            if it == 0:
-                stats.update(logprob_mismatch(tb["logprobs"], torch.cat(train_logps), mask))
+            # Metrics are means over the trained rows (weights renormalized by their share of the
+            # batch); pg_loss, like loss, is the full batch's (skipped rows add exactly 0 to both).
+            acc = {k: v if k == "pg_loss" else v / share for k, v in acc.items()} if share else acc
+            if it == 0 and train_parts:
+                stats.update(logprob_mismatch(tb["logprobs"][rows_t], torch.cat(train_logps), mask[rows_t]))
                 if ents:
-                    stats["entropy"] = sum(ents)
+                    stats["entropy"] = sum(ents) / share
             stats.update({**acc, "loss": loss_value, "grad_norm": grad_norm})
         step += 1
 
