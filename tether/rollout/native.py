@@ -82,12 +82,12 @@ FUSE = True
 
 
 # Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable, else
-# torch's SDPA; "sdpa" / "triton" / "bmm" (baddbmm + softmax + bmm) force one. bmm: slower than SDPA
-# on an H100 (and rounds bf16 scores); 3-6 % faster on CPU at the quickstart's sizes, but not the
-# default there: it moved the quickstart's RL result 0.660 -> 0.640 (same target met, different
-# float32 rounding, a different trajectory) and the documented numbers are SDPA's. (SDPA picks
-# cuDNN's kernel on an H100 here: 22 µs per layer at batch 64 and 74 µs at batch 256 over 400 slots,
-# 3-5x its KV-read time.) Read when a backend is built.
+# baddbmm + softmax + bmm ("bmm") on CPU and torch's SDPA elsewhere; "sdpa" / "triton" / "bmm" force
+# one. On CPU, SDPA's flash kernel costs 2x bmm at the quickstart's shapes (batch 32, 2 threads: 138
+# vs 68 us per layer call; the sampler's step 2.07 -> 1.69 ms) and is no faster on one thread (bench
+# batch 64: 4.05 vs 3.71 ms/step). On an H100 bmm is slower than SDPA (and rounds bf16 scores).
+# (SDPA picks cuDNN's kernel on an H100 here: 22 us per layer at batch 64 and 74 us at batch 256 over
+# 400 slots, 3-5x its KV-read time.) Read when a backend is built.
 DECODE_ATTN = "auto"
 PREFILL_CAUSAL = True  # pad-free prefill chunks use mask-free causal attention (False: always masked)
 
@@ -163,8 +163,8 @@ class NativeBackend:
         p = next(m.parameters())
         self.device, self.dtype = p.device, p.dtype
         own = kernels.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
-        self.attention = "triton" if DECODE_ATTN == "auto" and own else \
-            ("sdpa" if DECODE_ATTN == "auto" else DECODE_ATTN)
+        auto = "triton" if own else ("bmm" if p.device.type == "cpu" else "sdpa")
+        self.attention = auto if DECODE_ATTN == "auto" else DECODE_ATTN
         self.k = self.v = self.cos = self.sin = None
         self.borrowed = False  # the cache is a view of a lent buffer, written by others between calls
 

