@@ -141,6 +141,18 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(root, monkeypatch,
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-4, atol=1e-7)
 
 
+def test_trained_rows_whole_micro_batches():
+    adv = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, -2.0], [0.0, 0.0], [0.0, 0.0]])
+    mask = torch.ones(6, 2, dtype=torch.bool)
+    mask[3, 1] = False  # its only non-zero advantage sits on padding: no gradient either
+    assert online._trained_rows(adv, mask, True).tolist() == [1]
+    assert online._trained_rows(adv, mask, False).tolist() == [0, 1, 2, 3, 4, 5]
+    # compiled layers: rounded up to whole micro-batches of 4 with skipped rows (static shapes)
+    assert online._trained_rows(adv, mask, True, quantum=4).tolist() == [0, 1, 2, 3]
+    assert online._trained_rows(adv, mask, True, quantum=6).tolist() == [0, 1, 2, 3, 4, 5]
+    assert online._trained_rows(torch.zeros(6, 2), mask, True, quantum=4).tolist() == []
+
+
 def test_skip_zero_advantage_keeps_the_kl_term(root, monkeypatch):
     """With β > 0 in the loss every row has a KL gradient: nothing is skipped."""
     def constant(prompts, completions, completion_ids, **_):
