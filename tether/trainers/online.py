@@ -395,6 +395,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             grad_buf.zero_()
         rows_t = _trained_rows(adv, mask, cfg.skip_zero_advantage and not (cfg.beta > 0 and cfg.kl_in == "loss"),
                                quantum=(cfg.micro_batch_size or len(ro)) if cfg.compile else 1)
+        trained = slice(None) if len(rows_t) == len(ro) else rows_t  # the rows the metrics are over
         if len(rows_t) == len(ro):  # nothing skipped: slices, i.e. views instead of gathered copies
             train_parts = _slices(len(ro), cfg.micro_batch_size)
         else:
@@ -437,7 +438,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             # batch); pg_loss, like loss, is the full batch's (skipped rows add exactly 0 to both).
             acc = {k: v if k == "pg_loss" else v / share for k, v in acc.items()} if share else acc
             if it == 0 and train_parts:
-                stats.update(logprob_mismatch(tb["logprobs"][rows_t], torch.cat(train_logps), mask[rows_t]))
+                stats.update(logprob_mismatch(tb["logprobs"][trained], torch.cat(train_logps), mask[trained]))
                 if ents:
                     stats["entropy"] = sum(ents) / share
             stats.update({**acc, "loss": loss_value, "grad_norm": grad_norm})
