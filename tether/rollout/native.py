@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels
+from . import cpu, kernels
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -165,26 +165,38 @@ class NativeBackend:
         own = kernels.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
         auto = "triton" if own else ("bmm" if p.device.type == "cpu" else "sdpa")
         self.attention = auto if DECODE_ATTN == "auto" else DECODE_ATTN
+        self.cstep = None  # the whole CPU decode step in C (cpu.py), when it can run this model
+        if DECODE_ATTN in ("auto", "c") and p.device.type == "cpu":
+            why = cpu.support(m)
+            lib = cpu.library() if why is None else None
+            if lib is not None:
+                self.cstep = cpu.CpuStep(lib, m, self.n_heads, self.n_kv, self.head_dim, self.scaling)
+                self.attention = "c"
+            elif DECODE_ATTN == "c":
+                raise ValueError(f"DECODE_ATTN='c' can't run this model: {why or 'the C step did not build'}")
         self.k = self.v = self.cos = self.sin = None
         self.borrowed = False  # the cache is a view of a lent buffer, written by others between calls
 
     def alloc(self, rows: int, slots: int, storage: Tensor | None = None) -> None:
-        """Static cache [layers, rows, kv_heads, slots, head_dim] for keys and for values, and the
-        RoPE tables for positions 0..slots-1 (HF's rotary module, evaluated once). The cache lives
-        in `storage` (a flat tensor lent by the caller) when it is large enough, of the model's
-        dtype and on its device; else in memory of its own."""
-        shape = (len(self.layers), rows, self.n_kv, slots, self.head_dim)
-        n = rows * slots * self.n_kv * self.head_dim * len(self.layers)
+        """Static cache [layers, rows, kv_heads, slots, head_dim] for keys and for values (keys in
+        tiles of 16 slots for the C step, :func:`cpu.key_shape`), and the RoPE tables for positions
+        0..slots-1 (HF's rotary module, evaluated once). The cache lives in `storage` (a flat tensor
+        lent by the caller) when it is large enough, of the model's dtype and on its device; else in
+        memory of its own."""
+        kshape = vshape = (len(self.layers), rows, self.n_kv, slots, self.head_dim)
+        if self.cstep is not None:
+            kshape, vshape = cpu.cache_shapes(*kshape)
+        nk, n = torch.Size(kshape).numel(), torch.Size(vshape).numel()
         lend = storage is not None and storage.dtype == self.dtype and storage.device == self.device \
-            and storage.dim() == 1 and storage.numel() >= 2 * n
-        if self.k is None or self.k.shape != shape or lend != self.borrowed or \
+            and storage.dim() == 1 and storage.numel() >= n + nk
+        if self.k is None or self.k.shape != kshape or self.cos.shape[0] != slots or lend != self.borrowed or \
                 (lend and self.k.data_ptr() != storage.data_ptr()):
             self.k = self.v = None  # free the old cache before taking the new one
             if lend:
-                self.k, self.v = storage[:n].view(shape), storage[n:2 * n].view(shape)
+                self.k, self.v = storage[:nk].view(kshape), storage[nk:nk + n].view(vshape)
             else:
-                self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                self.k = torch.zeros(kshape, device=self.device, dtype=self.dtype)
+                self.v = torch.zeros(vshape, device=self.device, dtype=self.dtype)
             self.borrowed = lend
             x = torch.zeros(1, device=self.device, dtype=self.dtype)
             cos, sin = self.rotary(x, torch.arange(slots, device=self.device)[None])
@@ -193,9 +205,13 @@ class NativeBackend:
             # [slots, q + kv heads, D]: q and k are rotated together, one row gather per step
             self.cos = cos[0, :, None].expand(-1, heads, -1).contiguous()
             self.sin = sin[:, None].expand(-1, heads, -1).contiguous()
+            if self.cstep is not None:
+                self.cstep.alloc(self.k, self.v, self.cos, self.sin)
 
     def release(self) -> None:
         self.k = self.v = self.cos = self.sin = None
+        if self.cstep is not None:
+            self.cstep.release()
         self.borrowed = False
 
     def _qkv(self, L: _Layer, h: Tensor, cos: Tensor, sin: Tensor):
@@ -228,8 +244,11 @@ class NativeBackend:
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, L.ln1(x), cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            self.k[i, row0:row0 + B, :, :P] = k
-            self.v[i, row0:row0 + B, :, :P] = v
+            if self.cstep is not None:  # the C decode step's tiled layout
+                cpu.write_kv(self.k[i], self.v[i], row0, k, v)
+            else:
+                self.k[i, row0:row0 + B, :, :P] = k
+                self.v[i, row0:row0 + B, :, :P] = v
             if causal_only:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                    scale=self.scaling, enable_gqa=G > 1)
@@ -246,6 +265,8 @@ class NativeBackend:
         """One token per row: ``tokens``/``pos`` [B] go into cache slot ``slot`` (a [1] tensor, so a
         captured graph reads it at replay); attention over slots < kv_len, masked by ``bias``
         (additive, kept as such so no layer converts a bool mask). -> logits [B, V]."""
+        if self.cstep is not None:  # the whole step in C (it also unmasks the new slot)
+            return self.cstep(tokens, pos, slot, bias, kv_len)
         B = tokens.shape[0]
         G, D = self.n_heads // self.n_kv, self.head_dim
         bias.index_fill_(1, slot, 0.0)
@@ -282,9 +303,9 @@ class NativeBackend:
 
     def select(self, idx: Tensor) -> None:
         """Keep cache rows ``idx`` (in that order) as rows 0..len(idx)-1 (batch compaction)."""
-        n = idx.numel()
-        self.k[:, :n] = self.k.index_select(1, idx)
-        self.v[:, :n] = self.v.index_select(1, idx)
+        n, dim = idx.numel(), 1 if self.cstep is None else 2  # the C step's caches are tile-major
+        for c in (self.k, self.v):
+            c.narrow(dim, 0, n).copy_(c.index_select(dim, idx))
 
 
 class HFBackend:

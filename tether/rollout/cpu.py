@@ -1,0 +1,240 @@
+"""The CPU decode step in C (cpu_decode.c): built with the system's C compiler on first use, called
+through ctypes, one call per decode step.
+
+Why: on the CPU a decode step of a small model is ~100 small torch ops; at batch 64 the work other
+than the matmuls (norms, RoPE, cache writes, attention as hundreds of tiny batched matmuls, SiLU,
+and the dispatch of each op) cost more than the matmuls (bench/rollout.py, RESULTS "Session 6").
+The C step does the matmuls with the same BLAS ``sgemm`` torch.mm uses (the symbol libtorch_cpu
+exports) and everything else in one pass per row, over the model's own parameters (pointers to
+them; nothing is copied, so optimizer steps between calls are seen).
+
+Used by :class:`~tether.rollout.native.NativeBackend` for float32 models on the CPU whose layers are
+plain (``nn.Linear`` without output bias on o/gate/up/down/lm_head, HF RMSNorm, SiLU MLP,
+``nn.Embedding``); anything else, or no compiler, keeps the torch path. The compiled library is
+cached under ``$TETHER_CACHE`` (default ``~/.cache/tether``), keyed by the source, the compiler
+flags and this CPU's flags, so a shared home directory never runs code built for another CPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+SRC = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+_lib = None  # the loaded library, False after a failed build (tried once per process)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _sgemm():
+    """The Fortran-interface sgemm that torch.mm runs on the CPU (MKL on x86 wheels), or None."""
+    lib = Path(torch.__file__).parent / "lib" / ("libtorch_cpu.so" if os.name != "nt" else "torch_cpu.dll")
+    try:
+        return ctypes.cast(ctypes.CDLL(str(lib)).sgemm_, ctypes.c_void_p)
+    except (OSError, AttributeError):
+        return None
+
+
+def library():
+    """The compiled step (building it once if needed), or None with a warning saying why not."""
+    global _lib
+    if _lib is None:
+        _lib = _build() or False
+    return _lib or None
+
+
+def _build():
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    gemm = _sgemm()
+    if cc is None or gemm is None:
+        warnings.warn("tether: no C compiler or no BLAS sgemm in torch: the CPU sampler uses its "
+                      "torch path (slower)", stacklevel=3)
+        return None
+    src = SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_flags().encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "kernels"
+    so = cache / f"cpu_decode_{key}.so"
+    if not so.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            warnings.warn(f"tether: building the CPU decode step failed ({cc}): "
+                          f"{r.stderr.strip().splitlines()[-1:]}; the CPU sampler uses its torch path",
+                          stacklevel=3)
+            return None
+        os.replace(tmp, so)  # atomic: a concurrent process sees the old state or the whole file
+    lib = ctypes.CDLL(str(so))
+    lib.tether_decode_step.restype = None
+    lib.gemm = gemm
+    return lib
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+RB = 16  # rows per attention block, as in cpu_decode.c
+
+
+def cache_shapes(layers: int, rows: int, kv_heads: int, slots: int, head_dim: int) -> tuple[tuple, tuple]:
+    """The C step's key and value caches: tiles of 16 slots holding every row's keys / values,
+    k [layers, tiles, rows, kv_heads, head_dim, 16], v [layers, tiles, rows, kv_heads, 16, head_dim]
+    (why: attention_rows in cpu_decode.c)."""
+    t = _round16(slots) // 16
+    return (layers, t, rows, kv_heads, head_dim, 16), (layers, t, rows, kv_heads, 16, head_dim)
+
+
+def _as_slots(cache: Tensor, keys: bool) -> Tensor:
+    """One layer's tiled cache as a [rows, kv_heads, tiles, 16, head_dim] view."""
+    return cache.permute(1, 2, 0, 4, 3) if keys else cache.permute(1, 2, 0, 3, 4)
+
+
+def write_kv(kl: Tensor, vl: Tensor, row0: int, k: Tensor, v: Tensor) -> None:
+    """Keys and values [B, kv_heads, P, head_dim] into slots 0..P-1 of rows row0..row0+B of one
+    layer's tiled caches ``kl``, ``vl`` (:func:`cache_shapes` without the layer dimension)."""
+    B, H, P, D = k.shape
+    full = P // 16 * 16
+    for cache, x in ((_as_slots(kl, True), k), (_as_slots(vl, False), v)):
+        rows = cache[row0:row0 + B]
+        if full:
+            rows[:, :, :full // 16] = x[:, :, :full].reshape(B, H, full // 16, 16, D)
+        if P > full:
+            rows[:, :, full // 16, :P - full] = x[:, :, full:]
+
+
+PER_LAYER = ("ln1", "wq", "bq", "wk", "bk", "wv", "bv", "qn", "kn", "wo", "ln2", "wg", "wu", "wd")
+
+
+def _norm_weight(m):
+    ok = type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")
+    return (m.weight, float(m.variance_epsilon)) if ok else (None, None)
+
+
+def _plain(m, bias_ok: bool) -> bool:
+    return type(m) is nn.Linear and (bias_ok or m.bias is None)
+
+
+def support(model) -> str | None:
+    """None if the C step can run ``model`` (an unwrapped HF model), else why not."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return "not a float32 model on the CPU"
+    base = model.model
+    if type(base.embed_tokens) is not nn.Embedding or not _plain(model.lm_head, False):
+        return "embedding or lm_head is not plain"
+    eps = _norm_weight(base.norm)[1]
+    if eps is None:
+        return "final norm is not an RMSNorm"
+    a0 = base.layers[0].self_attn
+    if a0.head_dim % 16:
+        return f"head_dim {a0.head_dim} is not a multiple of 16"
+    qk_eps = set()
+    for layer in base.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        if not all(_plain(getattr(a, n), n != "o_proj") for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "attention projections are not plain nn.Linear"
+        if not all(hasattr(mlp, n) and _plain(getattr(mlp, n), False) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "MLP is not a plain SwiGLU"
+        act = getattr(mlp, "act_fn", None)
+        if not (type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"):
+            return "MLP activation is not SiLU"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            if _norm_weight(getattr(layer, n))[1] != eps:
+                return "layer norms are not RMSNorms with the model's epsilon"
+        if hasattr(a, "q_norm") != hasattr(a, "k_norm"):
+            return "q_norm without k_norm"
+        if hasattr(a, "q_norm"):
+            qk_eps |= {_norm_weight(a.q_norm)[1], _norm_weight(a.k_norm)[1]}
+    if None in qk_eps or len(qk_eps) > 1:
+        return "q/k norms are not RMSNorms with one epsilon"
+    if any(not t.is_contiguous() for t in model.parameters()):
+        return "a parameter is not contiguous"
+    return None
+
+
+class CpuStep:
+    """The C decode step bound to one model's parameters and one backend's cache and RoPE tables."""
+
+    def __init__(self, lib, model, n_heads: int, n_kv: int, head_dim: int, scaling: float):
+        base = model.model
+        self.lib = lib
+        cfg = model.config
+        self.hidden, self.heads, self.kv, self.D = cfg.hidden_size, n_heads, n_kv, head_dim
+        self.inter = base.layers[0].mlp.gate_proj.out_features
+        self.vocab = model.lm_head.out_features
+        qk_eps = 0.0
+        ptrs = []
+        for layer in base.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qn = a.q_norm.weight if hasattr(a, "q_norm") else None
+            kn = a.k_norm.weight if hasattr(a, "k_norm") else None
+            if hasattr(a, "q_norm"):
+                qk_eps = float(a.q_norm.variance_epsilon)
+            ptrs += [layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+                     a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, qn, kn, a.o_proj.weight,
+                     layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                     mlp.down_proj.weight]
+        ptrs += [base.embed_tokens.weight, base.norm.weight, model.lm_head.weight]
+        self._w = (ctypes.c_void_p * len(ptrs))(*[t.data_ptr() if t is not None else None for t in ptrs])
+        ints = [len(base.layers), self.hidden, n_heads, n_kv, head_dim, self.inter, self.vocab]
+        self._cfg = (ctypes.c_int64 * len(ints))(*ints)
+        self._fcfg = (ctypes.c_float * 3)(float(base.norm.variance_epsilon), qk_eps, float(scaling))
+        self.rows = 0
+
+    def alloc(self, k, v, cos, sin) -> None:
+        """Scratch for up to ``k.shape[2]`` rows; the caches ``k``, ``v`` (:func:`cache_shapes`) and
+        the RoPE tables [slots, heads, D] are the backend's (row p of a table: stride heads * D)."""
+        rows, slots = k.shape[2], cos.shape[0]
+        z = lambda n: torch.empty(rows, n)  # noqa: E731
+        H, Hkv, D = self.heads, self.kv, self.D
+        self.x, self.h, self.q, self.k, self.v = z(self.hidden), z(self.hidden), z(H * D), z(Hkv * D), z(Hkv * D)
+        self.att, self.g, self.u, self.logits = z(H * D), z(self.inter), z(self.inter), z(self.vocab)
+        self.scores = torch.empty(max(1, torch.get_num_threads()) * RB * H * _round16(slots))
+        self.rows, self.slots = rows, slots
+        assert k.is_contiguous() and v.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        # everything but the per-step arguments, in tether_decode_step's order
+        self._tail = (p(cos), p(sin), ctypes.c_int64(cos[0].numel()), p(k), p(v), ctypes.c_int64(rows),
+                      ctypes.c_int64(slots), p(self.x), p(self.h), p(self.q), p(self.k), p(self.v),
+                      p(self.att), p(self.g), p(self.u), p(self.scores), p(self.logits))
+        self._keep = (k, v, cos, sin)
+
+    def release(self) -> None:
+        self.x = self.h = self.q = self.k = self.v = self.att = self.g = self.u = self.logits = None
+        self.scores, self._tail, self._keep, self.rows = None, None, None, 0
+
+    def __call__(self, tokens, pos, slot, bias, kv_len: int):
+        B = tokens.shape[0]
+        nt = torch.get_num_threads()
+        if nt * RB * self.heads * _round16(self.slots) > self.scores.numel():  # threads raised since alloc
+            self.scores = torch.empty(nt * RB * self.heads * _round16(self.slots))
+            self._tail = self._tail[:-2] + (ctypes.c_void_p(self.scores.data_ptr()), self._tail[-1])
+        assert B <= self.rows and tokens.is_contiguous() and pos.is_contiguous() and bias.stride(1) == 1
+        self.lib.tether_decode_step(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B,
+                                    ctypes.c_void_p(tokens.data_ptr()), ctypes.c_void_p(pos.data_ptr()),
+                                    ctypes.c_void_p(slot.data_ptr()), ctypes.c_int64(kv_len),
+                                    ctypes.c_void_p(bias.data_ptr()), ctypes.c_int64(bias.stride(0)),
+                                    *self._tail)
+        return self.logits[:B]

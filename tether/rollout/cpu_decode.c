@@ -1,0 +1,273 @@
+/* One decode step of a Llama / Mistral / Qwen2 / Qwen3 decoder on the CPU, float32, in one call.
+
+Why C: at the sampler's CPU shapes (hidden 128..1024, batch 8..256) a decode step is ~25 small
+torch ops per layer, and everything but the matmuls (RMSNorm, RoPE, the cache write, attention over
+hundreds of tiny [G, D] x [D, S] products, SiLU) costs as much as the matmuls themselves. Here the
+matmuls are the BLAS sgemm that torch.mm calls (passed in as a function pointer: the same kernel,
+no second BLAS), and everything else is one pass per row. The weights are the HF model's own
+tensors, read in place. Built on first use by rollout/cpu.py (gcc -O3, OpenMP); the equations are
+HF's and the tests compare with the Python path and with a training forward.
+
+Layouts (row-major, contiguous):
+  weights: see cpu.py `_pointers` (per layer: ln1, wq, bq, wk, bk, wv, bv, qn, kn, wo, ln2, wg, wu, wd;
+           then embed, norm, lm_head; biases / q-k norms may be NULL)
+  cache:   tiles of 16 slots, tile-major: k [layers, tiles, rows, kv_heads, head_dim, 16],
+           v [layers, tiles, rows, kv_heads, 16, head_dim] (see attention_rows)
+  bias:    [>= B rows, bias_stride] additive mask (0 or -inf) over cache slots
+  rope:    cos, sin_signed: row p (stride rope_stride floats) = the head_dim values at position p,
+           sin_signed = [-sin(first half), sin(second half)], so rotate_half(x)*sin = roll(x)*sin_signed
+*/
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef void (*sgemm_t)(const char *, const char *, const int *, const int *, const int *, const float *,
+                        const float *, const int *, const float *, const int *, const float *, float *,
+                        const int *);
+
+enum { W_LN1, W_Q, W_BQ, W_K, W_BK, W_V, W_BV, W_QN, W_KN, W_O, W_LN2, W_G, W_U, W_D, W_PER_LAYER };
+
+/* C[B, N] = beta * C + A[B, K] @ W[N, K]^T for row-major A, W, C: in BLAS's column-major terms
+   C^T = W^T' A^T, i.e. sgemm("T", "N", N, B, K, W, A). beta = 1 adds into C (the residual). */
+static void linear(sgemm_t gemm, const float *A, const float *W, float *C, int B, int N, int K, float beta) {
+    const float one = 1.0f;
+    gemm("T", "N", &N, &B, &K, &one, W, &K, A, &K, &beta, C, &N);
+}
+
+/* exp(x) for the softmax and SiLU, written so the compiler vectorizes it (libm's expf is a scalar
+   call): exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 split in two parts (Cody-Waite),
+   exp(r) by Cephes' degree-6 polynomial: within 2 ulp of expf on the clamped range. */
+static inline float exp_fast(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  /* not fminf/fmaxf: libm calls, no SIMD */
+    const float shift = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+    float t = x * 1.44269504088896341f + shift;
+    float n = t - shift;
+    int32_t ti, si;
+    memcpy(&ti, &t, 4);
+    memcpy(&si, &shift, 4);
+    int32_t ni = ti - si;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t pi;
+    memcpy(&pi, &p, 4);
+    pi += ni << 23;
+    memcpy(&p, &pi, 4);
+    return p;
+}
+
+/* HF's RMSNorm: x * rsqrt(mean(x^2) + eps), then times the weight. */
+static inline void rmsnorm(const float *x, const float *w, float *out, int n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* RoPE on one head in place: x*cos + roll(x, D/2)*sin_signed (HF's rotate-half form). */
+static inline void rope(float *x, const float *c, const float *s, int D) {
+    const int h = D / 2;
+    float tmp[h];
+    for (int i = 0; i < h; i++) tmp[i] = x[i];
+#pragma omp simd
+    for (int i = 0; i < h; i++) x[i] = x[i] * c[i] + x[i + h] * s[i];
+#pragma omp simd
+    for (int i = h; i < D; i++) x[i] = x[i] * c[i] + tmp[i - h] * s[i];
+}
+
+/* 16 floats: GCC/Clang vector extensions compile this to one AVX-512 register, two AVX2 ones or
+   four NEON ones. Accumulating in such locals keeps them in registers (an array indexed at run
+   time would go through memory, one store-load round trip per FMA). aligned(4): unaligned loads. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define LOAD(p) (*(const v16 *)(p))
+
+/* Attention of rows b0..b1 (a block of RB rows) for one layer, after their q, k, v projections:
+   q-k norm (Qwen3), RoPE, the new k and v into cache slot `slot`, then softmax(q k^T * scale + bias) v
+   over slots < kv_len for each of the H query heads (head j reads kv head j / G, HF's repeat_kv).
+
+   Cache layout, and why: the cache of a batch far exceeds L3 (batch 256, tiny model: 51 MB), so the
+   attention streams it from DRAM, and the hardware prefetcher only streams long contiguous runs
+   (measured here: 8 KB runs with gaps 14 GB/s, 64 KB runs 32 GB/s, contiguous 40 GB/s). So slots
+   come in tiles of 16, and a tile holds every row's keys (values) for its 16 slots: the slots in
+   use are a contiguous prefix of the layer's cache, and a block of RB rows reads RB * kv_heads *
+   4 KB (tiny model) contiguously per tile. Within a tile, keys are [D, 16] (the 16 slots' scores
+   are one vector FMA per dimension, no horizontal sums) and values [16, D] (16 dimensions of p * v
+   per FMA). The new key is written after the scores are read (its D cache lines are then in
+   cache) and its scores recomputed from it.
+   sc: RB * H * kv16 floats (kv16 = kv_len rounded up to 16). Requires D % 16 == 0. */
+static void attention_rows(int b0, int b1, int H, int Hkv, int D, const float *qn, const float *kn,
+                           float qk_eps, float *q, float *k, const float *v, const float *cos, const float *sin,
+                           int64_t rope_stride, const int64_t *pos, float *kc, float *vc, int64_t rows,
+                           int64_t slot, int64_t kv_len, const float *bias, int64_t bias_stride, float scale,
+                           float *out, float *sc) {
+    const int G = H / Hkv;
+    const int64_t kv16 = (kv_len + 15) / 16 * 16, T = kv16 / 16, tile = 16 * (int64_t)D;
+    const int64_t row_stride = (int64_t)Hkv * tile, tile_stride = rows * row_stride;
+    for (int b = b0; b < b1; b++) {
+        const float *c = cos + pos[b] * rope_stride, *s = sin + pos[b] * rope_stride;
+        for (int j = 0; j < H; j++) {
+            float *qj = q + ((int64_t)b * H + j) * D;
+            if (qn) rmsnorm(qj, qn, qj, D, qk_eps);
+            rope(qj, c, s, D);
+        }
+        for (int g = 0; g < Hkv; g++) {
+            float *kg = k + ((int64_t)b * Hkv + g) * D;
+            if (kn) rmsnorm(kg, kn, kg, D, qk_eps);
+            rope(kg, c, s, D);
+            memcpy(vc + slot / 16 * tile_stride + b * row_stride + g * tile + slot % 16 * D,
+                   v + ((int64_t)b * Hkv + g) * D, sizeof(float) * D);
+        }
+    }
+    /* scores: tile by tile, each tile's rows b0..b1 in order (one contiguous run) */
+    for (int64_t t = 0; t < T; t++)
+        for (int b = b0; b < b1; b++)
+            for (int g = 0; g < Hkv; g++) {
+                const float *r = kc + t * tile_stride + b * row_stride + g * tile;
+                for (int j = 0; j < G; j++) {
+                    const float *qj = q + ((int64_t)b * H + g * G + j) * D;
+                    v16 a0 = {0}, a1 = {0};  /* two chains: one would wait on the FMA latency */
+                    for (int d = 0; d < D; d += 2) {
+                        a0 += qj[d] * LOAD(r + d * 16);
+                        a1 += qj[d + 1] * LOAD(r + d * 16 + 16);
+                    }
+                    a0 += a1;
+                    memcpy(sc + (((int64_t)(b - b0) * H + g * G + j) * kv16 + t * 16), &a0, 64);
+                }
+            }
+    for (int b = b0; b < b1; b++) {
+        const float *bb = bias + b * bias_stride;
+        for (int g = 0; g < Hkv; g++) {
+            const float *kg = k + ((int64_t)b * Hkv + g) * D;
+            float *kt = kc + slot / 16 * tile_stride + b * row_stride + g * tile + slot % 16;
+            for (int d = 0; d < D; d++) kt[d * 16] = kg[d];
+            for (int j = 0; j < G; j++) {
+                const float *qj = q + ((int64_t)b * H + g * G + j) * D;
+                float *p = sc + ((int64_t)(b - b0) * H + g * G + j) * kv16, m = -INFINITY, sum = 0.0f;
+                if (slot < kv_len) {
+                    float dot = 0.0f;
+                    for (int d = 0; d < D; d++) dot += qj[d] * kg[d];
+                    p[slot] = dot;
+                }
+#pragma omp simd reduction(max : m)
+                for (int64_t i = 0; i < kv_len; i++) {
+                    p[i] = p[i] * scale + bb[i];
+                    m = p[i] > m ? p[i] : m;
+                }
+#pragma omp simd reduction(+ : sum)
+                for (int64_t i = 0; i < kv_len; i++) {  /* softmax numerators; masked slots exactly 0 */
+                    p[i] = bb[i] == -INFINITY ? 0.0f : exp_fast(p[i] - m);
+                    sum += p[i];
+                }
+                for (int64_t i = kv_len; i < kv16; i++) p[i] = 0.0f;
+                const float inv = 1.0f / sum;
+                for (int64_t i = 0; i < kv16; i++) p[i] *= inv;
+                memset(out + ((int64_t)b * H + g * G + j) * D, 0, sizeof(float) * D);
+            }
+        }
+    }
+    /* out = p v: tile by tile again; a head's 16 slots are 16 FMAs per 16 dimensions */
+    for (int64_t t = 0; t < T; t++)
+        for (int b = b0; b < b1; b++)
+            for (int g = 0; g < Hkv; g++) {
+                const float *r = vc + t * tile_stride + b * row_stride + g * tile;
+                for (int j = 0; j < G; j++) {
+                    const float *p = sc + ((int64_t)(b - b0) * H + g * G + j) * kv16 + t * 16;
+                    float *o = out + ((int64_t)b * H + g * G + j) * D;
+                    for (int d0 = 0; d0 < D; d0 += 16) {
+                        v16 a0 = LOAD(o + d0), a1 = {0};
+                        for (int i = 0; i < 16; i += 2) {
+                            a0 += p[i] * LOAD(r + i * D + d0);
+                            a1 += p[i + 1] * LOAD(r + (i + 1) * D + d0);
+                        }
+                        a0 += a1;
+                        memcpy(o + d0, &a0, 64);
+                    }
+                }
+            }
+}
+
+/* silu(g) * u into g, n values (HF's act_fn(gate) * up). */
+static void silu_mul(float *g, const float *u, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_fast(-g[i])) * u[i];
+}
+
+#define RB 16 /* rows per attention block: 16 rows x 4 KB per tile for the tiny model (see above) */
+
+static int threads_for(int nt, int64_t work) { return work < 8192 ? 1 : nt; }
+
+/* The whole decode step: tokens/pos [B] -> logits [B, V]. cfg = {layers, hidden, heads, kv_heads,
+   head_dim, intermediate, vocab}; fcfg = {rms eps, q-k norm eps, attention scale}. Scratch buffers
+   are [B, width] each: x, h (hidden), q (heads*D), k, v (kv_heads*D), att (heads*D), g, u
+   (intermediate); scores holds nt * RB * heads * (slots rounded up to 16) floats. */
+void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *const *w, sgemm_t gemm, int nt,
+                        int B, const int64_t *tokens, const int64_t *pos, const int64_t *slot_p, int64_t kv_len,
+                        float *bias, int64_t bias_stride, const float *cos, const float *sin,
+                        int64_t rope_stride, float *kcache, float *vcache, int64_t cache_rows, int64_t slots,
+                        float *x, float *h, float *q, float *k, float *v, float *att, float *g, float *u,
+                        float *scores, float *logits) {
+    const int L = (int)cfg[0], Hd = (int)cfg[1], H = (int)cfg[2], Hkv = (int)cfg[3], D = (int)cfg[4];
+    const int I = (int)cfg[5], V = (int)cfg[6];
+    const float eps = fcfg[0], qk_eps = fcfg[1], scale = fcfg[2];
+    const float *const *tail = w + (int64_t)L * W_PER_LAYER;
+    const int ntr = threads_for(nt, (int64_t)B * Hd);
+    const int64_t slot = *slot_p;  /* read here: the caller keeps it in a tensor it advances */
+
+    for (int b = 0; b < B; b++) {  /* the new slot is visible to its own row; embed the tokens */
+        bias[b * bias_stride + slot] = 0.0f;
+        memcpy(x + (int64_t)b * Hd, tail[0] + tokens[b] * Hd, sizeof(float) * Hd);
+    }
+    const int64_t kv16 = (kv_len + 15) / 16 * 16;
+    const int nta = threads_for(nt, (int64_t)B * H * kv_len * D);
+    for (int l = 0; l < L; l++) {
+        const float *const *W = w + (int64_t)l * W_PER_LAYER;
+#pragma omp parallel for num_threads(ntr) if (ntr > 1)
+        for (int b = 0; b < B; b++) rmsnorm(x + (int64_t)b * Hd, W[W_LN1], h + (int64_t)b * Hd, Hd, eps);
+        float *qkv[3] = {q, k, v};
+        const int widths[3] = {H * D, Hkv * D, Hkv * D};
+        for (int i = 0; i < 3; i++) {
+            const float *bia = W[W_BQ + 2 * i];
+            if (bia)
+                for (int b = 0; b < B; b++) memcpy(qkv[i] + (int64_t)b * widths[i], bia, sizeof(float) * widths[i]);
+            linear(gemm, h, W[W_Q + 2 * i], qkv[i], B, widths[i], Hd, bia ? 1.0f : 0.0f);
+        }
+        const int64_t layer = (slots + 15) / 16 * 16 * cache_rows * Hkv * D;
+        float *kc = kcache + l * layer, *vc = vcache + l * layer;
+        const int nblk = (B + RB - 1) / RB;
+#pragma omp parallel for num_threads(nta < nblk ? nta : nblk) if (nta > 1 && nblk > 1) schedule(static)
+        for (int blk = 0; blk < nblk; blk++) {
+            const int b0 = blk * RB, b1 = b0 + RB < B ? b0 + RB : B;
+#ifdef _OPENMP
+            float *sc = scores + (int64_t)omp_get_thread_num() * RB * H * kv16;
+#else
+            float *sc = scores;
+#endif
+            attention_rows(b0, b1, H, Hkv, D, W[W_QN], W[W_KN], qk_eps, q, k, v, cos, sin, rope_stride, pos,
+                           kc, vc, cache_rows, slot, kv_len, bias, bias_stride, scale, att, sc);
+        }
+        linear(gemm, att, W[W_O], x, B, Hd, H * D, 1.0f);
+#pragma omp parallel for num_threads(ntr) if (ntr > 1)
+        for (int b = 0; b < B; b++) rmsnorm(x + (int64_t)b * Hd, W[W_LN2], h + (int64_t)b * Hd, Hd, eps);
+        linear(gemm, h, W[W_G], g, B, I, Hd, 0.0f);
+        linear(gemm, h, W[W_U], u, B, I, Hd, 0.0f);
+        const int64_t n = (int64_t)B * I;
+        const int ntm = threads_for(nt, n);
+#pragma omp parallel for num_threads(ntm) if (ntm > 1)
+        for (int b = 0; b < B; b++) silu_mul(g + (int64_t)b * I, u + (int64_t)b * I, I);
+        linear(gemm, g, W[W_D], x, B, Hd, I, 1.0f);
+    }
+#pragma omp parallel for num_threads(ntr) if (ntr > 1)
+    for (int b = 0; b < B; b++) rmsnorm(x + (int64_t)b * Hd, tail[1], h + (int64_t)b * Hd, Hd, eps);
+    linear(gemm, h, tail[2], logits, B, V, Hd, 0.0f);
+}
