@@ -211,7 +211,7 @@ class CpuStep:
         H, Hkv, D = self.heads, self.kv, self.D
         self.x, self.h, self.q, self.k, self.v = z(self.hidden), z(self.hidden), z(H * D), z(Hkv * D), z(Hkv * D)
         self.att, self.g, self.u, self.logits = z(H * D), z(self.inter), z(self.inter), z(self.vocab)
-        self.scores = torch.empty(max(1, torch.get_num_threads()) * RB * H * _round16(slots))
+        self.scores = torch.empty(max(1, torch.get_num_threads()) * 2 * RB * H)
         self.rows, self.slots = rows, slots
         assert k.is_contiguous() and v.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
@@ -228,8 +228,8 @@ class CpuStep:
     def __call__(self, tokens, pos, slot, bias, kv_len: int):
         B = tokens.shape[0]
         nt = torch.get_num_threads()
-        if nt * RB * self.heads * _round16(self.slots) > self.scores.numel():  # threads raised since alloc
-            self.scores = torch.empty(nt * RB * self.heads * _round16(self.slots))
+        if nt * 2 * RB * self.heads > self.scores.numel():  # threads raised since alloc
+            self.scores = torch.empty(nt * 2 * RB * self.heads)
             self._tail = self._tail[:-2] + (ctypes.c_void_p(self.scores.data_ptr()), self._tail[-1])
         assert B <= self.rows and tokens.is_contiguous() and pos.is_contiguous() and bias.stride(1) == 1
         self.lib.tether_decode_step(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B,

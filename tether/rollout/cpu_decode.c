@@ -92,14 +92,17 @@ static inline void rope(float *x, const float *c, const float *s, int D) {
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define LOAD(p) (*(const v16 *)(p))
 
-/* o0 += p0 . V, o1 += p1 . V over one tile's 16 slots, for 16 * NV dimensions (V rows of stride D):
-   each value vector is loaded once for both heads, the 2 * NV sums stay in registers (NV is a
-   constant at every call, so the loops unroll; o0 == o1 when a kv head has one query head left:
-   then the same sums are stored twice). */
-static inline __attribute__((always_inline)) void pv_tile(const float *r, int D, const float *p0,
-                                                          const float *p1, float *o0, float *o1, const int NV) {
+/* rows per attention block: 16 rows x 4 KB per tile for the tiny model (see attention_rows); 32 and
+   64 measured within 2 % of it at batch 256 */
+#define RB 16
+
+/* o0 = c0 * o0 + p0 . V, o1 = c1 * o1 + p1 . V over one tile's 16 slots, for 16 * NV dimensions (V
+   rows of stride D): each value vector is loaded once for both heads, the 2 * NV sums stay in
+   registers (NV is a constant at every call, so the loops unroll). o1 == o0: one head only. */
+static inline __attribute__((always_inline)) void pv_tile(const float *r, int D, const float *p0, const float *p1,
+                                                          float c0, float c1, float *o0, float *o1, const int NV) {
     v16 a[4], c[4];
-    for (int v = 0; v < NV; v++) a[v] = LOAD(o0 + 16 * v), c[v] = o1 == o0 ? (v16){0} : LOAD(o1 + 16 * v);
+    for (int v = 0; v < NV; v++) a[v] = c0 * LOAD(o0 + 16 * v), c[v] = c1 * LOAD(o1 + 16 * v);
     for (int i = 0; i < 16; i++) {
         const float x0 = p0[i], x1 = p1[i];
         for (int v = 0; v < NV; v++) {
@@ -108,9 +111,30 @@ static inline __attribute__((always_inline)) void pv_tile(const float *r, int D,
         }
     }
     for (int v = 0; v < NV; v++) {
-        memcpy(o0 + 16 * v, &a[v], 64);
-        if (o1 != o0) memcpy(o1 + 16 * v, &c[v], 64);
+        memcpy(o1 + 16 * v, &c[v], 64);
+        memcpy(o0 + 16 * v, &a[v], 64);  /* last: when o1 == o0 these are the sums kept */
     }
+}
+
+/* One tile of the online softmax for one head: s = its 16 scores (scale and mask applied) becomes
+   exp(s - m') with m' the new running max; the running sum l is updated and the factor that
+   rescales the head's output so far, exp(m - m'), returned. Masked slots (-inf) give exactly 0. */
+static inline float softmax_tile(float *s, float *m, float *l) {
+    float mt = -INFINITY, sum = 0.0f;
+    for (int i = 0; i < 16; i++) mt = s[i] > mt ? s[i] : mt;
+    const float mn = mt > *m ? mt : *m;
+    if (mn == -INFINITY) {  /* nothing visible yet (left padding): no weight, nothing to rescale */
+        for (int i = 0; i < 16; i++) s[i] = 0.0f;
+        return 1.0f;
+    }
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < 16; i++) {
+        s[i] = s[i] == -INFINITY ? 0.0f : exp_fast(s[i] - mn);
+        sum += s[i];
+    }
+    const float c = *m == -INFINITY ? 0.0f : exp_fast(*m - mn);
+    *l = *l * c + sum, *m = mn;
+    return c;
 }
 
 /* Attention of rows b0..b1 (a block of RB rows) for one layer, after their q, k, v projections:
@@ -124,99 +148,81 @@ static inline __attribute__((always_inline)) void pv_tile(const float *r, int D,
    use are a contiguous prefix of the layer's cache, and a block of RB rows reads RB * kv_heads *
    4 KB (tiny model) contiguously per tile. Within a tile, keys are [D, 16] (the 16 slots' scores
    are one vector FMA per dimension, no horizontal sums) and values [16, D] (16 dimensions of p * v
-   per FMA). The new key is written after the scores are read (its D cache lines are then in
-   cache) and its scores recomputed from it.
-   sc: RB * H * kv16 floats (kv16 = kv_len rounded up to 16). Requires D % 16 == 0. */
+   per FMA). One pass over the tiles, the softmax online (flash-decoding: a running max and sum per
+   head, the output rescaled when the max grows), two query heads per read of a tile.
+   ml: 2 * RB * H floats of scratch. Requires D % 16 == 0 (cpu.support checks). */
 static void attention_rows(int b0, int b1, int H, int Hkv, int D, const float *qn, const float *kn,
                            float qk_eps, float *q, float *k, const float *v, const float *cos, const float *sin,
                            int64_t rope_stride, const int64_t *pos, float *kc, float *vc, int64_t rows,
                            int64_t slot, int64_t kv_len, const float *bias, int64_t bias_stride, float scale,
-                           float *out, float *sc) {
+                           float *out, float *ml) {
     const int G = H / Hkv;
-    const int64_t kv16 = (kv_len + 15) / 16 * 16, T = kv16 / 16, tile = 16 * (int64_t)D;
+    const int64_t T = (kv_len + 15) / 16, tile = 16 * (int64_t)D;
     const int64_t row_stride = (int64_t)Hkv * tile, tile_stride = rows * row_stride;
+    float *m = ml, *l = ml + RB * H;
     for (int b = b0; b < b1; b++) {
         const float *c = cos + pos[b] * rope_stride, *s = sin + pos[b] * rope_stride;
         for (int j = 0; j < H; j++) {
             float *qj = q + ((int64_t)b * H + j) * D;
             if (qn) rmsnorm(qj, qn, qj, D, qk_eps);
             rope(qj, c, s, D);
+            m[(b - b0) * H + j] = -INFINITY, l[(b - b0) * H + j] = 0.0f;
+            memset(out + ((int64_t)b * H + j) * D, 0, sizeof(float) * D);
         }
         for (int g = 0; g < Hkv; g++) {
             float *kg = k + ((int64_t)b * Hkv + g) * D;
             if (kn) rmsnorm(kg, kn, kg, D, qk_eps);
             rope(kg, c, s, D);
-            memcpy(vc + slot / 16 * tile_stride + b * row_stride + g * tile + slot % 16 * D,
-                   v + ((int64_t)b * Hkv + g) * D, sizeof(float) * D);
         }
     }
-    /* scores: tile by tile, each tile's rows b0..b1 in order (one contiguous run) */
-    for (int64_t t = 0; t < T; t++)
-        for (int b = b0; b < b1; b++)
+    for (int64_t t = 0; t < T; t++)  /* tile by tile, each tile's rows b0..b1 in order: one run */
+        for (int b = b0; b < b1; b++) {
+            float bt[16];  /* this tile's additive mask; slots >= kv_len masked (not read: may not exist) */
+            for (int i = 0; i < 16; i++) bt[i] = t * 16 + i < kv_len ? bias[b * bias_stride + t * 16 + i] : -INFINITY;
             for (int g = 0; g < Hkv; g++) {
-                const float *r = kc + t * tile_stride + b * row_stride + g * tile;
-                for (int j = 0; j < G; j += 2) {  /* two heads per pass over the tile */
-                    const int h0 = g * G + j, h1 = j + 1 < G ? h0 + 1 : h0;
+                float *kt = kc + t * tile_stride + b * row_stride + g * tile;
+                float *vt = vc + t * tile_stride + b * row_stride + g * tile;
+                const float *kg = k + ((int64_t)b * Hkv + g) * D;
+                const int here = t == slot / 16, lane = slot % 16;
+                if (here)  /* the new value just before its tile is read (a miss either way, one not two) */
+                    memcpy(vt + lane * D, v + ((int64_t)b * Hkv + g) * D, sizeof(float) * D);
+                for (int j = 0; j < G; j += 2) {  /* two heads per read of the tile */
+                    const int h0 = g * G + j, h1 = j + 1 < G ? h0 + 1 : h0, bh = (b - b0) * H;
                     const float *q0 = q + ((int64_t)b * H + h0) * D, *q1 = q + ((int64_t)b * H + h1) * D;
-                    v16 a0 = {0}, a1 = {0}, c0 = {0}, c1 = {0};  /* even / odd d: two FMA chains each */
+                    v16 a0 = {0}, a1 = {0}, e0 = {0}, e1 = {0};  /* even / odd d: two FMA chains each */
                     for (int d = 0; d < D; d += 2) {
-                        const v16 x = LOAD(r + d * 16), y = LOAD(r + d * 16 + 16);
+                        const v16 x = LOAD(kt + d * 16), y = LOAD(kt + d * 16 + 16);
                         a0 += q0[d] * x, a1 += q0[d + 1] * y;
-                        c0 += q1[d] * x, c1 += q1[d + 1] * y;
+                        e0 += q1[d] * x, e1 += q1[d + 1] * y;
                     }
-                    a0 += a1, c0 += c1;
-                    memcpy(sc + (((int64_t)(b - b0) * H + h0) * kv16 + t * 16), &a0, 64);
-                    memcpy(sc + (((int64_t)(b - b0) * H + h1) * kv16 + t * 16), &c0, 64);
-                }
-            }
-    for (int b = b0; b < b1; b++) {
-        const float *bb = bias + b * bias_stride;
-        for (int g = 0; g < Hkv; g++) {
-            const float *kg = k + ((int64_t)b * Hkv + g) * D;
-            float *kt = kc + slot / 16 * tile_stride + b * row_stride + g * tile + slot % 16;
-            for (int d = 0; d < D; d++) kt[d * 16] = kg[d];
-            for (int j = 0; j < G; j++) {
-                const float *qj = q + ((int64_t)b * H + g * G + j) * D;
-                float *p = sc + ((int64_t)(b - b0) * H + g * G + j) * kv16, m = -INFINITY, sum = 0.0f;
-                if (slot < kv_len) {
-                    float dot = 0.0f;
-                    for (int d = 0; d < D; d++) dot += qj[d] * kg[d];
-                    p[slot] = dot;
-                }
-#pragma omp simd reduction(max : m)
-                for (int64_t i = 0; i < kv_len; i++) {
-                    p[i] = p[i] * scale + bb[i];
-                    m = p[i] > m ? p[i] : m;
-                }
-#pragma omp simd reduction(+ : sum)
-                for (int64_t i = 0; i < kv_len; i++) {  /* softmax numerators; masked slots exactly 0 */
-                    p[i] = bb[i] == -INFINITY ? 0.0f : exp_fast(p[i] - m);
-                    sum += p[i];
-                }
-                for (int64_t i = kv_len; i < kv16; i++) p[i] = 0.0f;
-                const float inv = 1.0f / sum;
-                for (int64_t i = 0; i < kv16; i++) p[i] *= inv;
-                memset(out + ((int64_t)b * H + g * G + j) * D, 0, sizeof(float) * D);
-            }
-        }
-    }
-    /* out = p v: tile by tile again, two heads per pass over the tile (see pv_tile) */
-    for (int64_t t = 0; t < T; t++)
-        for (int b = b0; b < b1; b++)
-            for (int g = 0; g < Hkv; g++) {
-                const float *r = vc + t * tile_stride + b * row_stride + g * tile;
-                for (int j = 0; j < G; j += 2) {
-                    const int h0 = g * G + j, h1 = j + 1 < G ? h0 + 1 : h0;
-                    const float *p0 = sc + ((int64_t)(b - b0) * H + h0) * kv16 + t * 16;
-                    const float *p1 = sc + ((int64_t)(b - b0) * H + h1) * kv16 + t * 16;
+                    float s0[16], s1[16];
+                    a0 = (a0 + a1) * scale + LOAD(bt), e0 = (e0 + e1) * scale + LOAD(bt);
+                    memcpy(s0, &a0, 64), memcpy(s1, &e0, 64);
+                    if (here) {  /* the tile was read with the old key in the new slot: the new key's scores */
+                        float d0 = 0.0f, d1 = 0.0f;
+                        for (int d = 0; d < D; d++) d0 += q0[d] * kg[d], d1 += q1[d] * kg[d];
+                        s0[lane] = d0 * scale + bt[lane], s1[lane] = d1 * scale + bt[lane];
+                    }
+                    const float c0 = softmax_tile(s0, m + bh + h0, l + bh + h0);
+                    const float c1 = h1 == h0 ? c0 : softmax_tile(s1, m + bh + h1, l + bh + h1);
+                    const float *p1 = h1 == h0 ? s0 : s1;
                     float *o0 = out + ((int64_t)b * H + h0) * D, *o1 = out + ((int64_t)b * H + h1) * D;
                     int d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) pv_tile(r + d0, D, p0, p1, o0 + d0, o1 + d0, 4);
-                    if (D - d0 == 48) pv_tile(r + d0, D, p0, p1, o0 + d0, o1 + d0, 3);
-                    if (D - d0 == 32) pv_tile(r + d0, D, p0, p1, o0 + d0, o1 + d0, 2);
-                    if (D - d0 == 16) pv_tile(r + d0, D, p0, p1, o0 + d0, o1 + d0, 1);
+                    for (; d0 + 64 <= D; d0 += 64) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 4);
+                    if (D - d0 == 48) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 3);
+                    if (D - d0 == 32) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 2);
+                    if (D - d0 == 16) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 1);
                 }
+                if (here)  /* written after its tile was read: its D lines are in L1 now */
+                    for (int d = 0; d < D; d++) kt[d * 16 + lane] = kg[d];
             }
+        }
+    for (int b = b0; b < b1; b++)
+        for (int j = 0; j < H; j++) {
+            float *o = out + ((int64_t)b * H + j) * D;
+            const float inv = 1.0f / l[(b - b0) * H + j];
+            for (int d = 0; d < D; d++) o[d] *= inv;
+        }
 }
 
 /* silu(g) * u into g, n values (HF's act_fn(gate) * up). */
@@ -225,16 +231,13 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_fast(-g[i])) * u[i];
 }
 
-/* rows per attention block: 16 rows x 4 KB per tile for the tiny model (see attention_rows); 32 and
-   64 measured within 2 % of it at batch 256 */
-#define RB 16
 
 static int threads_for(int nt, int64_t work) { return work < 8192 ? 1 : nt; }
 
 /* The whole decode step: tokens/pos [B] -> logits [B, V]. cfg = {layers, hidden, heads, kv_heads,
    head_dim, intermediate, vocab}; fcfg = {rms eps, q-k norm eps, attention scale}. Scratch buffers
    are [B, width] each: x, h (hidden), q (heads*D), k, v (kv_heads*D), att (heads*D), g, u
-   (intermediate); scores holds nt * RB * heads * (slots rounded up to 16) floats. */
+   (intermediate); scores holds nt * 2 * RB * heads floats (running softmax statistics). */
 void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *const *w, sgemm_t gemm, int nt,
                         int B, const int64_t *tokens, const int64_t *pos, const int64_t *slot_p, int64_t kv_len,
                         float *bias, int64_t bias_stride, const float *cos, const float *sin,
@@ -252,7 +255,6 @@ void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *cons
         bias[b * bias_stride + slot] = 0.0f;
         memcpy(x + (int64_t)b * Hd, tail[0] + tokens[b] * Hd, sizeof(float) * Hd);
     }
-    const int64_t kv16 = (kv_len + 15) / 16 * 16;
     const int nta = threads_for(nt, (int64_t)B * H * kv_len * D);
     for (int l = 0; l < L; l++) {
         const float *const *W = w + (int64_t)l * W_PER_LAYER;
@@ -273,7 +275,7 @@ void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *cons
         for (int blk = 0; blk < nblk; blk++) {
             const int b0 = blk * RB, b1 = b0 + RB < B ? b0 + RB : B;
 #ifdef _OPENMP
-            float *sc = scores + (int64_t)omp_get_thread_num() * RB * H * kv16;
+            float *sc = scores + (int64_t)omp_get_thread_num() * 2 * RB * H;
 #else
             float *sc = scores;
 #endif
