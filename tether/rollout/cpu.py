@@ -202,6 +202,7 @@ class CpuStep:
         self._cfg = (ctypes.c_int64 * len(ints))(*ints)
         self._fcfg = (ctypes.c_float * 3)(float(base.norm.variance_epsilon), qk_eps, float(scaling))
         self.rows = 0
+        self._pre = None  # prefill scratch, grown to the largest chunk seen
 
     def alloc(self, k, v, cos, sin) -> None:
         """Scratch for up to ``k.shape[2]`` rows; the caches ``k``, ``v`` (:func:`cache_shapes`) and
@@ -224,6 +225,32 @@ class CpuStep:
     def release(self) -> None:
         self.x = self.h = self.q = self.k = self.v = self.att = self.g = self.u = self.logits = None
         self.scores, self._tail, self._keep, self.rows = None, None, None, 0
+        self._pre = None
+
+    def prefill(self, ids: Tensor, attn_mask: Tensor, row0: int) -> Tensor:
+        """Prompts ``ids`` [B, P] (left-padded; ``attn_mask`` bool [B, P]) into cache rows
+        row0..row0+B-1, slots 0..P-1 (tether_prefill). -> the last position's logits [B, V]."""
+        B, P = ids.shape
+        n = B * P
+        if self._pre is None or self._pre["n"] < n or self._pre["B"] < B:  # scratch for B * P tokens
+            z = lambda w: torch.empty(n, w)  # noqa: E731
+            H, Hkv, D = self.heads, self.kv, self.D
+            self._pre = dict(n=n, B=B, x=z(self.hidden), h=z(self.hidden), q=z(H * D), k=z(Hkv * D),
+                             v=z(Hkv * D), att=z(H * D), g=z(self.inter), u=z(self.inter),
+                             pos=torch.empty(n, dtype=torch.long), logits=torch.empty(B, self.vocab))
+        s = self._pre
+        nt = torch.get_num_threads()
+        ml = torch.empty(max(1, nt) * 2 * self.heads)
+        ids = ids.contiguous()
+        real = attn_mask.to(torch.uint8).contiguous()
+        cos, sin, k, v = self._keep[2], self._keep[3], self._keep[0], self._keep[1]
+        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        self.lib.tether_prefill(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B, P, ctypes.c_int64(row0),
+                                p(ids), p(real), p(cos), p(sin), ctypes.c_int64(cos[0].numel()), p(k), p(v),
+                                ctypes.c_int64(self.rows), ctypes.c_int64(self.slots), p(s["x"]), p(s["h"]),
+                                p(s["q"]), p(s["k"]), p(s["v"]), p(s["att"]), p(s["g"]), p(s["u"]), p(ml),
+                                p(s["pos"]), p(s["logits"]))
+        return s["logits"][:B]
 
     def __call__(self, tokens, pos, slot, bias, kv_len: int):
         B = tokens.shape[0]

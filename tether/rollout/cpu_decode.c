@@ -137,9 +137,63 @@ static inline float softmax_tile(float *s, float *m, float *l) {
     return c;
 }
 
-/* Attention of rows b0..b1 (a block of RB rows) for one layer, after their q, k, v projections:
-   q-k norm (Qwen3), RoPE, the new k and v into cache slot `slot`, then softmax(q k^T * scale + bias) v
-   over slots < kv_len for each of the H query heads (head j reads kv head j / G, HF's repeat_kv).
+/* Two query heads (q0, q1; q1 == q0: one) against one tile of one kv head: their 16 scores (times
+   scale, plus the tile's additive mask bt), the online softmax update, and p . V into o0, o1. knew:
+   when not NULL, the tile still holds an old key in slot `lane`; the scores there are computed from
+   knew instead (the caller writes it into the tile after this). */
+static inline void tile_heads(const float *kt, const float *vt, const float *q0, const float *q1, const float *bt,
+                              float scale, int D, const float *knew, int lane, float *m0, float *l0,
+                              float *m1, float *l1, float *o0, float *o1) {
+    v16 a0 = {0}, a1 = {0}, e0 = {0}, e1 = {0};  /* even / odd d: two FMA chains each */
+    for (int d = 0; d < D; d += 2) {
+        const v16 x = LOAD(kt + d * 16), y = LOAD(kt + d * 16 + 16);
+        a0 += q0[d] * x, a1 += q0[d + 1] * y;
+        e0 += q1[d] * x, e1 += q1[d + 1] * y;
+    }
+    float s0[16], s1[16];
+    a0 = (a0 + a1) * scale + LOAD(bt), e0 = (e0 + e1) * scale + LOAD(bt);
+    memcpy(s0, &a0, 64), memcpy(s1, &e0, 64);
+    if (knew) {
+        float d0 = 0.0f, d1 = 0.0f;
+        for (int d = 0; d < D; d++) d0 += q0[d] * knew[d], d1 += q1[d] * knew[d];
+        s0[lane] = d0 * scale + bt[lane], s1[lane] = d1 * scale + bt[lane];
+    }
+    const int one = q1 == q0;
+    const float c0 = softmax_tile(s0, m0, l0), c1 = one ? c0 : softmax_tile(s1, m1, l1);
+    const float *p1 = one ? s0 : s1;
+    int d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 4);
+    if (D - d0 == 48) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 3);
+    if (D - d0 == 32) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 2);
+    if (D - d0 == 16) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 1);
+}
+
+/* q-k norm (Qwen3) and RoPE of one token's H query heads and Hkv key heads at position p. */
+static void qk_prepare(float *q, float *k, int H, int Hkv, int D, const float *qn, const float *kn, float qk_eps,
+                       const float *cos, const float *sin, int64_t rope_stride, int64_t p) {
+    const float *c = cos + p * rope_stride, *s = sin + p * rope_stride;
+    for (int j = 0; j < H; j++) {
+        if (qn) rmsnorm(q + (int64_t)j * D, qn, q + (int64_t)j * D, D, qk_eps);
+        rope(q + (int64_t)j * D, c, s, D);
+    }
+    for (int g = 0; g < Hkv; g++) {
+        if (kn) rmsnorm(k + (int64_t)g * D, kn, k + (int64_t)g * D, D, qk_eps);
+        rope(k + (int64_t)g * D, c, s, D);
+    }
+}
+
+/* out[h] /= l[h] (the online softmax's sum), or 0 where nothing was visible. */
+static void normalize(float *out, const float *l, int H, int D) {
+    for (int j = 0; j < H; j++) {
+        const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+        for (int d = 0; d < D; d++) out[(int64_t)j * D + d] *= inv;
+    }
+}
+
+/* Decode attention of rows b0..b1 (a block of RB rows) for one layer, after their q, k, v
+   projections: q-k norm, RoPE, the new k and v into cache slot `slot`, then softmax(q k^T * scale +
+   bias) v over slots < kv_len for each of the H query heads (head j reads kv head j / G, HF's
+   repeat_kv).
 
    Cache layout, and why: the cache of a batch far exceeds L3 (batch 256, tiny model: 51 MB), so the
    attention streams it from DRAM, and the hardware prefetcher only streams long contiguous runs
@@ -149,7 +203,9 @@ static inline float softmax_tile(float *s, float *m, float *l) {
    4 KB (tiny model) contiguously per tile. Within a tile, keys are [D, 16] (the 16 slots' scores
    are one vector FMA per dimension, no horizontal sums) and values [16, D] (16 dimensions of p * v
    per FMA). One pass over the tiles, the softmax online (flash-decoding: a running max and sum per
-   head, the output rescaled when the max grows), two query heads per read of a tile.
+   head, the output rescaled when the max grows), two query heads per read of a tile. The new
+   value is written just before its tile is read and the new key just after (each a cache miss
+   otherwise: written up front they cost 0.6 ms of a 7 ms step at batch 256).
    ml: 2 * RB * H floats of scratch. Requires D % 16 == 0 (cpu.support checks). */
 static void attention_rows(int b0, int b1, int H, int Hkv, int D, const float *qn, const float *kn,
                            float qk_eps, float *q, float *k, const float *v, const float *cos, const float *sin,
@@ -161,68 +217,80 @@ static void attention_rows(int b0, int b1, int H, int Hkv, int D, const float *q
     const int64_t row_stride = (int64_t)Hkv * tile, tile_stride = rows * row_stride;
     float *m = ml, *l = ml + RB * H;
     for (int b = b0; b < b1; b++) {
-        const float *c = cos + pos[b] * rope_stride, *s = sin + pos[b] * rope_stride;
-        for (int j = 0; j < H; j++) {
-            float *qj = q + ((int64_t)b * H + j) * D;
-            if (qn) rmsnorm(qj, qn, qj, D, qk_eps);
-            rope(qj, c, s, D);
-            m[(b - b0) * H + j] = -INFINITY, l[(b - b0) * H + j] = 0.0f;
-            memset(out + ((int64_t)b * H + j) * D, 0, sizeof(float) * D);
-        }
-        for (int g = 0; g < Hkv; g++) {
-            float *kg = k + ((int64_t)b * Hkv + g) * D;
-            if (kn) rmsnorm(kg, kn, kg, D, qk_eps);
-            rope(kg, c, s, D);
-        }
+        qk_prepare(q + (int64_t)b * H * D, k + (int64_t)b * Hkv * D, H, Hkv, D, qn, kn, qk_eps, cos, sin,
+                   rope_stride, pos[b]);
+        for (int j = 0; j < H; j++) m[(b - b0) * H + j] = -INFINITY, l[(b - b0) * H + j] = 0.0f;
+        memset(out + (int64_t)b * H * D, 0, sizeof(float) * H * D);
     }
+    const int lane = slot % 16;
     for (int64_t t = 0; t < T; t++)  /* tile by tile, each tile's rows b0..b1 in order: one run */
         for (int b = b0; b < b1; b++) {
             float bt[16];  /* this tile's additive mask; slots >= kv_len masked (not read: may not exist) */
             for (int i = 0; i < 16; i++) bt[i] = t * 16 + i < kv_len ? bias[b * bias_stride + t * 16 + i] : -INFINITY;
+            const int here = t == slot / 16;
             for (int g = 0; g < Hkv; g++) {
                 float *kt = kc + t * tile_stride + b * row_stride + g * tile;
                 float *vt = vc + t * tile_stride + b * row_stride + g * tile;
                 const float *kg = k + ((int64_t)b * Hkv + g) * D;
-                const int here = t == slot / 16, lane = slot % 16;
-                if (here)  /* the new value just before its tile is read (a miss either way, one not two) */
-                    memcpy(vt + lane * D, v + ((int64_t)b * Hkv + g) * D, sizeof(float) * D);
-                for (int j = 0; j < G; j += 2) {  /* two heads per read of the tile */
+                if (here) memcpy(vt + lane * D, v + ((int64_t)b * Hkv + g) * D, sizeof(float) * D);
+                for (int j = 0; j < G; j += 2) {
                     const int h0 = g * G + j, h1 = j + 1 < G ? h0 + 1 : h0, bh = (b - b0) * H;
-                    const float *q0 = q + ((int64_t)b * H + h0) * D, *q1 = q + ((int64_t)b * H + h1) * D;
-                    v16 a0 = {0}, a1 = {0}, e0 = {0}, e1 = {0};  /* even / odd d: two FMA chains each */
-                    for (int d = 0; d < D; d += 2) {
-                        const v16 x = LOAD(kt + d * 16), y = LOAD(kt + d * 16 + 16);
-                        a0 += q0[d] * x, a1 += q0[d + 1] * y;
-                        e0 += q1[d] * x, e1 += q1[d + 1] * y;
-                    }
-                    float s0[16], s1[16];
-                    a0 = (a0 + a1) * scale + LOAD(bt), e0 = (e0 + e1) * scale + LOAD(bt);
-                    memcpy(s0, &a0, 64), memcpy(s1, &e0, 64);
-                    if (here) {  /* the tile was read with the old key in the new slot: the new key's scores */
-                        float d0 = 0.0f, d1 = 0.0f;
-                        for (int d = 0; d < D; d++) d0 += q0[d] * kg[d], d1 += q1[d] * kg[d];
-                        s0[lane] = d0 * scale + bt[lane], s1[lane] = d1 * scale + bt[lane];
-                    }
-                    const float c0 = softmax_tile(s0, m + bh + h0, l + bh + h0);
-                    const float c1 = h1 == h0 ? c0 : softmax_tile(s1, m + bh + h1, l + bh + h1);
-                    const float *p1 = h1 == h0 ? s0 : s1;
-                    float *o0 = out + ((int64_t)b * H + h0) * D, *o1 = out + ((int64_t)b * H + h1) * D;
-                    int d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 4);
-                    if (D - d0 == 48) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 3);
-                    if (D - d0 == 32) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 2);
-                    if (D - d0 == 16) pv_tile(vt + d0, D, s0, p1, c0, c1, o0 + d0, o1 + d0, 1);
+                    tile_heads(kt, vt, q + ((int64_t)b * H + h0) * D, q + ((int64_t)b * H + h1) * D, bt, scale, D,
+                               here ? kg : NULL, lane, m + bh + h0, l + bh + h0, m + bh + h1, l + bh + h1,
+                               out + ((int64_t)b * H + h0) * D, out + ((int64_t)b * H + h1) * D);
                 }
-                if (here)  /* written after its tile was read: its D lines are in L1 now */
+                if (here)
                     for (int d = 0; d < D; d++) kt[d * 16 + lane] = kg[d];
             }
         }
-    for (int b = b0; b < b1; b++)
-        for (int j = 0; j < H; j++) {
-            float *o = out + ((int64_t)b * H + j) * D;
-            const float inv = 1.0f / l[(b - b0) * H + j];
-            for (int d = 0; d < D; d++) o[d] *= inv;
+    for (int b = b0; b < b1; b++) normalize(out + (int64_t)b * H * D, l + (b - b0) * H, H, D);
+}
+
+/* Prefill attention of one prompt row (P tokens, cache row `row`): every token's q-k norm and RoPE,
+   all its keys and values into slots 0..P-1, then causal attention of each token over the tiles up
+   to it (slots <= i that are not padding; a padding token attends to itself only, as in the torch
+   path, so every output is finite). The row's tiles are read once per token and stay in cache.
+   ml: 2 * H floats of scratch. */
+static void attention_prompt(int P, const unsigned char *real, const int64_t *pos, int H, int Hkv, int D,
+                             const float *qn, const float *kn, float qk_eps, float *q, float *k, const float *v,
+                             const float *cos, const float *sin, int64_t rope_stride, float *kc, float *vc,
+                             int64_t rows, int64_t row, float scale, float *out, float *ml) {
+    const int G = H / Hkv;
+    const int64_t tile = 16 * (int64_t)D, row_stride = (int64_t)Hkv * tile, tile_stride = rows * row_stride;
+    for (int i = 0; i < P; i++) {
+        float *qi = q + (int64_t)i * H * D, *ki = k + (int64_t)i * Hkv * D;
+        qk_prepare(qi, ki, H, Hkv, D, qn, kn, qk_eps, cos, sin, rope_stride, pos[i]);
+        for (int g = 0; g < Hkv; g++) {
+            const int64_t at = i / 16 * tile_stride + row * row_stride + g * tile;
+            for (int d = 0; d < D; d++) kc[at + d * 16 + i % 16] = ki[(int64_t)g * D + d];
+            memcpy(vc + at + i % 16 * D, v + ((int64_t)i * Hkv + g) * D, sizeof(float) * D);
         }
+    }
+    float *m = ml, *l = ml + H;
+    for (int i = 0; i < P; i++) {
+        float *o = out + (int64_t)i * H * D;
+        const float *qi = q + (int64_t)i * H * D;
+        for (int j = 0; j < H; j++) m[j] = -INFINITY, l[j] = 0.0f;
+        memset(o, 0, sizeof(float) * H * D);
+        for (int64_t t = 0; t <= i / 16; t++) {
+            float bt[16];
+            for (int s = 0; s < 16; s++) {
+                const int64_t slot = t * 16 + s;
+                const int visible = real[i] ? slot <= i && real[slot] : slot == i;
+                bt[s] = visible ? 0.0f : -INFINITY;
+            }
+            for (int g = 0; g < Hkv; g++) {
+                const float *kt = kc + t * tile_stride + row * row_stride + g * tile;
+                const float *vt = vc + t * tile_stride + row * row_stride + g * tile;
+                for (int j = 0; j < G; j += 2) {
+                    const int h0 = g * G + j, h1 = j + 1 < G ? h0 + 1 : h0;
+                    tile_heads(kt, vt, qi + (int64_t)h0 * D, qi + (int64_t)h1 * D, bt, scale, D, NULL, 0,
+                               m + h0, l + h0, m + h1, l + h1, o + (int64_t)h0 * D, o + (int64_t)h1 * D);
+                }
+            }
+        }
+        normalize(o, l, H, D);
+    }
 }
 
 /* silu(g) * u into g, n values (HF's act_fn(gate) * up). */
@@ -231,69 +299,136 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_fast(-g[i])) * u[i];
 }
 
-
 static int threads_for(int nt, int64_t work) { return work < 8192 ? 1 : nt; }
+
+/* Model shape and the scratch both entry points share. */
+typedef struct {
+    int L, Hd, H, Hkv, D, I, V;
+    float eps, qk_eps, scale;
+} Shape;
+
+static Shape shape_of(const int64_t *cfg, const float *fcfg) {
+    Shape s = {(int)cfg[0], (int)cfg[1], (int)cfg[2], (int)cfg[3], (int)cfg[4], (int)cfg[5], (int)cfg[6],
+               fcfg[0], fcfg[1], fcfg[2]};
+    return s;
+}
+
+/* Layer l up to attention for n tokens: h = ln1(x); q, k, v = h W^T (+ bias). */
+static void layer_in(const Shape *S, const float *const *W, sgemm_t gemm, int nt, int64_t n, const float *x,
+                     float *h, float *q, float *k, float *v) {
+    const int ntr = threads_for(nt, n * S->Hd);
+#pragma omp parallel for num_threads(ntr) if (ntr > 1)
+    for (int64_t b = 0; b < n; b++) rmsnorm(x + b * S->Hd, W[W_LN1], h + b * S->Hd, S->Hd, S->eps);
+    float *qkv[3] = {q, k, v};
+    const int widths[3] = {S->H * S->D, S->Hkv * S->D, S->Hkv * S->D};
+    for (int i = 0; i < 3; i++) {
+        const float *bia = W[W_BQ + 2 * i];
+        if (bia)
+            for (int64_t b = 0; b < n; b++) memcpy(qkv[i] + b * widths[i], bia, sizeof(float) * widths[i]);
+        linear(gemm, h, W[W_Q + 2 * i], qkv[i], (int)n, widths[i], S->Hd, bia ? 1.0f : 0.0f);
+    }
+}
+
+/* Layer l after attention: x += att Wo^T; x += down(silu(gate(ln2(x))) * up(ln2(x))). */
+static void layer_out(const Shape *S, const float *const *W, sgemm_t gemm, int nt, int64_t n, float *x, float *h,
+                      const float *att, float *g, float *u) {
+    linear(gemm, att, W[W_O], x, (int)n, S->Hd, S->H * S->D, 1.0f);
+    const int ntr = threads_for(nt, n * S->Hd), ntm = threads_for(nt, n * S->I);
+#pragma omp parallel for num_threads(ntr) if (ntr > 1)
+    for (int64_t b = 0; b < n; b++) rmsnorm(x + b * S->Hd, W[W_LN2], h + b * S->Hd, S->Hd, S->eps);
+    linear(gemm, h, W[W_G], g, (int)n, S->I, S->Hd, 0.0f);
+    linear(gemm, h, W[W_U], u, (int)n, S->I, S->Hd, 0.0f);
+#pragma omp parallel for num_threads(ntm) if (ntm > 1)
+    for (int64_t b = 0; b < n; b++) silu_mul(g + b * S->I, u + b * S->I, S->I);
+    linear(gemm, g, W[W_D], x, (int)n, S->Hd, S->I, 1.0f);
+}
+
+/* logits[r] = lm_head(norm(x[rows[r]])) for r < n. */
+static void head(const Shape *S, const float *const *tail, sgemm_t gemm, int64_t n, const float *x,
+                 int64_t x_stride, float *h, float *logits) {
+    for (int64_t r = 0; r < n; r++) rmsnorm(x + r * x_stride, tail[1], h + r * S->Hd, S->Hd, S->eps);
+    linear(gemm, h, tail[2], logits, (int)n, S->V, S->Hd, 0.0f);
+}
 
 /* The whole decode step: tokens/pos [B] -> logits [B, V]. cfg = {layers, hidden, heads, kv_heads,
    head_dim, intermediate, vocab}; fcfg = {rms eps, q-k norm eps, attention scale}. Scratch buffers
    are [B, width] each: x, h (hidden), q (heads*D), k, v (kv_heads*D), att (heads*D), g, u
-   (intermediate); scores holds nt * 2 * RB * heads floats (running softmax statistics). */
+   (intermediate); ml holds nt * 2 * RB * heads floats (running softmax statistics). */
 void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *const *w, sgemm_t gemm, int nt,
                         int B, const int64_t *tokens, const int64_t *pos, const int64_t *slot_p, int64_t kv_len,
                         float *bias, int64_t bias_stride, const float *cos, const float *sin,
                         int64_t rope_stride, float *kcache, float *vcache, int64_t cache_rows, int64_t slots,
                         float *x, float *h, float *q, float *k, float *v, float *att, float *g, float *u,
-                        float *scores, float *logits) {
-    const int L = (int)cfg[0], Hd = (int)cfg[1], H = (int)cfg[2], Hkv = (int)cfg[3], D = (int)cfg[4];
-    const int I = (int)cfg[5], V = (int)cfg[6];
-    const float eps = fcfg[0], qk_eps = fcfg[1], scale = fcfg[2];
-    const float *const *tail = w + (int64_t)L * W_PER_LAYER;
-    const int ntr = threads_for(nt, (int64_t)B * Hd);
+                        float *ml, float *logits) {
+    const Shape S = shape_of(cfg, fcfg);
+    const float *const *tail = w + (int64_t)S.L * W_PER_LAYER;
     const int64_t slot = *slot_p;  /* read here: the caller keeps it in a tensor it advances */
-
     for (int b = 0; b < B; b++) {  /* the new slot is visible to its own row; embed the tokens */
         bias[b * bias_stride + slot] = 0.0f;
-        memcpy(x + (int64_t)b * Hd, tail[0] + tokens[b] * Hd, sizeof(float) * Hd);
+        memcpy(x + (int64_t)b * S.Hd, tail[0] + tokens[b] * S.Hd, sizeof(float) * S.Hd);
     }
-    const int nta = threads_for(nt, (int64_t)B * H * kv_len * D);
-    for (int l = 0; l < L; l++) {
+    const int nta = threads_for(nt, (int64_t)B * S.H * kv_len * S.D), nblk = (B + RB - 1) / RB;
+    const int64_t layer = (slots + 15) / 16 * 16 * cache_rows * S.Hkv * S.D;
+    for (int l = 0; l < S.L; l++) {
         const float *const *W = w + (int64_t)l * W_PER_LAYER;
-#pragma omp parallel for num_threads(ntr) if (ntr > 1)
-        for (int b = 0; b < B; b++) rmsnorm(x + (int64_t)b * Hd, W[W_LN1], h + (int64_t)b * Hd, Hd, eps);
-        float *qkv[3] = {q, k, v};
-        const int widths[3] = {H * D, Hkv * D, Hkv * D};
-        for (int i = 0; i < 3; i++) {
-            const float *bia = W[W_BQ + 2 * i];
-            if (bia)
-                for (int b = 0; b < B; b++) memcpy(qkv[i] + (int64_t)b * widths[i], bia, sizeof(float) * widths[i]);
-            linear(gemm, h, W[W_Q + 2 * i], qkv[i], B, widths[i], Hd, bia ? 1.0f : 0.0f);
-        }
-        const int64_t layer = (slots + 15) / 16 * 16 * cache_rows * Hkv * D;
-        float *kc = kcache + l * layer, *vc = vcache + l * layer;
-        const int nblk = (B + RB - 1) / RB;
+        layer_in(&S, W, gemm, nt, B, x, h, q, k, v);
 #pragma omp parallel for num_threads(nta < nblk ? nta : nblk) if (nta > 1 && nblk > 1) schedule(static)
         for (int blk = 0; blk < nblk; blk++) {
             const int b0 = blk * RB, b1 = b0 + RB < B ? b0 + RB : B;
 #ifdef _OPENMP
-            float *sc = scores + (int64_t)omp_get_thread_num() * 2 * RB * H;
+            float *mlt = ml + (int64_t)omp_get_thread_num() * 2 * RB * S.H;
 #else
-            float *sc = scores;
+            float *mlt = ml;
 #endif
-            attention_rows(b0, b1, H, Hkv, D, W[W_QN], W[W_KN], qk_eps, q, k, v, cos, sin, rope_stride, pos,
-                           kc, vc, cache_rows, slot, kv_len, bias, bias_stride, scale, att, sc);
+            attention_rows(b0, b1, S.H, S.Hkv, S.D, W[W_QN], W[W_KN], S.qk_eps, q, k, v, cos, sin, rope_stride,
+                           pos, kcache + l * layer, vcache + l * layer, cache_rows, slot, kv_len, bias,
+                           bias_stride, S.scale, att, mlt);
         }
-        linear(gemm, att, W[W_O], x, B, Hd, H * D, 1.0f);
-#pragma omp parallel for num_threads(ntr) if (ntr > 1)
-        for (int b = 0; b < B; b++) rmsnorm(x + (int64_t)b * Hd, W[W_LN2], h + (int64_t)b * Hd, Hd, eps);
-        linear(gemm, h, W[W_G], g, B, I, Hd, 0.0f);
-        linear(gemm, h, W[W_U], u, B, I, Hd, 0.0f);
-        const int64_t n = (int64_t)B * I;
-        const int ntm = threads_for(nt, n);
-#pragma omp parallel for num_threads(ntm) if (ntm > 1)
-        for (int b = 0; b < B; b++) silu_mul(g + (int64_t)b * I, u + (int64_t)b * I, I);
-        linear(gemm, g, W[W_D], x, B, Hd, I, 1.0f);
+        layer_out(&S, W, gemm, nt, B, x, h, att, g, u);
     }
-#pragma omp parallel for num_threads(ntr) if (ntr > 1)
-    for (int b = 0; b < B; b++) rmsnorm(x + (int64_t)b * Hd, tail[1], h + (int64_t)b * Hd, Hd, eps);
-    linear(gemm, h, tail[2], logits, B, V, Hd, 0.0f);
+    head(&S, tail, gemm, B, x, S.Hd, h, logits);
+}
+
+/* The prefill of B left-padded prompts of P tokens into cache rows row0..row0+B-1, slots 0..P-1:
+   ids, real (1 = token, 0 = padding) [B, P] -> logits of each row's last position [B, V]. Each
+   token's position is the number of real tokens before it. Scratch as for the step, with B * P
+   rows; pos: B * P int64; ml: nt * 2 * heads floats. */
+void tether_prefill(const int64_t *cfg, const float *fcfg, const float *const *w, sgemm_t gemm, int nt,
+                    int B, int P, int64_t row0, const int64_t *ids, const unsigned char *real, const float *cos,
+                    const float *sin, int64_t rope_stride, float *kcache, float *vcache, int64_t cache_rows,
+                    int64_t slots, float *x, float *h, float *q, float *k, float *v, float *att, float *g,
+                    float *u, float *ml, int64_t *pos, float *logits) {
+    const Shape S = shape_of(cfg, fcfg);
+    const float *const *tail = w + (int64_t)S.L * W_PER_LAYER;
+    const int64_t n = (int64_t)B * P;
+    for (int b = 0; b < B; b++) {
+        int64_t seen = 0;
+        for (int i = 0; i < P; i++) {
+            const int64_t t = (int64_t)b * P + i;
+            seen += real[t];
+            pos[t] = seen > 0 ? seen - 1 : 0;  /* as the torch path: cumsum(mask) - 1, clamped at 0 */
+            memcpy(x + t * S.Hd, tail[0] + ids[t] * S.Hd, sizeof(float) * S.Hd);
+        }
+    }
+    const int64_t layer = (slots + 15) / 16 * 16 * cache_rows * S.Hkv * S.D;
+    const int nta = threads_for(nt, n * S.H * S.D);
+    for (int l = 0; l < S.L; l++) {
+        const float *const *W = w + (int64_t)l * W_PER_LAYER;
+        layer_in(&S, W, gemm, nt, n, x, h, q, k, v);
+#pragma omp parallel for num_threads(nta < B ? nta : B) if (nta > 1 && B > 1) schedule(static)
+        for (int b = 0; b < B; b++) {
+#ifdef _OPENMP
+            float *mlt = ml + (int64_t)omp_get_thread_num() * 2 * S.H;
+#else
+            float *mlt = ml;
+#endif
+            const int64_t t0 = (int64_t)b * P;
+            attention_prompt(P, real + t0, pos + t0, S.H, S.Hkv, S.D, W[W_QN], W[W_KN], S.qk_eps,
+                             q + t0 * S.H * S.D, k + t0 * S.Hkv * S.D, v + t0 * S.Hkv * S.D, cos, sin, rope_stride,
+                             kcache + l * layer, vcache + l * layer, cache_rows, row0 + b, S.scale,
+                             att + t0 * S.H * S.D, mlt);
+        }
+        layer_out(&S, W, gemm, nt, n, x, h, att, g, u);
+    }
+    head(&S, tail, gemm, B, x + (int64_t)(P - 1) * S.Hd, (int64_t)P * S.Hd, h, logits);
 }

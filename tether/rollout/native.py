@@ -229,6 +229,8 @@ class NativeBackend:
     def prefill(self, ids: Tensor, attn_mask: Tensor, row0: int) -> Tensor:
         """Prompts ``ids`` [B, P] (left-padded, ``attn_mask`` bool [B, P]) into cache rows
         row0..row0+B, slots 0..P-1. Returns the last position's logits [B, V]."""
+        if self.cstep is not None:  # the C prefill (same math, one call; cpu_decode.c)
+            return self.cstep.prefill(ids, attn_mask, row0)
         B, P = ids.shape
         pos = (attn_mask.long().cumsum(-1) - 1).clamp(min=0)
         cos, sin = self.cos[pos], self.sin[pos]
