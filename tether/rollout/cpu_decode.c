@@ -140,10 +140,11 @@ static inline float softmax_tile(float *s, float *m, float *l) {
 /* Two query heads (q0, q1; q1 == q0: one) against one tile of one kv head: their 16 scores (times
    scale, plus the tile's additive mask bt), the online softmax update, and p . V into o0, o1. knew:
    when not NULL, the tile still holds an old key in slot `lane`; the scores there are computed from
-   knew instead (the caller writes it into the tile after this). */
-static inline void tile_heads(const float *kt, const float *vt, const float *q0, const float *q1, const float *bt,
-                              float scale, int D, const float *knew, int lane, float *m0, float *l0,
-                              float *m1, float *l1, float *o0, float *o1) {
+   knew instead (the caller writes it into the tile after this). Inlined: as a call, the decode
+   step at batch 256 was 10 % slower. */
+static inline __attribute__((always_inline)) void tile_heads(
+    const float *kt, const float *vt, const float *q0, const float *q1, const float *bt, float scale, int D,
+    const float *knew, int lane, float *m0, float *l0, float *m1, float *l1, float *o0, float *o1) {
     v16 a0 = {0}, a1 = {0}, e0 = {0}, e1 = {0};  /* even / odd d: two FMA chains each */
     for (int d = 0; d < D; d += 2) {
         const v16 x = LOAD(kt + d * 16), y = LOAD(kt + d * 16 + 16);
