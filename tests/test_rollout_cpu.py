@@ -105,6 +105,16 @@ def test_c_step_with_compaction_two_threads_and_greedy():
         assert (ro_c.logprobs - ro_t.logprobs)[ro_c.completion_mask].abs().max() < 1e-4
 
 
+def test_an_unwritable_cache_directory_falls_back_to_the_temp_directory(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TETHER_CACHE", str(blocker))
+    monkeypatch.setattr(cpu, "_lib", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: it still builds (or finds) the step
+        assert cpu.library() is not None
+
+
 def test_fallbacks_keep_the_torch_path(monkeypatch):
     model, tok = make_tiny_model(None, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                                  intermediate_size=96)

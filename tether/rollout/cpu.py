@@ -62,31 +62,47 @@ def library():
 
 
 def _build():
+    def fail(why: str):
+        warnings.warn(f"tether: {why}; the CPU sampler uses its torch path (slower)", stacklevel=4)
+
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     gemm = _sgemm()
     if cc is None or gemm is None:
-        warnings.warn("tether: no C compiler or no BLAS sgemm in torch: the CPU sampler uses its "
-                      "torch path (slower)", stacklevel=3)
-        return None
+        return fail("no C compiler" if cc is None else "torch exports no BLAS sgemm")
     src = SRC.read_bytes()
     key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_flags().encode()
                          + torch.__version__.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "kernels"
-    so = cache / f"cpu_decode_{key}.so"
-    if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    so = None
+    for cache in (Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "kernels",
+                  Path(tempfile.gettempdir()) / f"tether-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        so = cache / f"cpu_decode_{key}.so"
+        if so.exists():
+            break
+        try:  # build beside the target, then rename: a concurrent process sees no file or the whole one
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        except OSError:
+            continue  # not writable (a read-only home): the temp directory
         os.close(fd)
         r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
-            warnings.warn(f"tether: building the CPU decode step failed ({cc}): "
-                          f"{r.stderr.strip().splitlines()[-1:]}; the CPU sampler uses its torch path",
-                          stacklevel=3)
-            return None
-        os.replace(tmp, so)  # atomic: a concurrent process sees the old state or the whole file
+            return fail(f"building the CPU decode step failed ({cc}: "
+                        f"{' '.join(r.stderr.strip().splitlines()[-1:])[:200]})")
+        os.replace(tmp, so)
+        break
+    else:
+        return fail("no writable directory for the compiled CPU decode step")
     lib = ctypes.CDLL(str(so))
-    lib.tether_decode_step.restype = None
+    lib.tether_decode_step.restype = lib.tether_prefill.restype = lib.tether_gemm_check.restype = None
+    # The sgemm found must be the 32-bit-integer Fortran BLAS interface this code calls (a wrong one
+    # would compute garbage, not fail): check it on one small product against torch.mm.
+    g = torch.Generator().manual_seed(0)
+    a, w, c = torch.randn(3, 5, generator=g), torch.randn(7, 5, generator=g), torch.zeros(3, 7)
+    lib.tether_gemm_check(gemm, ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(w.data_ptr()),
+                          ctypes.c_void_p(c.data_ptr()), 3, 7, 5)
+    if not torch.allclose(c, a @ w.t(), atol=1e-5):
+        return fail("torch's sgemm does not behave as the Fortran BLAS interface")
     lib.gemm = gemm
     return lib
 

@@ -37,6 +37,11 @@ static void linear(sgemm_t gemm, const float *A, const float *W, float *C, int B
     gemm("T", "N", &N, &B, &K, &one, W, &K, A, &K, &beta, C, &N);
 }
 
+/* C = A W^T through `gemm`, for cpu.py's check that the sgemm it found is the interface used here. */
+void tether_gemm_check(sgemm_t gemm, const float *A, const float *W, float *C, int B, int N, int K) {
+    linear(gemm, A, W, C, B, N, K, 0.0f);
+}
+
 /* exp(x) for the softmax and SiLU, written so the compiler vectorizes it (libm's expf is a scalar
    call): exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 split in two parts (Cody-Waite),
    exp(r) by Cephes' degree-6 polynomial: within 2 ulp of expf on the clamped range. */
