@@ -1,5 +1,5 @@
-"""The CPU decode step in C (cpu_decode.c): built with the system's C compiler on first use, called
-through ctypes, one call per decode step.
+"""The CPU decode step and prefill in C (cpu_decode.c): built with the system's C compiler on first
+use, called through ctypes, one call per decode step and one per prefill chunk.
 
 Why: on the CPU a decode step of a small model is ~100 small torch ops; at batch 64 the work other
 than the matmuls (norms, RoPE, cache writes, attention as hundreds of tiny batched matmuls, SiLU,
@@ -122,24 +122,7 @@ def cache_shapes(layers: int, rows: int, kv_heads: int, slots: int, head_dim: in
     return (layers, t, rows, kv_heads, head_dim, 16), (layers, t, rows, kv_heads, 16, head_dim)
 
 
-def _as_slots(cache: Tensor, keys: bool) -> Tensor:
-    """One layer's tiled cache as a [rows, kv_heads, tiles, 16, head_dim] view."""
-    return cache.permute(1, 2, 0, 4, 3) if keys else cache.permute(1, 2, 0, 3, 4)
-
-
-def write_kv(kl: Tensor, vl: Tensor, row0: int, k: Tensor, v: Tensor) -> None:
-    """Keys and values [B, kv_heads, P, head_dim] into slots 0..P-1 of rows row0..row0+B of one
-    layer's tiled caches ``kl``, ``vl`` (:func:`cache_shapes` without the layer dimension)."""
-    B, H, P, D = k.shape
-    full = P // 16 * 16
-    for cache, x in ((_as_slots(kl, True), k), (_as_slots(vl, False), v)):
-        rows = cache[row0:row0 + B]
-        if full:
-            rows[:, :, :full // 16] = x[:, :, :full].reshape(B, H, full // 16, 16, D)
-        if P > full:
-            rows[:, :, full // 16, :P - full] = x[:, :, full:]
-
-
+# per-layer weights in the order of cpu_decode.c's enum (W_LN1 ... W_D)
 PER_LAYER = ("ln1", "wq", "bq", "wk", "bk", "wv", "bv", "qn", "kn", "wo", "ln2", "wg", "wu", "wd")
 
 
@@ -202,16 +185,17 @@ class CpuStep:
         self.vocab = model.lm_head.out_features
         qk_eps = 0.0
         ptrs = []
-        for layer in base.layers:
+        for layer in base.layers:  # in cpu_decode.c's order (its enum W_LN1 ... W_D), None = absent
             a, mlp = layer.self_attn, layer.mlp
-            qn = a.q_norm.weight if hasattr(a, "q_norm") else None
-            kn = a.k_norm.weight if hasattr(a, "k_norm") else None
-            if hasattr(a, "q_norm"):
-                qk_eps = float(a.q_norm.variance_epsilon)
-            ptrs += [layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
-                     a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, qn, kn, a.o_proj.weight,
-                     layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                     mlp.down_proj.weight]
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            if qn is not None:
+                qk_eps = float(qn.variance_epsilon)
+            w = dict(ln1=layer.input_layernorm.weight, wq=a.q_proj.weight, bq=a.q_proj.bias, wk=a.k_proj.weight,
+                     bk=a.k_proj.bias, wv=a.v_proj.weight, bv=a.v_proj.bias,
+                     qn=qn.weight if qn is not None else None, kn=kn.weight if kn is not None else None,
+                     wo=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight, wg=mlp.gate_proj.weight,
+                     wu=mlp.up_proj.weight, wd=mlp.down_proj.weight)
+            ptrs += [w[name] for name in PER_LAYER]
         ptrs += [base.embed_tokens.weight, base.norm.weight, model.lm_head.weight]
         self._w = (ctypes.c_void_p * len(ptrs))(*[t.data_ptr() if t is not None else None for t in ptrs])
         ints = [len(base.layers), self.hidden, n_heads, n_kv, head_dim, self.inter, self.vocab]

@@ -1,15 +1,16 @@
-/* One decode step of a Llama / Mistral / Qwen2 / Qwen3 decoder on the CPU, float32, in one call.
+/* A decode step, and a prefill, of a Llama / Mistral / Qwen2 / Qwen3 decoder on the CPU in float32,
+   one call each.
 
 Why C: at the sampler's CPU shapes (hidden 128..1024, batch 8..256) a decode step is ~25 small
 torch ops per layer, and everything but the matmuls (RMSNorm, RoPE, the cache write, attention over
 hundreds of tiny [G, D] x [D, S] products, SiLU) costs as much as the matmuls themselves. Here the
 matmuls are the BLAS sgemm that torch.mm calls (passed in as a function pointer: the same kernel,
-no second BLAS), and everything else is one pass per row. The weights are the HF model's own
+no second BLAS), and everything else is fused (one pass per row, a tiled KV cache: attention_rows). The weights are the HF model's own
 tensors, read in place. Built on first use by rollout/cpu.py (gcc -O3, OpenMP); the equations are
 HF's and the tests compare with the Python path and with a training forward.
 
 Layouts (row-major, contiguous):
-  weights: see cpu.py `_pointers` (per layer: ln1, wq, bq, wk, bk, wv, bv, qn, kn, wo, ln2, wg, wu, wd;
+  weights: cpu.py PER_LAYER (per layer: ln1, wq, bq, wk, bk, wv, bv, qn, kn, wo, ln2, wg, wu, wd;
            then embed, norm, lm_head; biases / q-k norms may be NULL)
   cache:   tiles of 16 slots, tile-major: k [layers, tiles, rows, kv_heads, head_dim, 16],
            v [layers, tiles, rows, kv_heads, 16, head_dim] (see attention_rows)

@@ -9,6 +9,9 @@ Two backends with one interface (``alloc``, ``prefill``, ``decode``, ``select``)
   fewer ops: a static cache, one additive mask per step, q and k rotated together, and (``FUSE``) the
   norm weight and residual adds fused into neighbouring kernels; a shape-static decode step is what
   lets the step be captured in a CUDA graph.
+  On the CPU, for float32 models with plain layers, the whole decode step and the whole prefill
+  are one call each into C (:mod:`cpu`, cpu_decode.c: the same math, BLAS sgemm from torch, a
+  KV cache tiled for streaming); this module's torch code is then not run.
 * :class:`HFBackend` — any causal LM: the model's forward with a ``DynamicCache``. Slower, eager only.
 
 What NativeBackend relies on (stable across transformers 5.x; checked by :func:`native_support`):
@@ -81,9 +84,10 @@ def _linear(m):
 FUSE = True
 
 
-# Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable, else
-# baddbmm + softmax + bmm ("bmm") on CPU and torch's SDPA elsewhere; "sdpa" / "triton" / "bmm" force
-# one. On CPU, SDPA's flash kernel costs 2x bmm at the quickstart's shapes (batch 32, 2 threads: 138
+# Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable; on
+# CPU the C step (cpu.py) when it can run the model and builds, else baddbmm + softmax + bmm ("bmm");
+# torch's SDPA elsewhere. "c" / "sdpa" / "triton" / "bmm" force one (the torch path of a CPU model:
+# "bmm"). On CPU, SDPA's flash kernel costs 2x bmm at the quickstart's shapes (batch 32, 2 threads: 138
 # vs 68 us per layer call; the sampler's step 2.07 -> 1.69 ms) and is no faster on one thread (bench
 # batch 64: 4.05 vs 3.71 ms/step). On an H100 bmm is slower than SDPA (and rounds bf16 scores).
 # (SDPA picks cuDNN's kernel on an H100 here: 22 us per layer at batch 64 and 74 us at batch 256 over
@@ -179,7 +183,7 @@ class NativeBackend:
 
     def alloc(self, rows: int, slots: int, storage: Tensor | None = None) -> None:
         """Static cache [layers, rows, kv_heads, slots, head_dim] for keys and for values (keys in
-        tiles of 16 slots for the C step, :func:`cpu.key_shape`), and the RoPE tables for positions
+        tiles of 16 slots for the C step, :func:`cpu.cache_shapes`), and the RoPE tables for positions
         0..slots-1 (HF's rotary module, evaluated once). The cache lives in `storage` (a flat tensor
         lent by the caller) when it is large enough, of the model's dtype and on its device; else in
         memory of its own."""
@@ -246,11 +250,8 @@ class NativeBackend:
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, L.ln1(x), cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            if self.cstep is not None:  # the C decode step's tiled layout
-                cpu.write_kv(self.k[i], self.v[i], row0, k, v)
-            else:
-                self.k[i, row0:row0 + B, :, :P] = k
-                self.v[i, row0:row0 + B, :, :P] = v
+            self.k[i, row0:row0 + B, :, :P] = k
+            self.v[i, row0:row0 + B, :, :P] = v
             if causal_only:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                    scale=self.scaling, enable_gqa=G > 1)
