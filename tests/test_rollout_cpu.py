@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tether.models import make_tiny_model
-from tether.objectives.logprobs import token_logps
 from tether.rollout import Sampler, cpu, native
+from test_rollout import _train_logps  # the training forward's log-probs of a rollout
 
 VOCAB = 64
 
@@ -61,14 +61,6 @@ def _sample(model, attn, threads=1, **kw):
     finally:
         native.DECODE_ATTN = old
         torch.set_num_threads(n)
-
-
-def _train_logps(model, ro):
-    b = ro.training_batch()
-    with torch.no_grad():
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=b["position_ids"]).logits
-    return b, token_logps(logits, b["input_ids"], ro.logprob_temperature)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
