@@ -61,7 +61,8 @@ def library():
     return _lib or None
 
 
-def _build():
+def _build(extra_flags: tuple[str, ...] = ()):
+    """Compile (or find in the cache) and load the library; None, with a warning, where it can't."""
     def fail(why: str):
         warnings.warn(f"tether: {why}; the CPU sampler uses its torch path (slower)", stacklevel=4)
 
@@ -70,7 +71,8 @@ def _build():
     if cc is None or gemm is None:
         return fail("no C compiler" if cc is None else "torch exports no BLAS sgemm")
     src = SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_flags().encode()
+    flags = FLAGS + list(extra_flags)
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     so = None
     for cache in (Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "kernels",
@@ -84,7 +86,7 @@ def _build():
         except OSError:
             continue  # not writable (a read-only home): the temp directory
         os.close(fd)
-        r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
             return fail(f"building the CPU decode step failed ({cc}: "

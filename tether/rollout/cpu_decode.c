@@ -25,6 +25,23 @@ Layouts (row-major, contiguous):
 #include <omp.h>
 #endif
 
+/* bench/profile_cpu_step.py builds with -DTETHER_PROFILE: seconds per part of the decode step,
+   summed over calls (layer_in: norm + q/k/v matmuls; attention; layer_out: o, norm, MLP; head). */
+#ifdef TETHER_PROFILE
+#include <time.h>
+double tether_profile[4];
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+#define TIC(t) double t = now_s()
+#define TOC(t, i) (tether_profile[i] += now_s() - t, t = now_s())
+#else
+#define TIC(t)
+#define TOC(t, i)
+#endif
+
 typedef void (*sgemm_t)(const char *, const char *, const int *, const int *, const int *, const float *,
                         const float *, const int *, const float *, const int *, const float *, float *,
                         const int *);
@@ -378,7 +395,9 @@ void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *cons
     const int64_t layer = (slots + 15) / 16 * 16 * cache_rows * S.Hkv * S.D;
     for (int l = 0; l < S.L; l++) {
         const float *const *W = w + (int64_t)l * W_PER_LAYER;
+        TIC(t);
         layer_in(&S, W, gemm, nt, B, x, h, q, k, v);
+        TOC(t, 0);
 #pragma omp parallel for num_threads(nta < nblk ? nta : nblk) if (nta > 1 && nblk > 1) schedule(static)
         for (int blk = 0; blk < nblk; blk++) {
             const int b0 = blk * RB, b1 = b0 + RB < B ? b0 + RB : B;
@@ -391,9 +410,13 @@ void tether_decode_step(const int64_t *cfg, const float *fcfg, const float *cons
                            pos, kcache + l * layer, vcache + l * layer, cache_rows, slot, kv_len, bias,
                            bias_stride, S.scale, att, mlt);
         }
+        TOC(t, 1);
         layer_out(&S, W, gemm, nt, B, x, h, att, g, u);
+        TOC(t, 2);
     }
+    TIC(t);
     head(&S, tail, gemm, B, x, S.Hd, h, logits);
+    TOC(t, 3);
 }
 
 /* The prefill of B left-padded prompts of P tokens into cache rows row0..row0+B-1, slots 0..P-1:
