@@ -21,6 +21,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -46,7 +47,8 @@ def _cpu_flags() -> str:
 
 def _sgemm():
     """The Fortran-interface sgemm that torch.mm runs on the CPU (MKL on x86 wheels), or None."""
-    lib = Path(torch.__file__).parent / "lib" / ("libtorch_cpu.so" if os.name != "nt" else "torch_cpu.dll")
+    name = {"win32": "torch_cpu.dll", "darwin": "libtorch_cpu.dylib"}.get(sys.platform, "libtorch_cpu.so")
+    lib = Path(torch.__file__).parent / "lib" / name
     try:
         return ctypes.cast(ctypes.CDLL(str(lib)).sgemm_, ctypes.c_void_p)
     except (OSError, AttributeError):
@@ -86,11 +88,14 @@ def _build(extra_flags: tuple[str, ...] = ()):
         except OSError:
             continue  # not writable (a read-only home): the temp directory
         os.close(fd)
-        r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
+        try:
+            r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+            err = None if r.returncode == 0 else " ".join(r.stderr.strip().splitlines()[-1:])[:200]
+        except OSError as e:  # CC names no runnable program
+            err = str(e)
+        if err is not None:
             os.unlink(tmp)
-            return fail(f"building the CPU decode step failed ({cc}: "
-                        f"{' '.join(r.stderr.strip().splitlines()[-1:])[:200]})")
+            return fail(f"building the CPU decode step failed ({cc}: {err})")
         os.replace(tmp, so)
         break
     else:
