@@ -5,9 +5,10 @@ Why C: at the sampler's CPU shapes (hidden 128..1024, batch 8..256) a decode ste
 torch ops per layer, and everything but the matmuls (RMSNorm, RoPE, the cache write, attention over
 hundreds of tiny [G, D] x [D, S] products, SiLU) costs as much as the matmuls themselves. Here the
 matmuls are the BLAS sgemm that torch.mm calls (passed in as a function pointer: the same kernel,
-no second BLAS), and everything else is fused (one pass per row, a tiled KV cache: attention_rows). The weights are the HF model's own
-tensors, read in place. Built on first use by rollout/cpu.py (gcc -O3, OpenMP); the equations are
-HF's and the tests compare with the Python path and with a training forward.
+no second BLAS), and everything else is fused (one pass per row; a tiled KV cache, see
+attention_rows). The weights are the HF model's own tensors, read in place. Built on first use by
+rollout/cpu.py (gcc -O3, OpenMP); the equations are HF's and the tests compare with the Python
+path and with a training forward.
 
 Layouts (row-major, contiguous):
   weights: cpu.py PER_LAYER (per layer: ln1, wq, bq, wk, bk, wv, bv, qn, kn, wo, ln2, wg, wu, wd;
