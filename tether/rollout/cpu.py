@@ -129,13 +129,10 @@ def cache_shapes(layers: int, rows: int, kv_heads: int, slots: int, head_dim: in
     return (layers, t, rows, kv_heads, head_dim, 16), (layers, t, rows, kv_heads, 16, head_dim)
 
 
+# scratch buffers in the order of tether_decode_step's / tether_prefill's arguments
+SCRATCH = ("x", "h", "q", "k", "v", "att", "g", "u")
 # per-layer weights in the order of cpu_decode.c's enum (W_LN1 ... W_D)
 PER_LAYER = ("ln1", "wq", "bq", "wk", "bk", "wv", "bv", "qn", "kn", "wo", "ln2", "wg", "wu", "wd")
-
-
-def _norm_weight(m):
-    ok = type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")
-    return (m.weight, float(m.variance_epsilon)) if ok else (None, None)
 
 
 def _plain(m, bias_ok: bool) -> bool:
@@ -144,13 +141,14 @@ def _plain(m, bias_ok: bool) -> bool:
 
 def support(model) -> str | None:
     """None if the C step can run ``model`` (an unwrapped HF model), else why not."""
+    from .native import is_silu, rmsnorm_eps  # native imports this module: not at the top
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
         return "not a float32 model on the CPU"
     base = model.model
     if type(base.embed_tokens) is not nn.Embedding or not _plain(model.lm_head, False):
         return "embedding or lm_head is not plain"
-    eps = _norm_weight(base.norm)[1]
+    eps = rmsnorm_eps(base.norm)
     if eps is None:
         return "final norm is not an RMSNorm"
     a0 = base.layers[0].self_attn
@@ -163,16 +161,15 @@ def support(model) -> str | None:
             return "attention projections are not plain nn.Linear"
         if not all(hasattr(mlp, n) and _plain(getattr(mlp, n), False) for n in ("gate_proj", "up_proj", "down_proj")):
             return "MLP is not a plain SwiGLU"
-        act = getattr(mlp, "act_fn", None)
-        if not (type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"):
+        if not is_silu(getattr(mlp, "act_fn", None)):
             return "MLP activation is not SiLU"
         for n in ("input_layernorm", "post_attention_layernorm"):
-            if _norm_weight(getattr(layer, n))[1] != eps:
+            if rmsnorm_eps(getattr(layer, n)) != eps:
                 return "layer norms are not RMSNorms with the model's epsilon"
         if hasattr(a, "q_norm") != hasattr(a, "k_norm"):
             return "q_norm without k_norm"
         if hasattr(a, "q_norm"):
-            qk_eps |= {_norm_weight(a.q_norm)[1], _norm_weight(a.k_norm)[1]}
+            qk_eps |= {rmsnorm_eps(a.q_norm), rmsnorm_eps(a.k_norm)}
     if None in qk_eps or len(qk_eps) > 1:
         return "q/k norms are not RMSNorms with one epsilon"
     if any(not t.is_contiguous() for t in model.parameters()):
@@ -209,66 +206,62 @@ class CpuStep:
         self._cfg = (ctypes.c_int64 * len(ints))(*ints)
         self._fcfg = (ctypes.c_float * 3)(float(base.norm.variance_epsilon), qk_eps, float(scaling))
         self.rows = 0
-        self._pre = None  # prefill scratch, grown to the largest chunk seen
+        self._pre = self._ml = None  # prefill scratch (grown to the largest chunk seen), softmax statistics
+
+    def _buffers(self, n: int) -> dict:
+        """Scratch for n tokens ([n, width] each), as tether_decode_step / tether_prefill take it."""
+        H, Hkv, D = self.heads, self.kv, self.D
+        widths = dict(x=self.hidden, h=self.hidden, q=H * D, k=Hkv * D, v=Hkv * D, att=H * D,
+                      g=self.inter, u=self.inter)
+        return {name: torch.empty(n, widths[name]) for name in SCRATCH}
+
+    def _stats(self, nt: int) -> Tensor:
+        """Running softmax statistics: 2 * RB * heads floats per thread (grown if threads were raised)."""
+        need = max(1, nt) * 2 * RB * self.heads
+        if self._ml is None or self._ml.numel() < need:
+            self._ml = torch.empty(need)
+        return self._ml
 
     def alloc(self, k, v, cos, sin) -> None:
         """Scratch for up to ``k.shape[2]`` rows; the caches ``k``, ``v`` (:func:`cache_shapes`) and
         the RoPE tables [slots, heads, D] are the backend's (row p of a table: stride heads * D)."""
         rows, slots = k.shape[2], cos.shape[0]
-        z = lambda n: torch.empty(rows, n)  # noqa: E731
-        H, Hkv, D = self.heads, self.kv, self.D
-        self.x, self.h, self.q, self.k, self.v = z(self.hidden), z(self.hidden), z(H * D), z(Hkv * D), z(Hkv * D)
-        self.att, self.g, self.u, self.logits = z(H * D), z(self.inter), z(self.inter), z(self.vocab)
-        self.scores = torch.empty(max(1, torch.get_num_threads()) * 2 * RB * H)
-        self.rows, self.slots = rows, slots
         assert k.is_contiguous() and v.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-        # everything but the per-step arguments, in tether_decode_step's order
-        self._tail = (p(cos), p(sin), ctypes.c_int64(cos[0].numel()), p(k), p(v), ctypes.c_int64(rows),
-                      ctypes.c_int64(slots), p(self.x), p(self.h), p(self.q), p(self.k), p(self.v),
-                      p(self.att), p(self.g), p(self.u), p(self.scores), p(self.logits))
-        self._keep = (k, v, cos, sin)
+        self.rows, self.slots, self._keep = rows, slots, (k, v, cos, sin)
+        self._step = self._buffers(rows)
+        self.logits = torch.empty(rows, self.vocab)
+        # the arguments every call passes as they are: the caches and tables, then the step's scratch
+        self._cache_args = (_ptr(cos), _ptr(sin), ctypes.c_int64(cos[0].numel()), _ptr(k), _ptr(v),
+                            ctypes.c_int64(rows), ctypes.c_int64(slots))
+        self._step_args = tuple(_ptr(self._step[name]) for name in SCRATCH)
 
     def release(self) -> None:
-        self.x = self.h = self.q = self.k = self.v = self.att = self.g = self.u = self.logits = None
-        self.scores, self._tail, self._keep, self.rows = None, None, None, 0
-        self._pre = None
+        self._step = self._pre = self._keep = self._cache_args = self._step_args = self._ml = None
+        self.logits, self.rows = None, 0
 
     def prefill(self, ids: Tensor, attn_mask: Tensor, row0: int) -> Tensor:
         """Prompts ``ids`` [B, P] (left-padded; ``attn_mask`` bool [B, P]) into cache rows
         row0..row0+B-1, slots 0..P-1 (tether_prefill). -> the last position's logits [B, V]."""
         B, P = ids.shape
-        n = B * P
-        if self._pre is None or self._pre["n"] < n or self._pre["B"] < B:  # scratch for B * P tokens
-            z = lambda w: torch.empty(n, w)  # noqa: E731
-            H, Hkv, D = self.heads, self.kv, self.D
-            self._pre = dict(n=n, B=B, x=z(self.hidden), h=z(self.hidden), q=z(H * D), k=z(Hkv * D),
-                             v=z(Hkv * D), att=z(H * D), g=z(self.inter), u=z(self.inter),
-                             pos=torch.empty(n, dtype=torch.long), logits=torch.empty(B, self.vocab))
-        s = self._pre
-        nt = torch.get_num_threads()
-        ml = torch.empty(max(1, nt) * 2 * self.heads)
-        ids = ids.contiguous()
-        real = attn_mask.to(torch.uint8).contiguous()
-        cos, sin, k, v = self._keep[2], self._keep[3], self._keep[0], self._keep[1]
-        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        if self._pre is None or self._pre["x"].shape[0] < B * P or self._pre["logits"].shape[0] < B:
+            self._pre = {**self._buffers(B * P), "pos": torch.empty(B * P, dtype=torch.long),
+                         "logits": torch.empty(B, self.vocab)}
+        s, nt = self._pre, torch.get_num_threads()
+        ids, real = ids.contiguous(), attn_mask.to(torch.uint8).contiguous()
         self.lib.tether_prefill(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B, P, ctypes.c_int64(row0),
-                                p(ids), p(real), p(cos), p(sin), ctypes.c_int64(cos[0].numel()), p(k), p(v),
-                                ctypes.c_int64(self.rows), ctypes.c_int64(self.slots), p(s["x"]), p(s["h"]),
-                                p(s["q"]), p(s["k"]), p(s["v"]), p(s["att"]), p(s["g"]), p(s["u"]), p(ml),
-                                p(s["pos"]), p(s["logits"]))
+                                _ptr(ids), _ptr(real), *self._cache_args,
+                                *(_ptr(s[name]) for name in SCRATCH),
+                                _ptr(self._stats(nt)), _ptr(s["pos"]), _ptr(s["logits"]))
         return s["logits"][:B]
 
     def __call__(self, tokens, pos, slot, bias, kv_len: int):
-        B = tokens.shape[0]
-        nt = torch.get_num_threads()
-        if nt * 2 * RB * self.heads > self.scores.numel():  # threads raised since alloc
-            self.scores = torch.empty(nt * 2 * RB * self.heads)
-            self._tail = self._tail[:-2] + (ctypes.c_void_p(self.scores.data_ptr()), self._tail[-1])
+        B, nt = tokens.shape[0], torch.get_num_threads()
         assert B <= self.rows and tokens.is_contiguous() and pos.is_contiguous() and bias.stride(1) == 1
-        self.lib.tether_decode_step(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B,
-                                    ctypes.c_void_p(tokens.data_ptr()), ctypes.c_void_p(pos.data_ptr()),
-                                    ctypes.c_void_p(slot.data_ptr()), ctypes.c_int64(kv_len),
-                                    ctypes.c_void_p(bias.data_ptr()), ctypes.c_int64(bias.stride(0)),
-                                    *self._tail)
+        self.lib.tether_decode_step(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B, _ptr(tokens), _ptr(pos),
+                                    _ptr(slot), ctypes.c_int64(kv_len), _ptr(bias), ctypes.c_int64(bias.stride(0)),
+                                    *self._cache_args, *self._step_args, _ptr(self._stats(nt)), _ptr(self.logits))
         return self.logits[:B]
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())

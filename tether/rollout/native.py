@@ -96,10 +96,20 @@ DECODE_ATTN = "auto"
 PREFILL_CAUSAL = True  # pad-free prefill chunks use mask-free causal attention (False: always masked)
 
 
+def rmsnorm_eps(m) -> float | None:
+    """The epsilon of an HF Llama/Qwen-style RMSNorm module (its math is known), else None."""
+    ok = type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")
+    return float(m.variance_epsilon) if ok else None
+
+
+def is_silu(act) -> bool:
+    return type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"
+
+
 def _rmsnorm(m):
     """HF's Llama/Qwen RMSNorm: normalize in float32, cast back, times the weight in the model dtype.
     F.rms_norm without a weight is that first part in one op (its float32 upcast is internal)."""
-    if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight"):
+    if rmsnorm_eps(m) is not None:
         w, eps = m.weight, m.variance_epsilon
         if FUSE:
             return lambda x: F.rms_norm(x, (x.shape[-1],), w, eps)
@@ -121,7 +131,7 @@ def _mlp_add(m):
     """(x, residual) -> residual + down(act(gate(x)) * up(x)), the SwiGLU MLP of these families."""
     if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         gate, up, down, act = _linear(m.gate_proj), _linear(m.up_proj), _linear_add(m.down_proj), m.act_fn
-        if type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation":  # in place (the sampler runs under inference_mode): two [T, I] tensors
+        if is_silu(act):  # in place (the sampler runs under inference_mode): two [T, I] tensors
             # at a time instead of four — the prefill's largest transient (40 MB each per 4k tokens)
             return lambda x, res: down(F.silu(gate(x), inplace=True).mul_(up(x)), res)
         return lambda x, res: down(act(gate(x)) * up(x), res)

@@ -214,7 +214,7 @@ class ReMaxConfig(GRPOConfig):
 
 
 def _slices(n: int, size: int) -> list[slice]:
-    size = size if size > 0 else n
+    size = size if size > 0 else max(n, 1)  # n == 0: no slices
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -395,11 +395,10 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             grad_buf.zero_()
         rows_t = _trained_rows(adv, mask, cfg.skip_zero_advantage and not (cfg.beta > 0 and cfg.kl_in == "loss"),
                                quantum=(cfg.micro_batch_size or len(ro)) if cfg.compile else 1)
-        trained = slice(None) if len(rows_t) == len(ro) else rows_t  # the rows the metrics are over
-        if len(rows_t) == len(ro):  # nothing skipped: slices, i.e. views instead of gathered copies
-            train_parts = _slices(len(ro), cfg.micro_batch_size)
-        else:
-            train_parts = [rows_t[s] for s in _slices(len(rows_t), cfg.micro_batch_size)] if len(rows_t) else []
+        skipping = len(rows_t) < len(ro)  # else slices: views instead of gathered copies
+        trained = rows_t if skipping else slice(None)  # the rows the metrics are over
+        train_parts = [rows_t[s] for s in _slices(len(rows_t), cfg.micro_batch_size)] if skipping \
+            else _slices(len(ro), cfg.micro_batch_size)
         stats: dict[str, float] = {"frac_zero_advantage_skipped": 1.0 - len(rows_t) / len(ro)}
         for it in range(cfg.num_iterations):
             acc: dict[str, float] = {}
