@@ -200,7 +200,7 @@ def main(argv=None):
     del model
     free(dev)
     if args.full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
-        from tether.trainers import common
+        from tether.models import logprobs as common
         split, common._split_head = common._split_head, (lambda m: None)
         model = build_model(kind, dev, tok)
         results["ours (full logits)"] = bench_ours(model, tok, examples, dev, warmup, steps)

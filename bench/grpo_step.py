@@ -105,7 +105,8 @@ def load_tok(model_dir: Path):
 
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
              compile=False) -> dict:
-    from tether.trainers import common, online
+    from tether.models import logprobs as common
+    from tether.trainers import online
     from tether.trainers.online import GRPOConfig, train_grpo
 
     split = common._split_head

@@ -24,7 +24,8 @@ from profile_rollout import kind  # noqa: E402
 from tether.models import load_model  # noqa: E402
 from tether.objectives import policy_loss  # noqa: E402
 from tether.rollout import Sampler, SamplingConfig  # noqa: E402
-from tether.trainers.common import autocast_context, completion_token_logps, make_optimizer  # noqa: E402
+from tether.models.logprobs import completion_token_logps  # noqa: E402
+from tether.trainers.common import autocast_context, make_optimizer  # noqa: E402
 
 GB = 1e9
 

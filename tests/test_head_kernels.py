@@ -1,4 +1,4 @@
-"""The chunked LM head's Triton kernels (`trainers/head_kernels.py`) against the torch math they
+"""The chunked LM head's Triton kernels (`models/head_kernels.py`) against the torch math they
 replace: softmax statistics, the in-place logits gradient (whole vocabulary and a vocabulary slice),
 and the whole policy forward's log-probs, entropy and parameter gradients with and without them.
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tether.models import make_tiny_model
-from tether.trainers import common, head_kernels
+from tether.models import head_kernels
+from tether.models import logprobs as common
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""The policy forward every RL and preference trainer shares (`common.completion_token_logps`):
+"""The policy forward every RL and preference trainer shares (`tether.models.logprobs.completion_token_logps`):
 the chunked LM head over completion tokens only must give the same log-probs, entropy and
 parameter gradients as the plain path (full HF forward + logits), under padding, temperature,
 chunks smaller than a row, LoRA, and without grad."""
@@ -11,7 +11,8 @@ import torch
 
 from tether.models import make_tiny_model
 from tether.objectives import token_logps
-from tether.trainers import common
+from tether.models import logprobs as common  # the policy forward lives with the models
+from tether.models.load import compile_layers
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_autocast_fp32_weights(setup, monkeypatch):
 def test_compile_layers_wraps_every_decoder_layer(setup):
     """GRPOConfig.compile: every decoder layer (not the LM head, not the model) gets compiled."""
     m = copy.deepcopy(setup[0])
-    assert common.compile_layers(m) == len(m.model.layers)
+    assert compile_layers(m) == len(m.model.layers)
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in m.model.layers)
     assert getattr(m, "_compiled_call_impl", None) is None and getattr(m.lm_head, "_compiled_call_impl", None) is None
 
@@ -147,7 +148,7 @@ def test_compiled_layers_same_logps_and_grads(setup, monkeypatch):
         m.gradient_checkpointing_enable()
         m.train()
         if comp:
-            common.compile_layers(m)
+            compile_layers(m)
         lp, ent = common.completion_token_logps(m, batch, 0.7, nullcontext(), True, True)
         ((lp * torch.linspace(0.5, 1.5, lp.shape[1], device="cuda")).sum() + ent).backward()
         out.append((lp.detach(), {n: p.grad for n, p in m.named_parameters()}))

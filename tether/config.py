@@ -13,12 +13,23 @@ in a separate table that drifts). Values come, in increasing priority, from the 
 file (`--config x.yaml`) and `key=value` arguments. Nested dataclasses are addressed with dots
 (`model.dtype=bf16`). Anything unknown or of the wrong type is a one-line `ConfigError` naming the
 key and what is allowed — before any work starts.
+
+Sections. A trainer's config is made of sections (`model`, `optim`, `run`, `data`, + the algorithm's
+own), each a dataclass written once and shared. A key may be given by its last name alone
+(`lr=1e-5` is `optim.lr=1e-5`) when exactly one section has it (else: an error listing the full
+names), so old flat YAML files and flat keyword arguments (`GRPOConfig(model="x", lr=1e-5)`, see
+:func:`flat_init`) keep working. A section that declares `PRIMARY` takes a bare value as that field
+(`model=path` is `model.path=path`). A trainer sets its own defaults for a section with
+`field(default_factory=lambda: OptimSection(lr=1e-6))`; a partial section in YAML or on the command
+line changes only the keys it names, on top of those defaults.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
+import functools
 import inspect
 import textwrap
 import types
@@ -140,23 +151,122 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise bad
-        return _build(tp, value, prefix=key + ".")
+        return _build(tp, route(tp, value, key + "."), prefix=key + ".")
     raise ConfigError(f"config key '{key}' has unsupported type {tp!r}")
 
 
-def _build(cls: type, values: dict, prefix: str = "") -> Any:
+def _section_types(cls: type) -> dict[str, type]:
+    """Fields of `cls` that are sections (dataclass-typed), name -> type."""
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if f.init and dataclasses.is_dataclass(hints[f.name])}
+
+
+def _default_of(cls: type, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _init_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def flat_names(cls: type) -> list[str]:
+    """Every key `cls` accepts, sections' fields by their last name (for 'allowed: ...' lists)."""
+    sections = _section_types(cls)
+    out = [n for n in _init_names(cls) if n not in sections]
+    for tp in sections.values():
+        out += [n for n in _init_names(tp) if n not in out]
+    return out
+
+
+def _put(out: dict, section: str, value: Any) -> None:
+    """Merge `value` (a dict of keys, or a section instance) into out[section]."""
+    have = out.get(section)
+    if have is None:
+        out[section] = value
+    elif dataclasses.is_dataclass(value):  # an instance, with keys given beside it on top
+        out[section] = dataclasses.replace(value, **have) if isinstance(have, dict) else value
+    elif dataclasses.is_dataclass(have):
+        out[section] = dataclasses.replace(have, **value)
+    else:
+        out[section] = _merge(have, value)
+
+
+def route(cls: type, tree: dict, prefix: str = "") -> dict:
+    """Put every key of `tree` where it belongs in `cls`: flat names into their (unique) section,
+    a bare value for a section into its PRIMARY field. Ambiguous or unknown keys are errors."""
+    if not dataclasses.is_dataclass(cls):
+        return tree
+    names, sections = _init_names(cls), _section_types(cls)
+    out: dict = {}
+    for key, value in tree.items():
+        if key in sections:
+            tp = sections[key]
+            if isinstance(value, dict):
+                value = route(tp, value, f"{prefix}{key}.")
+            elif not isinstance(value, tp) and getattr(tp, "PRIMARY", None):
+                value = {tp.PRIMARY: value}  # `model=path` is `model.path=path`
+            _put(out, key, value)
+        elif key in names:
+            out[key] = value
+        else:
+            owners = [n for n, tp in sections.items() if key in _init_names(tp)]
+            if len(owners) > 1:
+                raise ConfigError(f"config key '{prefix}{key}' is ambiguous; set one of "
+                                  f"{', '.join(f'{prefix}{o}.{key}' for o in owners)}")
+            if not owners:
+                allowed = flat_names(cls)
+                near = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean '{near[0]}'?)" if near else ""
+                raise ConfigError(f"unknown config key '{prefix}{key}' for {cls.__name__}{hint}; "
+                                  f"allowed: {', '.join(allowed)}")
+            _put(out, owners[0], {key: value})
+    return out
+
+
+def _build(cls: type, values: dict, prefix: str = "", base: Any = None) -> Any:
+    """`cls` from routed `values`, every value type-checked; on top of `base` when given."""
+    hints = _hints(cls)
+    names = _init_names(cls)
+    sections = _section_types(cls)
     kwargs = {}
     for key, value in values.items():
         if key not in names:
             raise ConfigError(f"unknown config key '{prefix}{key}' for {cls.__name__}; "
-                              f"allowed: {', '.join(names)}")
-        kwargs[key] = _coerce(value, hints[key], prefix + key)
+                              f"allowed: {', '.join(flat_names(cls))}")
+        if key in sections and isinstance(value, dict):
+            kwargs[key] = _build(sections[key], value, f"{prefix}{key}.",
+                                 base=getattr(base, key) if base is not None else _default_of(cls, key))
+        elif key in sections and isinstance(value, sections[key]):
+            kwargs[key] = value
+        else:
+            kwargs[key] = _coerce(value, hints[key], prefix + key)
     try:
-        return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except (TypeError, ValueError) as e:  # __post_init__ checks raise ValueError with the key
         raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+def flat_init(cls: type) -> type:
+    """Let a sectioned config dataclass be built from flat keyword arguments, as a flat YAML file:
+    `SFTConfig(model="m", data="d.jsonl", lr=1e-4)` = `SFTConfig(model=ModelSection(path="m"),
+    data=..., optim=replace(<SFT's optim defaults>, lr=1e-4))`. Values are not type-checked here
+    (Python callers get Python's rules); the sections' `__post_init__` checks still run."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        routed = route(cls, kwargs)
+        for name in _section_types(cls):
+            if isinstance(routed.get(name), dict):
+                routed[name] = dataclasses.replace(_default_of(cls, name), **routed[name])
+        init(self, **routed)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -206,9 +316,10 @@ def load_config(cls: type, config_file: str | None = None, overrides: list[str] 
             raise ConfigError(f"{config_file}{where}: invalid YAML") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{config_file}: top level must be a mapping of key: value")
-        values = loaded
+        values = route(cls, loaded)
     if overrides:
-        values = _merge(values, overrides if isinstance(overrides, dict) else parse_overrides(overrides))
+        over = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        values = _merge(values, route(cls, over))
     return _build(cls, values)
 
 
@@ -220,8 +331,9 @@ def save_config(cfg: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, doc) for every field, nested dataclasses flattened with dots."""
+def describe(cls: type, prefix: str = "", base: Any = None) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every field, sections flattened with dots; a section's
+    defaults are the ones `cls` gives it (its default_factory), not the section class's."""
     rows = []
     docs = field_docs(cls)
     hints = _hints(cls)
@@ -229,24 +341,35 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         if not f.init:
             continue
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows.extend(describe(tp, prefix + f.name + "."))
-            continue
-        if f.default is not dataclasses.MISSING:
+        if base is not None:
+            default = getattr(base, f.name)
+        elif f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
         else:
             default = "(required)"
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, prefix + f.name + ".", base=default))
+            continue
         rows.append((prefix + f.name, _type_name(tp), repr(default) if isinstance(default, str)
                      else str(default), docs.get(f.name, "")))
     return rows
 
 
 def format_help(cls: type, width: int = 100) -> str:
+    """Options grouped by section, each under a header line with the section's doc."""
     rows = describe(cls)
     keyw = max((len(r[0]) for r in rows), default=10)
-    lines = []
+    docs, sections = field_docs(cls), _section_types(cls)
+    lines, current = [], None
     for key, tp, default, doc in rows:
+        group = key.split(".", 1)[0] if "." in key and key.split(".", 1)[0] in sections else None
+        if group != current and group is not None:
+            lines.append(f"{group}: {docs.get(group, '')}".rstrip())
+        current = group
         lines.append(f"  {key:<{keyw}}  {doc}  [{tp}; default: {default}]")
+    if sections:
+        lines.append("(a key may be given by its last name alone, e.g. lr=1e-5 for optim.lr, "
+                     "when only one section has it)")
     return "\n".join(lines)

@@ -90,3 +90,21 @@ def save_model(model, tokenizer, out_dir: str | Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def compile_layers(model) -> int:
+    """torch.compile every decoder layer of a HF causal LM in place; returns how many.
+
+    Why layers and not the model: the training forward is launch-bound at these sizes (H100,
+    Qwen2.5-0.5B, 16 × 384 tokens: 0.22 s of kernels in 0.53 s of forward+backward), and most
+    launches are a layer's small elementwise ops (RMSNorm, RoPE, SiLU·up, residual adds), which
+    Inductor fuses. The layers share one compiled graph (same code, parameters as inputs), so the
+    compile cost does not grow with depth; the LM head stays ours (`_HeadLogps`), the sampler keeps
+    its own forward over the same parameters."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) and type(mod[0]).__name__.endswith("DecoderLayer"):
+            for layer in mod:
+                layer.compile()
+            return len(mod)
+    return 0

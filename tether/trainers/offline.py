@@ -29,9 +29,8 @@ from tether.objectives import (kto_kl_reference_point, kto_loss, orpo_loss, pref
                                simpo_loss)
 from tether.plots import plot_metrics
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
-                                    make_optimizer, make_scheduler, restore_training,
-                                    save_training, completion_token_logps)
+from tether.models.logprobs import completion_token_logps
+from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step, make_optimizer, make_scheduler, restore_training, save_training)
 from tether.trainers.offline_data import (cache_fingerprint, collate, collate_mismatched,
                                           kl_partners, load_cache, load_offline_data, save_cache)
 
@@ -383,7 +382,7 @@ def train_offline(cfg: OfflineConfig) -> dict:
     # Data is read, validated and tokenized before the model is loaded: bad input fails fast.
     train_ex, eval_ex, paired, eval_paired, report = load_offline_data(cfg, tokenizer)
     if cfg.lora_r > 0:
-        from tether.trainers.sft import apply_lora  # the base always comes from cfg.model
+        from tether.models.lora import apply_lora  # the base always comes from cfg.model
         model = apply_lora(load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                       attn_implementation=cfg.attn_implementation), cfg, ckpt)
     else:

@@ -35,14 +35,13 @@ from tether.models import load_model, load_tokenizer
 from tether.objectives import ADVANTAGE_ESTIMATORS, compute_advantages, group_stats, policy_loss
 from tether.objectives.policy import kl_penalized_rewards
 from tether.plots import plot_metrics
+from tether.rewards.scoring import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
+                                    score, score_rollout)
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, autocast_context, compile_layers,
-                                    completion_token_logps, guarded_step, lend_gradients,
-                                    make_optimizer, make_scheduler, restore_training,
-                                    save_training)
-from tether.trainers.online_rewards import (RewardFn, fn_name, resolve_reward_funcs,  # noqa: F401
-                                            score, score_rollout)
+from tether.models.logprobs import completion_token_logps
+from tether.models.load import compile_layers
+from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step, lend_gradients, make_optimizer, make_scheduler, restore_training, save_training)
 from tether.trainers.online_sampling import collect
 
 
@@ -276,7 +275,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     if not rows:
         raise UserError(f"grpo: no prompts left in {cfg.data} after encoding")
     if cfg.lora_r > 0:  # the base always comes from cfg.model; a checkpoint holds the adapter only
-        from tether.trainers.sft import apply_lora
+        from tether.models.lora import apply_lora
         model = apply_lora(load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                       attn_implementation=cfg.attn_implementation), cfg, ckpt)
     else:

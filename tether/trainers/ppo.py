@@ -39,12 +39,12 @@ from tether.models.heads import ScalarHeadModel
 from tether.objectives import (AdaptiveKLController, FixedKLController, gae, kl_penalized_rewards,
                                masked_whiten, policy_loss, value_loss)
 from tether.plots import plot_metrics
+from tether.rewards.scoring import resolve_reward_funcs, score
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, autocast_context, compile_layers,
-                                    completion_token_logps, guarded_step, lend_gradients, make_optimizer,
-                                    make_scheduler, restore_training, save_training)
-from tether.trainers.online_rewards import resolve_reward_funcs, score
+from tether.models.logprobs import completion_token_logps
+from tether.models.load import compile_layers
+from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step, lend_gradients, make_optimizer, make_scheduler, restore_training, save_training)
 
 
 @dataclass

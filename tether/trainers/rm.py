@@ -33,8 +33,7 @@ from tether.objectives import bradley_terry_loss
 from tether.plots import plot_metrics
 from tether.rewards.learned import encode_scored
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
-                                    make_optimizer, make_scheduler, restore_training, save_training)
+from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step, make_optimizer, make_scheduler, restore_training, save_training)
 
 
 @dataclass

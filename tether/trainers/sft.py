@@ -22,9 +22,7 @@ from tether.objectives import sft_loss
 from tether.plots import plot_metrics
 from tether.rollout.hf import generate
 from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step,
-                                    make_optimizer, make_scheduler, restore_training,
-                                    save_training)
+from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step, make_optimizer, make_scheduler, restore_training, save_training)
 from tether.trainers.sft_data import load_sft_data, pad_batch
 
 

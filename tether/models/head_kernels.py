@@ -1,4 +1,4 @@
-"""Triton kernels of the chunked LM head (`common._HeadLogps`): a chunk's softmax statistics in one
+"""Triton kernels of the chunked LM head (`tether.models.logprobs._HeadLogps`): a chunk's softmax statistics in one
 read of its logits, and the logits' gradient written over them in place.
 
 Why: with the head applied chunk by chunk, the work per chunk of logits z [n, V] was a dozen torch
@@ -17,7 +17,7 @@ one read and one write for the gradient; the float32 math happens in registers.
              the chunk is a slice of the vocabulary).
 
 Used on CUDA when Triton is importable; elsewhere (CPU, and as the reference in tests) the torch
-code in `common._HeadLogps` does the same math.
+code in `tether.models.logprobs._HeadLogps` does the same math.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the torch path in common._HeadLogps
+except ImportError:  # CPU-only installs: the torch path in logprobs._HeadLogps
     triton = None
 
 STATS_BLOCK = 2048  # vocabulary entries per inner step of _stats (bf16: 4 KB per load)

@@ -1,0 +1,197 @@
+"""The policy forward every RL and preference trainer shares: per-token log-probs of the completion
+tokens (and their entropy), with the LM head applied by us to the completion positions only, in
+chunks, so no [N, V] logits or gradient are ever held (`completion_token_logps`).
+
+Model compute, not training logic: it lives with the models so trainers, studies and benchmarks use
+one implementation (docs/architecture.md, layers)."""
+
+from __future__ import annotations
+
+import torch
+
+from tether.models import head_kernels
+
+_KEEP_SUPPORT: dict[type, bool] = {}
+
+
+def supports_logits_to_keep(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (every HF causal LM of transformers 5 does)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    t = type(base)
+    if t not in _KEEP_SUPPORT:
+        _KEEP_SUPPORT[t] = "logits_to_keep" in inspect.signature(base.forward).parameters
+    return _KEEP_SUPPORT[t]
+
+
+# Families whose logits are exactly lm_head(body(x)) (no soft-capping or logit scale), so the head
+# can be applied by us, chunk by chunk, to the completion positions only.
+_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gpt_neox", "phi3")
+# Logits held at once by the chunked head: 2^25 (~220 tokens at V = 152k, 128 MB per float32
+# temporary) on an accelerator, 2^22 on CPU (cache-sized). None: per device.
+HEAD_CHUNK_ELEMENTS: int | None = None
+
+
+def _split_head(model):
+    """(body, lm_head) when the logits are plain lm_head(body(...).last_hidden_state), else None.
+    Under PEFT the LoRA layers inside the body stay in place (and `disable_adapter` still works)."""
+    m = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(m.config, "model_type", None) not in _HEAD_FAMILIES:
+        return None
+    if getattr(m.config, "final_logit_softcapping", None) or getattr(m.config, "logit_scale", None):
+        return None
+    body, head = getattr(m, getattr(m, "base_model_prefix", ""), None), m.get_output_embeddings()
+    if body is None or type(head) is not torch.nn.Linear:
+        return None
+    return body, head
+
+
+class _HeadLogps(torch.autograd.Function):
+    """lp_i = log softmax(z_i / T)[y_i] and H_i = entropy(softmax(z_i / T)) with z_i = W h_i + b,
+    one chunk of tokens at a time. Saves only h and two numbers per token (logsumexp, entropy);
+    backward recomputes each chunk's logits once and writes
+        dz'/T with dz' = g_lp (onehot(y) − p) − g_H p (log p + H),
+        dh = dz W (by token chunks),   dW = dz^T h (by vocabulary chunks),
+    so no [N, V] tensor is ever held (Liger's fused linear cross-entropy, for per-token outputs)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, targets, temperature: float, step: int, cd, want_ent: bool):
+        ctx.set_materialize_grads(False)
+        wc, bc = w.to(cd), (b.to(cd) if b is not None else None)
+        N = h.shape[0]
+        lp = torch.empty(N, dtype=torch.float32, device=h.device)
+        lse, ent = torch.empty_like(lp), torch.empty_like(lp)
+        for i in range(0, N, step):
+            z = torch.nn.functional.linear(h[i:i + step].to(cd), wc, bc)
+            if head_kernels.available(z):  # one read of the chunk, float32 math in registers
+                lse[i:i + step], lp[i:i + step], ent[i:i + step] = head_kernels.softmax_stats(
+                    z, targets[i:i + step], temperature, want_ent)
+                continue
+            z = z.float().div_(temperature)
+            lse[i:i + step] = torch.logsumexp(z, -1)
+            lp[i:i + step] = z.gather(-1, targets[i:i + step, None]).squeeze(-1) - lse[i:i + step]
+            if want_ent:  # H = lse − Σ p z
+                ent[i:i + step] = lse[i:i + step] - torch.softmax(z, -1).mul_(z).sum(-1)
+        ctx.save_for_backward(h, w, b, targets, lse, ent)
+        ctx.temperature, ctx.step, ctx.cd = temperature, step, cd
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        h, w, b, targets, lse, ent = ctx.saved_tensors
+        T, step, cd = ctx.temperature, ctx.step, ctx.cd
+        wc, bc = w.to(cd), (b.to(cd) if b is not None else None)
+        N, V = h.shape[0], w.shape[0]
+
+        g_lp = g_lp.float().contiguous() if g_lp is not None else None  # may be an expanded view
+        g_ent = g_ent.float().contiguous() if g_ent is not None else None
+
+        def dz(hc, rows, v0, v1):
+            """dz for tokens `rows` over vocabulary columns v0..v1 ([n, v1 - v0], compute dtype)."""
+            logp = torch.nn.functional.linear(hc, wc[v0:v1], bc[v0:v1] if bc is not None else None)
+            if head_kernels.available(logp):  # written over the logits, no float32 temporaries
+                return head_kernels.grad_in_place(logp, targets[rows], lse[rows], ent[rows],
+                                                  None if g_lp is None else g_lp[rows],
+                                                  None if g_ent is None else g_ent[rows], T, v0)
+            logp = logp.float().div_(T).sub_(lse[rows, None])
+            p = logp.exp()
+            coef = g_lp[rows, None] if g_lp is not None else 0.0
+            if g_ent is not None:
+                coef = logp.add_(ent[rows, None]).mul_(g_ent[rows, None]).add_(coef)
+            d = p.mul_(coef).neg_()
+            if g_lp is not None:  # + g_lp at the target column (where it falls inside v0..v1)
+                y = targets[rows] - v0
+                inside = (y >= 0) & (y < v1 - v0)
+                d.scatter_add_(-1, y.clamp(0, v1 - v0 - 1)[:, None], (g_lp[rows] * inside)[:, None])
+            return d.div_(T).to(cd)
+
+        dh = torch.empty_like(h)
+        for i in range(0, N, step):  # dh = dz W, by token chunks
+            rows = slice(i, i + step)
+            dh[rows] = (dz(h[rows].to(cd), rows, 0, V) @ wc).to(h.dtype)
+        dw = db = None
+        if ctx.needs_input_grad[1] or (b is not None and ctx.needs_input_grad[2]):
+            # dW = dz^T h by vocabulary chunks over all tokens: each row of dW is one GEMM with float32
+            # accumulation (as in the full-logits path), no [V, H] accumulator summed chunk by chunk
+            hc, vstep = h.to(cd), max(1, (step * V) // max(N, 1))
+            dw = torch.empty_like(w)
+            db = torch.empty_like(b) if b is not None else None
+            for v0 in range(0, V, vstep):
+                v1 = min(V, v0 + vstep)
+                d = dz(hc, slice(None), v0, v1)
+                dw[v0:v1] = (d.t() @ hc).to(w.dtype)
+                if db is not None:
+                    db[v0:v1] = d.sum(0, dtype=torch.float32).to(b.dtype)
+        return dh, dw, db, None, None, None, None, None
+
+
+def _head_budget(device) -> int:
+    return HEAD_CHUNK_ELEMENTS or (1 << 22 if device.type == "cpu" else 1 << 25)
+
+
+def _chunked_head(h, head, targets, temperature: float, entropy: str):
+    """Per-token log-probs (and entropies) of `targets` [N] from hidden states `h` [N, H] through
+    the linear `head`, never holding more than one chunk of logits (:class:`_HeadLogps`).
+    `entropy`: "" (none), "detached" or "grad"."""
+    step = max(1, _head_budget(h.device) // head.out_features)
+    dev = h.device.type
+    cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
+    lp, ent = _HeadLogps.apply(h, head.weight, head.bias, targets, float(temperature), step, cd, bool(entropy))
+    return lp, (None if not entropy else ent.detach() if entropy == "detached" else ent)
+
+
+def completion_token_logps(model, batch: dict, temperature: float, amp, want_entropy: bool = False,
+                           entropy_grad: bool = False):
+    """Per-token log-probs [B, T] aligned with `input_ids` (0 outside the completions: at prompt and
+    padding positions), and the masked mean entropy of the completion tokens' distributions when
+    asked (differentiable only with `entropy_grad`, for an entropy bonus; otherwise a detached number
+    for logging).
+
+    The LM head — the step's largest activation, [B, T, V] logits and as large a gradient — runs only
+    on the completion tokens and in chunks (:func:`_chunked_head`) when the model's logits are a plain
+    linear head over its body (Llama / Mistral / Qwen / GPT-2 families) and the logits would not fit
+    in one chunk: at 16 × 256 completion tokens and a 152k vocabulary that is ~2.5 GB of bf16 logits
+    and gradient not held. Otherwise: the HF forward with `logits_to_keep` from the first completion
+    token.
+    """
+    from tether.objectives import entropy_from_logits, token_logps
+
+    ids, cmask = batch["input_ids"], batch["completion_mask"]
+    B, T = ids.shape
+    split = _split_head(model)
+    if split is not None and B * T * split[1].out_features <= _head_budget(ids.device):
+        split = None  # the logits fit in one chunk: the plain forward is as lean and a little faster
+    if split is not None:
+        body, head = split
+        # flat positions t whose hidden state predicts a completion token t + 1 (one host sync)
+        idx = torch.nn.functional.pad(cmask[:, 1:].bool(), (0, 1)).flatten().nonzero().squeeze(1)
+        with amp:
+            h = body(input_ids=ids, attention_mask=batch["attention_mask"],
+                     position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+            mode = ("grad" if entropy_grad and torch.is_grad_enabled() else "detached") if want_entropy else ""
+            lp, ent = _chunked_head(h.reshape(B * T, -1).index_select(0, idx), head,
+                                    ids.flatten().index_select(0, idx + 1), temperature, mode)
+        logps = torch.zeros(B * T, dtype=torch.float32, device=ids.device)
+        logps = logps.index_copy(0, idx + 1, lp.float()).view(B, T)
+        return logps, (ent.mean() if ent is not None and ent.numel() else
+                       (lp.new_zeros(()) if want_entropy else None))
+
+    first = int(cmask.float().argmax(-1).min()) if bool(cmask.any()) else T
+    start = max(first - 1, 0)  # logits at `start` predict the first completion token
+    kw = {"logits_to_keep": T - start} if start > 0 and supports_logits_to_keep(model) else {}
+    if not kw:
+        start = 0
+    with amp:
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
+                       position_ids=batch.get("position_ids"), use_cache=False, **kw).logits
+    part = token_logps(logits, ids[:, start:], temperature)
+    logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part
+    logps = logps * torch.nn.functional.pad(cmask[:, 1:].to(logps.dtype), (1, 0))
+    ent = None
+    if want_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            z = logits[:, :-1] if entropy_grad else logits[:, :-1].detach()
+            ent = entropy_from_logits(z, cmask[:, start + 1:], temperature)
+    return logps, ent
