@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .layers import is_silu, rmsnorm_eps
+
 SRC = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lib = None  # the loaded library, False after a failed build (tried once per process)
@@ -141,7 +143,6 @@ def _plain(m, bias_ok: bool) -> bool:
 
 def support(model) -> str | None:
     """None if the C step can run ``model`` (an unwrapped HF model), else why not."""
-    from .native import is_silu, rmsnorm_eps  # native imports this module: not at the top
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
         return "not a float32 model on the CPU"

@@ -14,7 +14,8 @@ One wave of sequences is decoded like this:
    finished rows stop costing work.
 
 Sequence i's randomness is its own stream (see sampling.py), so neither compaction, nor sync
-timing, nor batch composition changes what a sequence samples.
+timing, nor batch composition changes what a sequence samples. The state tensors and graph capture
+are in graphs.py, the forward passes in native.py, stop strings and the final Rollout in finish.py.
 """
 from __future__ import annotations
 
@@ -24,86 +25,16 @@ import weakref
 import torch
 from torch import Tensor
 
+from .finish import StopChecker, assemble
+from .graphs import State, bucket, capture, round_up
 from .native import HFBackend, NativeBackend, native_support, unwrap
 from .sampling import SamplingConfig, draw_seed, sample_tokens, sequence_keys, uniforms
 from .types import Rollout
-
-
-def _bucket(n: int) -> int:
-    """Batch sizes that get a CUDA graph: powers of two up to 8, then multiples of 16, then of 64."""
-    if n <= 8:
-        return 1 << (n - 1).bit_length()
-    step = 16 if n <= 256 else 64
-    return -(-n // step) * step
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
 
 # A captured step attends over a fixed number of cache slots; graphs are captured per multiple of
 # this many slots, so a step reads the slots in use rounded up, not the whole cache (attention is
 # ~half a decode step at batch 256: on an H100, 74 us per layer over 400 slots).
 KV_BUCKET = 64
-
-
-class _State:
-    """Every tensor a decode step touches, allocated once so a captured graph can keep pointing at it.
-    Row ``rows`` and column ``steps`` of the output buffers are scratch space that graph warm-up
-    writes into (its cache writes go to a slot no real token occupies yet), so capturing mid-run
-    never disturbs real rows."""
-
-    def __init__(self, rows: int, slots: int, steps: int, device, dtype):
-        z = dict(device=device)
-        self.rows, self.slots, self.steps = rows, slots, steps
-        self.tokens = torch.zeros(rows, dtype=torch.long, **z)
-        self.pos = torch.zeros(rows, dtype=torch.long, **z)
-        # additive attention mask over cache slots: 0 where a row may attend, -inf elsewhere
-        self.bias = torch.full((rows, slots + 1), float("-inf"), dtype=dtype, **z)
-        self.finished = torch.ones(rows, dtype=torch.bool, **z)
-        self.row_id = torch.full((rows,), rows, dtype=torch.long, **z)  # output row of each batch row
-        self.slot = torch.zeros(1, dtype=torch.long, **z)
-        self.step = torch.zeros(1, dtype=torch.long, **z)
-        self.u = torch.zeros(rows + 1, steps + 1, **z)
-        self.out_tok = torch.zeros(rows + 1, steps + 1, dtype=torch.long, **z)
-        self.out_logp = torch.zeros(rows + 1, steps + 1, **z)
-
-    def small(self) -> list[Tensor]:
-        return [self.tokens, self.pos, self.finished, self.slot, self.step]
-
-
-class _StopChecker:
-    """Finds the token at which a stop string first completes, decoding a short window per check."""
-
-    def __init__(self, tokenizer, stops: list[str], n: int):
-        self.tok, self.stops = tokenizer, stops
-        self.window = max(map(len, stops)) + 8  # tokens of look-back: a stop spans <= len(stop) tokens
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-
-    def _hit(self, ids: list[int]) -> bool:
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        return any(s in text for s in self.stops)
-
-    def update(self, i: int, new: list[int]) -> int | None:
-        """Append ``new`` tokens to sequence i; the completion length at the first stop, or None."""
-        ids = self.ids[i]
-        c = len(ids)
-        ids.extend(new)
-        lo = max(0, c - self.window)
-        if not self._hit(ids[lo:]):
-            return None
-        for m in range(c, len(ids)):  # rare: find the exact token
-            if self._hit(ids[lo:m + 1]):
-                return m + 1
-        return len(ids)
-
-
-class _EagerGraph:
-    """Stand-in for a CUDA graph on CPU (tests of the graph path): replay runs the step."""
-
-    def __init__(self, fn):
-        self.replay = fn
-
 
 _DEFAULT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -169,7 +100,7 @@ class Sampler:
             wave = cfg.max_batch_size or len(seqs)
             parts = [self._wave(seqs[i:i + wave], keys[i:i + wave], cfg, stats)
                      for i in range(0, len(seqs), wave)]
-            out = self._assemble(seqs, group, parts, cfg)
+            out = assemble(seqs, group, parts, cfg, self.eos, self.pad, self.tokenizer, self._device())
             stats["total_s"] = time.perf_counter() - t0
         finally:
             self.model.train(was_training)
@@ -192,8 +123,8 @@ class Sampler:
         heads = m.num_attention_heads
         kv_heads = getattr(m, "num_key_value_heads", None) or heads
         head_dim = getattr(m, "head_dim", None) or m.hidden_size // heads
-        rows = _bucket(min(sequences, cfg.max_batch_size or sequences))
-        return 2 * m.num_hidden_layers * kv_heads * head_dim * rows * _round_up(max_len + 1, 16)
+        rows = bucket(min(sequences, cfg.max_batch_size or sequences))
+        return 2 * m.num_hidden_layers * kv_heads * head_dim * rows * round_up(max_len + 1, 16)
 
     def release(self) -> None:
         """Free the KV cache, state buffers and captured graphs (the next call rebuilds them)."""
@@ -243,10 +174,10 @@ class Sampler:
             self.graphs.clear()
             self.pool = self.state = None
             if use_graphs:  # round up so that nearby prompt lengths reuse the captured graphs
-                slots, steps = _round_up(slots + 1, 16) - 1, _round_up(steps, 16)
+                slots, steps = round_up(slots + 1, 16) - 1, round_up(steps, 16)
             be.alloc(rows, slots + 1, lent)
             dtype = getattr(be, "dtype", torch.float32)
-            self.state = _State(rows, slots, steps, self._device(), dtype)
+            self.state = State(rows, slots, steps, self._device(), dtype)
         if getattr(be, "borrowed", False):  # the lender wrote there: no inf / NaN in masked slots
             be.k.zero_()
             be.v.zero_()
@@ -276,57 +207,26 @@ class Sampler:
 
     def _kv(self, used: int) -> int:
         """Slots a captured step attends over when ``used`` slots hold tokens."""
-        return min(_round_up(used, KV_BUCKET), self.state.slots + 1)
+        return min(round_up(used, KV_BUCKET), self.state.slots + 1)
 
     def _graph(self, b: int, kv: int, cfg: SamplingConfig, stats: dict):
         """The decode step for batch size ``b`` attending over ``kv`` slots, captured in a CUDA
-        graph (cached per settings).
-
-        Warm-up runs execute the step for real, so they are pointed at the scratch slot and output
-        column and the small state is restored afterwards: capturing mid-run (after compaction)
-        leaves every real row as it was. ``_emulate_graphs`` (CPU tests) runs the same bookkeeping and
-        replays the step eagerly with the graph's shapes."""
+        graph (cached per settings; :func:`graphs.capture` leaves the rows being decoded as they
+        were, so capturing mid-run is safe). ``_emulate_graphs`` (CPU tests) runs the same
+        bookkeeping and replays the step eagerly with the graph's shapes."""
         key = (b, kv, cfg.graph_key(), tuple(self.eos))
         g = self.graphs.get(key)
         if g is not None:
             return g
         t0 = time.perf_counter()
-        st = self.state
-        saved = [t.clone() for t in st.small()]
-        step = lambda: self._step(b, kv, cfg)  # noqa: E731
-
-        def scratch_state():
-            for t, s in zip(st.small(), saved):
-                t.copy_(s)
-            # the last attended slot: never one a real token already sits in (it is >= the slot the
-            # next real step writes), and unmasked by the warm-up step, so no row attends to nothing
-            st.slot.fill_(kv - 1)
-            st.step.fill_(st.steps)
-
-        cuda = self._device().type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
+        side = None
+        if self._device().type == "cuda":
             # one side stream for every capture: each new stream would get its own cuBLAS workspace
             # and cached blocks, kept for the process's life
             side = self._side = self._side or torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # first calls create cuBLAS handles / pick kernels off-capture
-                    scratch_state()
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            scratch_state()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                step()
+        g = capture(lambda: self._step(b, kv, cfg), self.state, kv, side, self.pool)
+        if side is not None:
             self.pool = g.pool()  # every batch size's graph shares one memory pool
-        else:
-            scratch_state()
-            step()
-            g = _EagerGraph(step)
-        for t, s in zip(st.small(), saved):
-            t.copy_(s)
-        st.bias[:, kv - 1] = float("-inf")  # the real step unmasks it when it writes there
         _sync(self._device())
         self.graphs[key] = g
         stats["capture_s"] += time.perf_counter() - t0
@@ -341,7 +241,7 @@ class Sampler:
         self._pick_backend(cfg, P + T)
         use_graphs = cfg.cuda_graphs and (dev.type == "cuda" or self._emulate_graphs) \
             and self.backend.name == "native"
-        b = _bucket(N) if use_graphs else N
+        b = bucket(N) if use_graphs else N
         self._alloc(b, P + T, T, use_graphs)
         st = self.state
         key = tuple(self.eos)
@@ -394,7 +294,7 @@ class Sampler:
         t1 = time.perf_counter()
 
         # Decode. done: sequences known finished at the last check; stop_end: completion lengths.
-        checker = _StopChecker(self.tokenizer, cfg.stop, N) if cfg.stop and self.tokenizer else None
+        checker = StopChecker(self.tokenizer, cfg.stop, N) if cfg.stop and self.tokenizer else None
         done: set[int] = set()
         stop_end: dict[int, int] = {}
         t, checked = 1, 0
@@ -451,7 +351,7 @@ class Sampler:
         done.update(r for r, f in zip(row_id, fin.tolist()) if f and r < st.rows)
         if n == 0:
             return b, False
-        new_b = _bucket(n) if use_graphs else n
+        new_b = bucket(n) if use_graphs else n
         if new_b <= b // 2 or (not use_graphs and n <= 3 * b // 4):
             idx = torch.cat([running, running[:1].expand(new_b - n)])  # spare rows repeat a live one
             for x in (st.tokens, st.pos, st.bias, st.finished, st.row_id):
@@ -461,41 +361,6 @@ class Sampler:
             self.backend.select(idx)
             b = new_b
         return b, True
-
-    # ---------------------------------------------------------------- results
-    def _assemble(self, seqs, group, parts, cfg: SamplingConfig) -> Rollout:
-        T = max(p[0].shape[1] for p in parts)
-        toks = torch.cat([torch.nn.functional.pad(p[0], (0, T - p[0].shape[1]), value=self.pad) for p in parts])
-        lps = torch.cat([torch.nn.functional.pad(p[1], (0, T - p[1].shape[1])) for p in parts])
-        N = toks.shape[0]
-        ends = torch.full((N,), T, dtype=torch.long)
-        reasons = ["length"] * N
-        if self.eos and not cfg.ignore_eos:
-            is_end = torch.isin(toks, torch.tensor(self.eos))
-            first = is_end.int().argmax(1)
-            for i in is_end.any(1).nonzero().flatten().tolist():
-                ends[i], reasons[i] = first[i] + 1, "eos"
-        offset = 0
-        for p in parts:
-            for i, e in p[2].items():
-                if e <= ends[offset + i]:
-                    ends[offset + i], reasons[offset + i] = e, "stop"
-            offset += p[0].shape[0]
-        width = int(ends.max())
-        mask = torch.arange(width)[None, :] < ends[:, None]
-        toks = toks[:, :width].masked_fill(~mask, self.pad)
-        lps = lps[:, :width].masked_fill(~mask, 0.0)
-        texts = [""] * N
-        if self.tokenizer is not None:
-            texts = self.tokenizer.batch_decode([r[:e].tolist() for r, e in zip(toks, ends.tolist())],
-                                                skip_special_tokens=True)
-        dev = self._device()
-        return Rollout(prompt_ids=seqs, completion_ids=toks.to(dev), completion_mask=mask.to(dev),
-                       logprobs=lps.to(dev), texts=texts, finish_reasons=reasons,
-                       group=torch.tensor(group, device=dev),
-                       logprob_temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
-                       pad_token_id=self.pad)
-
 
 def _replace(cfg: SamplingConfig, overrides: dict) -> SamplingConfig:
     import dataclasses

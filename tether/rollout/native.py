@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu, kernels
+from .layers import is_silu, rmsnorm_eps
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -94,16 +95,6 @@ FUSE = True
 # 400 slots, 3-5x its KV-read time.) Read when a backend is built.
 DECODE_ATTN = "auto"
 PREFILL_CAUSAL = True  # pad-free prefill chunks use mask-free causal attention (False: always masked)
-
-
-def rmsnorm_eps(m) -> float | None:
-    """The epsilon of an HF Llama/Qwen-style RMSNorm module (its math is known), else None."""
-    ok = type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")
-    return float(m.variance_epsilon) if ok else None
-
-
-def is_silu(act) -> bool:
-    return type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"
 
 
 def _rmsnorm(m):

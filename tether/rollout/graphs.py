@@ -1,0 +1,96 @@
+"""The sampler's decode state and its CUDA graphs: what lets one decode step be captured once and
+replayed.
+
+A captured graph replays the same kernels on the same memory, so every tensor a step touches is
+allocated once (:class:`State`) and the shapes come in buckets: batch sizes (:func:`bucket`) and
+cache lengths (:func:`round_up`; the slots a step attends over: ``engine.KV_BUCKET``), so nearby
+sizes reuse one graph. :func:`capture` records a step without disturbing the rows being decoded.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def bucket(n: int) -> int:
+    """Batch sizes that get a CUDA graph: powers of two up to 8, then multiples of 16, then of 64."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    step = 16 if n <= 256 else 64
+    return -(-n // step) * step
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class State:
+    """Every tensor a decode step touches, allocated once so a captured graph can keep pointing at it.
+    Row ``rows`` and column ``steps`` of the output buffers are scratch space that graph warm-up
+    writes into (its cache writes go to a slot no real token occupies yet), so capturing mid-run
+    never disturbs real rows."""
+
+    def __init__(self, rows: int, slots: int, steps: int, device, dtype):
+        z = dict(device=device)
+        self.rows, self.slots, self.steps = rows, slots, steps
+        self.tokens = torch.zeros(rows, dtype=torch.long, **z)
+        self.pos = torch.zeros(rows, dtype=torch.long, **z)
+        # additive attention mask over cache slots: 0 where a row may attend, -inf elsewhere
+        self.bias = torch.full((rows, slots + 1), float("-inf"), dtype=dtype, **z)
+        self.finished = torch.ones(rows, dtype=torch.bool, **z)
+        self.row_id = torch.full((rows,), rows, dtype=torch.long, **z)  # output row of each batch row
+        self.slot = torch.zeros(1, dtype=torch.long, **z)
+        self.step = torch.zeros(1, dtype=torch.long, **z)
+        self.u = torch.zeros(rows + 1, steps + 1, **z)
+        self.out_tok = torch.zeros(rows + 1, steps + 1, dtype=torch.long, **z)
+        self.out_logp = torch.zeros(rows + 1, steps + 1, **z)
+
+    def small(self) -> list[Tensor]:
+        return [self.tokens, self.pos, self.finished, self.slot, self.step]
+
+
+class EagerGraph:
+    """Stand-in for a CUDA graph on CPU (tests of the graph path): replay runs the step."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def capture(step, st: State, kv: int, side=None, pool=None):
+    """``step`` (a decode step over ``st`` attending over ``kv`` slots) captured in a CUDA graph that
+    warms up on stream ``side`` and allocates from ``pool`` (None: a new one, ``g.pool()``); with
+    ``side`` None (CPU: the tests' emulation) the same bookkeeping, and an :class:`EagerGraph`.
+
+    Warm-up runs execute the step for real, so they are pointed at the scratch slot and output
+    column and the small state is restored afterwards: capturing mid-run (after compaction)
+    leaves every real row as it was."""
+    saved = [t.clone() for t in st.small()]
+
+    def scratch_state():
+        for t, s in zip(st.small(), saved):
+            t.copy_(s)
+        # the last attended slot: never one a real token already sits in (it is >= the slot the
+        # next real step writes), and unmasked by the warm-up step, so no row attends to nothing
+        st.slot.fill_(kv - 1)
+        st.step.fill_(st.steps)
+
+    if side is not None:
+        torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # first calls create cuBLAS handles / pick kernels off-capture
+                scratch_state()
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        scratch_state()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            step()
+    else:
+        scratch_state()
+        step()
+        g = EagerGraph(step)
+    for t, s in zip(st.small(), saved):
+        t.copy_(s)
+    st.bias[:, kv - 1] = float("-inf")  # the real step unmasks it when it writes there
+    return g
