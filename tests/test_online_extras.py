@@ -10,10 +10,10 @@ import torch
 
 from tether.models import load_model, make_tiny_model
 from tether.objectives import token_logps
+from tether.rewards.scoring import overlong_penalty
 from tether.rollout import Sampler
 from tether.trainers import online
 from tether.trainers.online import GRPOConfig, ReMaxConfig, RLOOConfig, train_grpo
-from tether.trainers.online_rewards import overlong_penalty
 from tether.trainers.online_sampling import has_signal
 
 DIGITS = set("0123456789")

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from tether.errors import UserError
-from tether.tasks.preference_world import (PreferenceWorld, bayes_optimal_accuracy, build_sft_policy,
-                                           gold_reward, label_pairs, sample_completions)
+from tether.studies.world import build_sft_policy, sample_completions
+from tether.tasks.preference_world import PreferenceWorld, bayes_optimal_accuracy, gold_reward, label_pairs
 
 P = "write about animals and weather"
 

@@ -162,7 +162,7 @@ def test_rm_learns_the_world_from_scratch(tmp_path):
 
 @pytest.mark.slow
 def test_proxy_rm_is_near_bayes_optimal_at_the_default_size(tmp_path):
-    from tether.tasks.preference_world import build_proxy_rm, build_sft_policy
+    from tether.studies.world import build_proxy_rm, build_sft_policy
     policy = build_sft_policy(tmp_path / "world")
     s = build_proxy_rm(tmp_path / "world", policy)
     assert s["eval/accuracy"] >= s["eval/bayes_accuracy"] - 0.05, s

@@ -43,9 +43,10 @@ def reward_name(fn: RewardFn) -> str:
 
 def builtin_rewards() -> dict[str, Callable[..., RewardFn]]:
     """Built-in name -> factory (called with keyword options, or none for the default)."""
-    # Imported here so that importing the registry never pulls in the sandbox machinery.
-    from tether.rewards import verifiers
-    return dict(verifiers.BUILTINS)
+    # Imported here so that importing the registry never pulls in the sandbox machinery; by
+    # module path, since the package __init__ (which imports this module) would be a cycle.
+    from tether.rewards.verifiers import BUILTINS
+    return dict(BUILTINS)
 
 
 def load_reward(spec: str | RewardFn, **options) -> RewardFn:

@@ -1,7 +1,10 @@
-"""Scoring for the online trainer: reward functions -> one scalar per completion (+ DAPO overlong shaping).
+"""Scoring for the online trainers: reward functions -> one scalar per completion (+ DAPO overlong shaping).
 
     per_fn, rewards = score(funcs, weights, rows, texts, completion_ids)      # [N, F], [N]; NaN = skipped
     rewards += overlong_penalty(lengths, max_new_tokens, buffer, coef)        # DAPO eq. 13, ≤ 0
+
+Used by GRPO and PPO (tether.trainers.online, .ppo); it lives here, below them, because it is
+about rewards, not about training. Imports torch, so tether.rewards' __init__ leaves it out.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from tether.errors import UserError
+from tether.rewards.registry import load_reward
 
 RewardFn = Callable[..., list]
 
@@ -18,8 +22,6 @@ RewardFn = Callable[..., list]
 def resolve_reward_funcs(specs: Sequence) -> list[RewardFn]:
     """Callables pass through; strings are built-in names ('math', 'arithmetic', 'format',
     'length_penalty', 'code') or 'module:function' (tether.rewards.load_reward)."""
-    from tether.rewards import load_reward
-
     return [load_reward(s) for s in specs]
 
 

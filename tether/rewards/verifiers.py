@@ -15,7 +15,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from tether.rewards import sandbox
+# by module path, not `from tether.rewards import`: the package __init__ imports the registry,
+# which imports this module, so going through the __init__ would be a cycle
+from tether.rewards.sandbox import SandboxLimits, run_batch
 from tether.tasks.arithmetic import check_answer
 
 log = logging.getLogger(__name__)
@@ -186,7 +188,7 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else completion_text(text)
 
 
-def make_code(tests_column: str = "tests", limits: sandbox.SandboxLimits | None = None,
+def make_code(tests_column: str = "tests", limits: SandboxLimits | None = None,
               workers: int = 2):
     """1.0 if the completion's code followed by the row's tests (a string of asserts, or a list
     of them) exits 0 in the sandbox; 0.0 otherwise, the reason logged; None if no tests."""
@@ -202,7 +204,7 @@ def make_code(tests_column: str = "tests", limits: sandbox.SandboxLimits | None 
             rows.append(i)
             programs.append(extract_code(c) + "\n\n" + t + "\n")
         out: list[float | None] = [None] * len(completions)
-        results = sandbox.run_batch(programs, limits, workers)
+        results = run_batch(programs, limits, workers)
         for i, res in zip(rows, results):
             out[i] = 1.0 if res.passed else 0.0
             if not res.passed:

@@ -20,7 +20,8 @@ def prepare_world(root: Path, world, seed: int, n_pairs: int, n_test_pairs: int 
     Reused when already there (the frontier study shares the over-optimization study's world)."""
     import json
 
-    from tether.tasks.preference_world import bayes_optimal_accuracy, build_sft_policy, make_preference_data
+    from tether.studies.world import build_sft_policy, make_preference_data
+    from tether.tasks.preference_world import bayes_optimal_accuracy
 
     root = Path(root)
     policy = build_sft_policy(root / "world", seed=seed, world=world)

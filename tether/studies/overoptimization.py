@@ -95,7 +95,8 @@ def _ppo_curve(run_path: Path, gold_key: str, proxy_key: str) -> dict:
 def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     from tether.models import load_model, load_tokenizer
     from tether.rewards.learned import LearnedReward
-    from tether.tasks.preference_world import PreferenceWorld, sample_completions
+    from tether.studies.world import sample_completions
+    from tether.tasks.preference_world import PreferenceWorld
     from tether.trainers.ppo import PPOConfig, train_ppo
     from tether.trainers.rm import RMConfig, train_rm
 

@@ -1,0 +1,219 @@
+"""The package's layering (docs/architecture.md, "Layers"): imports go strictly downward, between
+packages of one layer not at all, and no two modules import each other, directly or in a ring.
+
+Every `import` / `from ... import` anywhere in a module counts, including those inside functions
+(a lazy import still couples the two modules; it only hides the coupling until run time).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TETHER = Path(__file__).resolve().parent.parent / "tether"
+
+# Layers, top (1) to bottom. A module may import from layers with a larger number, and from its
+# own package (tether.<name>). Keep in step with docs/architecture.md, "Layers".
+LAYERS = [
+    ["cli", "__main__"],
+    ["quickstart", "studies"],
+    ["trainers"],
+    ["rollout", "rewards"],
+    ["tasks"],
+    ["models", "data", "objectives"],
+    ["plots", "memory"],
+    ["run"],
+    ["config", "errors"],
+]
+LAYER_OF = {pkg: i + 1 for i, names in enumerate(LAYERS) for pkg in names}
+# tether/__init__.py re-exports and may import anything: neither checked nor a target.
+EXEMPT = {"tether"}
+# `python -m tether` is the CLI's entry point: __main__.py and cli.py count as one package.
+SAME_PACKAGE = {"__main__": "cli"}
+
+
+# -- the import graph ---------------------------------------------------------------------------------
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module name of a (possibly relative) `from X import ...`."""
+    if not node.level:
+        return node.module
+    base = module.split(".")
+    # level 1 means the package the module is in: for an __init__ that is the module itself
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(root: Path = TETHER) -> dict[str, list[tuple[str, int]]]:
+    """module -> [(imported tether module, line)], for every module of the package at `root`.
+
+    `import a.b.c` is an edge to a.b.c. `from P import x` is an edge to P (P's __init__ runs, and
+    names come out of it) and, where P.x is a module, to P.x as well. So a submodule importing
+    its own package (`from tether.objectives import x`) depends on everything that __init__
+    imports, and is a cycle if the __init__ imports it back."""
+    paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, list[tuple[str, int]]] = {}
+    for mod, path in paths.items():
+        is_package = path.name == "__init__.py"
+        edges = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges += [(a.name, node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(node, mod, is_package)
+                edges.append((target, node.lineno))
+                edges += [(f"{target}.{a.name}", node.lineno) for a in node.names
+                          if f"{target}.{a.name}" in paths]
+        # only the package's own modules; an import of a missing one fails elsewhere, loudly
+        graph[mod] = [(t, line) for t, line in edges if t in paths and t != mod]
+    return graph
+
+
+# -- the checks -----------------------------------------------------------------------------------------
+
+def package_of(module: str) -> str:
+    """tether.trainers.online -> 'trainers'; tether.cli -> 'cli'; tether -> 'tether'."""
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    return SAME_PACKAGE.get(name, name)
+
+
+def layer_violations(graph, layer_of=LAYER_OF, exempt=EXEMPT) -> list[str]:
+    """Every import that goes up, or sideways into another package of the same layer."""
+    out = []
+    for mod, edges in sorted(graph.items()):
+        if mod in exempt:
+            continue
+        src = package_of(mod)
+        if src not in layer_of:
+            out.append(f"{mod}: package {src!r} has no layer (add it to LAYERS)")
+            continue
+        for target, line in edges:
+            dst = package_of(target)
+            if target in exempt or dst == src:
+                continue
+            if dst not in layer_of:
+                out.append(f"{mod}:{line} -> {target}: package {dst!r} has no layer")
+            elif layer_of[dst] <= layer_of[src]:
+                how = "same layer" if layer_of[dst] == layer_of[src] else "upward"
+                out.append(f"{mod}:{line} -> {target} ({how}: {src} is layer {layer_of[src]}, "
+                           f"{dst} is layer {layer_of[dst]})")
+    return out
+
+
+def strongly_connected(graph) -> list[list[str]]:
+    """Tarjan's strongly connected components (iterative: no recursion limit to meet)."""
+    succ = {m: sorted({t for t, _ in edges if t in graph}) for m, edges in graph.items()}
+    index, low, on_stack, stack, comps, counter = {}, {}, set(), [], [], 0
+    for start in sorted(succ):
+        if start in index:
+            continue
+        work = [(start, iter(succ[start]))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start), on_stack.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        comp.append(m)
+                        if m == node:
+                            break
+                    comps.append(sorted(comp))
+            elif nxt not in index:
+                index[nxt] = low[nxt] = counter
+                counter += 1
+                stack.append(nxt), on_stack.add(nxt)
+                work.append((nxt, iter(succ[nxt])))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return comps
+
+
+def _cycle_through(start: str, comp: set[str], graph) -> list[str]:
+    """A shortest import path start -> ... -> start inside one component (breadth first)."""
+    parent, frontier = {}, [start]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            for t, _ in graph[m]:
+                if t not in comp:
+                    continue
+                if t == start:
+                    path = [m]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start] + path[::-1][1:] + [start]
+                if t not in parent:
+                    parent[t] = m
+                    nxt.append(t)
+        frontier = nxt
+    raise AssertionError(f"{start} is in a component but on no cycle")
+
+
+def import_cycles(graph) -> list[str]:
+    """One line per cyclic component: its shortest cycle through its first module, and its size."""
+    out = []
+    for comp in strongly_connected(graph):
+        if len(comp) > 1:
+            path = _cycle_through(comp[0], set(comp), graph)
+            out.append(" -> ".join(path) + f"  ({len(comp)} modules in the cycle: {', '.join(comp)})")
+    return out
+
+
+# -- the tests --------------------------------------------------------------------------------------------
+
+def test_imports_follow_the_layers():
+    problems = layer_violations(import_graph())
+    assert not problems, ("imports against the layering (docs/architecture.md, 'Layers'):\n  "
+                          + "\n  ".join(problems))
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
+    # A fake package: lo imports hi (upward), hi imports lo back through the package __init__
+    # (a cycle), and a lazy import inside a function must count too.
+    pkg = tmp_path / "tether"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("from .a import f\n")
+    (pkg / "low" / "a.py").write_text("def f():\n    from tether.high import g\n")
+    (pkg / "low" / "b.py").write_text("from tether.errors import E\n")
+    (pkg / "high.py").write_text("from tether.low import f\ng = 1\n")
+    (pkg / "errors.py").write_text("E = 1\n")
+    graph = import_graph(pkg)
+    layers = {"high": 1, "low": 2, "errors": 3}
+
+    problems = layer_violations(graph, layers)
+    assert len(problems) == 1 and problems[0].startswith("tether.low.a:2 -> tether.high (upward")
+    cycles = import_cycles(graph)
+    assert cycles == ["tether.high -> tether.low -> tether.low.a -> tether.high"
+                      "  (3 modules in the cycle: tether.high, tether.low, tether.low.a)"]
+
+    # same-layer imports across packages and packages missing from the table are reported too
+    layers.update(high=2)
+    assert any("same layer" in p for p in layer_violations(graph, layers))
+    assert any("has no layer" in p for p in layer_violations(graph, {"low": 2, "errors": 3}))
+
+    # a relative import is resolved: `from .. import x` / `from .a import f` in an __init__
+    assert ("tether.low.a", 1) in graph["tether.low"]
+    assert graph["tether.low.b"] == [("tether.errors", 1)]
