@@ -20,7 +20,8 @@ LAYERS = [
     ["trainers"],
     ["rollout", "rewards"],
     ["tasks"],
-    ["models", "data", "objectives"],
+    ["models", "data"],
+    ["objectives"],  # pure tensor functions: the models' log-prob forward uses them
     ["plots", "memory"],
     ["run"],
     ["config", "errors"],

@@ -31,23 +31,25 @@ def sample_prompt(row: dict, tokenizer) -> str | None:
 
 
 def load_sft_data(cfg, tokenizer):
-    """Returns (train_examples, eval_examples, eval_prompts, report_dict); raises DataError."""
-    rows = load_data(cfg.data, expect=SFT_FORMATS, split=cfg.split)
-    eval_rows = load_data(cfg.eval_data, expect=SFT_FORMATS) if cfg.eval_data else None
-    train_ex, rep = encode_sft(rows, tokenizer, cfg.max_length, cfg.truncation,
-                               completion_only_loss=cfg.completion_only)
+    """Returns (train_examples, eval_examples, eval_prompts, report_dict); raises DataError.
+    `cfg`: the SFT config (its `data` section, `sft.completion_only` and `run.seed`)."""
+    d, completion_only, seed = cfg.data, cfg.sft.completion_only, cfg.run.seed
+    rows = load_data(d.path, expect=SFT_FORMATS, split=d.split)
+    eval_rows = load_data(d.eval_data, expect=SFT_FORMATS) if d.eval_data else None
+    train_ex, rep = encode_sft(rows, tokenizer, d.max_length, d.truncation,
+                               completion_only_loss=completion_only)
     report = {"train": rep.summary(), "train_rows": rep.total, "truncated": rep.truncated,
               "dropped": rep.dropped}
     if eval_rows is not None:
-        eval_ex, erep = encode_sft(eval_rows, tokenizer, cfg.max_length, cfg.truncation,
-                                   completion_only_loss=cfg.completion_only)
+        eval_ex, erep = encode_sft(eval_rows, tokenizer, d.max_length, d.truncation,
+                                   completion_only_loss=completion_only)
         report["eval"] = erep.summary()
         prompt_rows = list(eval_rows)
-    elif cfg.eval_fraction > 0:
+    elif d.eval_fraction > 0:
         # A seeded split of the *encoded* examples, so the eval set is the same on resume.
         order = list(range(len(train_ex)))
-        random.Random(cfg.seed).shuffle(order)
-        n_eval = max(1, int(len(order) * cfg.eval_fraction))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(len(order) * d.eval_fraction))
         held = set(order[:n_eval])
         eval_ex = [train_ex[i] for i in sorted(held)]
         train_ex = [ex for i, ex in enumerate(train_ex) if i not in held]

@@ -1,0 +1,182 @@
+"""The config sections every trainer shares, written once: `model`, `optim`, `run`, `data`
+(+ `rollout` and `reward` for the trainers that sample). Each trainer's config is these plus its
+algorithm's own section, and sets its own defaults for a shared section with
+`field(default_factory=lambda: OptimSection(lr=1e-6))`.
+
+Field names are the flat names of the old flat configs, so `lr=1e-5` on the command line, a flat
+YAML file and `SFTConfig(lr=1e-5)` in Python all still work (tether.config.route).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Optional
+
+
+@dataclass
+class ModelSection:
+    PRIMARY: ClassVar[str] = "path"  # `model=<dir>` sets model.path
+
+    path: str = ""
+    "model to train: a local HF directory or a hub id (also the frozen reference, when there is one)"
+    dtype: str = "fp32"
+    "weight dtype: fp32 (master weights; use with mixed_precision) | bf16 | fp16 | auto"
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    "bf16 autocast on CUDA when supported ('auto'), forced, or off; no effect on CPU"
+    device: str = "auto"
+    "cuda | cpu | auto"
+    attn_implementation: Optional[str] = None
+    "attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2)"
+    gradient_checkpointing: bool = False
+    "recompute activations in backward to save memory"
+    compile: bool = False
+    "torch.compile each decoder layer of the trained and frozen models (H100, Qwen2.5-0.5B shape: forward+backward -30 %; the first step pays 5-15 s of compilation)"
+    lora_r: int = 0
+    "LoRA rank (0 = full fine-tuning); checkpoints then hold the adapter only, and the reference is the base with adapters disabled (no copy)"
+    lora_alpha: int = 16
+    "LoRA scaling numerator (the update is scaled by alpha / r)"
+    lora_dropout: float = 0.0
+    "dropout on the LoRA input"
+    lora_targets: str = "all-linear"
+    "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
+
+    def __post_init__(self):
+        if self.lora_r < 0:
+            raise ValueError("lora_r must be >= 0")
+
+
+@dataclass
+class OptimSection:
+    lr: float = 2e-5
+    "peak learning rate (AdamW)"
+    weight_decay: float = 0.0
+    "AdamW weight decay (never applied to norms and biases)"
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    "AdamW (beta1, beta2)"
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    "learning-rate shape after warmup"
+    warmup_steps: int = 0
+    "linear warmup, in optimizer updates (0 = use warmup_ratio)"
+    warmup_ratio: float = 0.0
+    "warmup as a fraction of all optimizer updates when warmup_steps is 0"
+    min_lr_ratio: float = 0.0
+    "final learning rate as a fraction of the peak"
+    max_grad_norm: float = 1.0
+    "gradient clipping by global norm (0 = off)"
+    max_steps: int = -1
+    "steps to run (a step = one batch); -1 = derive from epochs"
+    epochs: float = 1.0
+    "passes over the data when max_steps is -1"
+
+    def __post_init__(self):
+        if len(self.adam_betas) != 2:
+            raise ValueError("adam_betas must be two numbers")
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    "run name: everything is written to <runs_dir>/<name>/"
+    runs_dir: str = "runs"
+    "parent directory of run directories"
+    seed: int = 0
+    "seed for data order, initialization of new heads and sampling"
+    log_every: int = 10
+    "write metrics every N steps"
+    eval_every: int = 0
+    "evaluate every N steps (0 = only at the end)"
+    num_samples: int = 4
+    "completions written to samples.jsonl at each log / eval point"
+    save_every: int = 0
+    "checkpoint every N steps (0 = only at the end)"
+    keep_last: int = 2
+    "checkpoints to keep (older ones are deleted)"
+    resume: bool = False
+    "continue from the latest checkpoint in the run directory"
+    log_with: Literal["none", "tensorboard"] = "none"
+    "also write TensorBoard event files to <run>/tensorboard"
+    progress: bool = True
+    "show a progress bar with ETA and live metrics"
+
+
+@dataclass
+class DataSection:
+    """Examples with targets (SFT, reward model, preference pairs)."""
+    PRIMARY: ClassVar[str] = "path"  # `data=<file>` sets data.path
+
+    path: str = ""
+    "training data: .jsonl/.json/.parquet/.csv file, a save_to_disk directory, or a hub dataset name"
+    split: str = "train"
+    "split to read when `data` is a dataset directory or hub name"
+    eval_data: Optional[str] = None
+    "held-out data in the same format (default: carve eval_fraction out of `data`)"
+    eval_fraction: float = 0.0
+    "fraction of `data` held out for eval when eval_data is not given"
+    max_length: int = 1024
+    "longest tokenized example (prompt + completion)"
+    truncation: Literal["truncate", "drop"] = "truncate"
+    "what to do with an example over max_length: cut its end, or drop it (both are counted)"
+    batch_size: int = 8
+    "examples per micro-batch"
+    grad_accum: int = 1
+    "micro-batches per optimizer step (effective batch = batch_size * grad_accum)"
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("batch_size and grad_accum must be >= 1")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError("eval_fraction must be in [0, 1)")
+
+
+@dataclass
+class PromptSection:
+    """Prompt-only rows for the trainers that sample their own completions (GRPO, PPO, best-of-n)."""
+    PRIMARY: ClassVar[str] = "path"
+
+    path: str = ""
+    "prompt-only data: a `prompt` column (+ extra columns, passed to reward functions by name)"
+    split: str = "train"
+    "split to read when `data` is a dataset directory or hub name"
+    max_prompt_length: int = 512
+    "longest prompt in tokens (longer ones keep their end, or are dropped per `truncation`)"
+    truncation: Literal["truncate", "drop"] = "truncate"
+    "what to do with a prompt over max_prompt_length"
+    batch_size: int = 8
+    "prompts per step (each gets num_generations completions)"
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+
+
+@dataclass
+class RolloutSection:
+    """How completions are sampled (tether.rollout): the same knobs for every sampling trainer."""
+    num_generations: int = 8
+    "completions sampled per prompt"
+    max_new_tokens: int = 256
+    "most tokens generated per completion"
+    temperature: float = 1.0
+    "sampling temperature; log-probs (sampler and trainer) are taken at this temperature"
+    top_p: float = 1.0
+    "nucleus sampling (1 = off); note the trained log-probs are then over the full vocabulary"
+    top_k: int = 0
+    "top-k sampling (0 = off)"
+    stop: list[str] = field(default_factory=list)
+    "stop strings ending a completion (besides EOS)"
+
+    def __post_init__(self):
+        if self.num_generations < 1:
+            raise ValueError("num_generations must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0 (RL needs sampled completions)")
+
+
+@dataclass
+class RewardSection:
+    reward_funcs: list[str] = field(default_factory=list)
+    "reward functions: built-in names (math, arithmetic, format, length_penalty, code), 'module:function', or a reward model 'rm:<dir>'"
+    reward_weights: list[float] = field(default_factory=list)
+    "weight of each reward function (default: all 1.0)"
+    eval_reward_funcs: list[str] = field(default_factory=list)
+    "rewards logged but not trained on (e.g. a gold reward next to a learned proxy): eval_rewards/<name>/mean"

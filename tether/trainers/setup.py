@@ -1,0 +1,193 @@
+"""One setup for every trainer: `setup_training(cfg, load_data)` builds what a loop needs and hands
+it back as a `Training`, so each `train_*` function holds only its algorithm (torchtune's recipe
+`_setup_*` methods, as one function).
+
+The order is part of the contract:
+    seed -> tokenizer -> data (read, validated, tokenized: bad input fails before a model loads)
+    -> trained model (+ LoRA adapters, from the checkpoint on resume) -> frozen reference (the
+       *initial* policy, also on resume; under LoRA the same module with adapters disabled)
+    -> gradient checkpointing, compile -> the run directory (touched only now)
+    -> optimizer, schedule, data order -> on resume: their state, the RNG, the log rows after the
+       checkpoint -> config.yaml.
+Every trainer thereby gets LoRA, compile, gradient checkpointing, exact resume, TensorBoard,
+samples, plots and the non-finite guard from this one place.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from tether.errors import NonFiniteLossError, UserError
+from tether.models import load_model, load_tokenizer
+from tether.models.load import compile_layers
+from tether.models.logprobs import completion_token_logps
+from tether.models.lora import apply_lora
+from tether.plots import plot_metrics
+from tether.run import RunDir, latest_checkpoint, seed_everything
+from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
+                                    make_optimizer, make_scheduler, restore_training, save_training)
+
+
+@dataclass
+class Data:
+    """What a trainer's data loader returns: training rows (their count sets the data order), held-out
+    rows, the loader's report (goes into summary.json) and anything else the loop needs."""
+    train: list
+    eval: list = field(default_factory=list)
+    report: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+def load_policy(spec, ckpt: Optional[Path]):
+    """The causal LM to train per the `model` section: from the checkpoint on resume; under LoRA
+    the base always comes from `spec.path` and the checkpoint holds the adapter (models/lora.py)."""
+    kw = dict(dtype=spec.dtype, device=spec.device, attn_implementation=spec.attn_implementation)
+    if spec.lora_r > 0:
+        return apply_lora(load_model(spec.path, **kw), spec, ckpt)
+    return load_model(str(ckpt) if ckpt else spec.path, **kw)
+
+
+@dataclass
+class Training:
+    """The handles a training loop needs, and the few things every loop does the same way."""
+    cfg: Any
+    run: RunDir
+    tokenizer: Any
+    data: Data
+    model: torch.nn.Module
+    trainable: torch.nn.Module
+    reference: Optional[torch.nn.Module]
+    device: torch.device
+    amp: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    order: EpochSampler
+    total_steps: int
+    ckpt: Optional[Path]
+    step: int = 0
+    skipped: int = 0
+    time_offset: float = 0.0
+    save_extra: Optional[Callable[[Path], None]] = None
+    "writes a trainer's extra state into each checkpoint directory (PPO's critic and β)"
+    bar: Any = None
+
+    def optimizer_step(self, loss_value: float, keep_grads: bool = False) -> float:
+        """Clip and step when loss and gradient norm are finite (else the step is skipped and
+        counted: a NaN never reaches the weights or AdamW's moments). Returns the gradient norm."""
+        try:
+            return guarded_step(self.trainable, self.optimizer, self.scheduler,
+                                self.cfg.optim.max_grad_norm, loss_value, keep_grads=keep_grads)
+        except NonFiniteLossError:
+            self.skipped += 1
+            return float("nan")
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def due(self, every: int) -> bool:
+        """True at every `every`-th step before the last (the last step has its own final work)."""
+        return every > 0 and self.step % every == 0 and self.step < self.total_steps
+
+    def log_due(self) -> bool:
+        return self.step % self.cfg.run.log_every == 0 or self.step == self.total_steps
+
+    def log(self, metrics: dict) -> None:
+        self.run.log(self.step, metrics, time_offset=self.time_offset)
+
+    def add_samples(self, rows: list[dict]) -> None:
+        self.run.add_samples(self.step, rows[:self.cfg.run.num_samples])
+
+    def checkpoint(self) -> Path:
+        return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
+                             self.scheduler, self.order, self.skipped, self.time_offset,
+                             self.cfg.run.keep_last, extra=self.save_extra)
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict, temperature: float) -> torch.Tensor:
+        """Per-token log-probs of the completion tokens under the frozen reference."""
+        if self.reference is not None:
+            return completion_token_logps(self.reference, batch, temperature, self.amp)[0]
+        with self.model.disable_adapter():  # LoRA: the base under the adapters is the reference
+            return completion_token_logps(self.model, batch, temperature, self.amp)[0]
+
+    def finish(self, summary: dict) -> dict:
+        """Final checkpoint, summary.json (steps, skipped steps and checkpoint added), plots."""
+        self.bar.close()
+        path = self.checkpoint()
+        summary = {"steps": self.step, "skipped_steps": self.skipped, **summary,
+                   "checkpoint": str(path)}
+        self.run.write_summary(summary)
+        if self.run.is_main:
+            plot_metrics(self.run.path)
+        self.run.close()
+        return summary
+
+
+def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Callable] = None,
+                   reference: bool = False, rows_per_step: Optional[int] = None,
+                   updates_per_step: int = 1) -> Training:
+    """Build everything a loop needs from `cfg`'s sections (see the module doc for the order).
+
+    load_data(tokenizer) -> Data. build(cfg, ckpt) -> the trained model, or (model, trainable) when
+    the optimizer covers more than the checkpointed model (PPO: policy + critic); default: the
+    causal LM of `cfg.model` (+ LoRA). reference: also build the frozen reference policy.
+    rows_per_step: training rows a step draws (default batch_size × grad_accum). updates_per_step:
+    optimizer updates per step (GRPO's μ, PPO's epochs × minibatches), for the schedule's length.
+    """
+    command = cfg.run.name
+    if not cfg.model.path:
+        raise UserError(f"{command}: `model` is required (a local HF directory or hub id)")
+    if not cfg.data.path:
+        raise UserError(f"{command}: `data` is required (a file, a saved dataset directory, or a hub name)")
+    run_path = Path(cfg.run.runs_dir) / cfg.run.name
+    ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
+    seed_everything(cfg.run.seed)
+
+    tokenizer = load_tokenizer(str(ckpt) if ckpt else cfg.model.path)
+    data = load_data(tokenizer)
+    if not data.train:
+        raise UserError(f"{command}: no training rows left in {cfg.data.path}")
+    built = (build or (lambda c, k: load_policy(c.model, k)))(cfg, ckpt)
+    model, trainable = built if isinstance(built, tuple) else (built, built)
+    device = next(model.parameters()).device
+    ref = None
+    if reference and cfg.model.lora_r == 0:
+        # The reference is the *initial* policy, also on resume; copied before any wrapping below.
+        ref = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+                         attn_implementation=cfg.model.attn_implementation) if ckpt else copy.deepcopy(model)
+        ref.eval().requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        if cfg.model.lora_r > 0:  # frozen embeddings: inputs must require grad for checkpointed blocks
+            model.enable_input_require_grads()
+    if cfg.model.compile:
+        for m in (model, ref):
+            if m is not None:
+                compile_layers(m)
+    trainable.train()
+    run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with)
+
+    per_step = rows_per_step or cfg.data.batch_size * getattr(cfg.data, "grad_accum", 1)
+    o = cfg.optim
+    total = o.max_steps if o.max_steps > 0 else max(1, math.ceil(o.epochs * len(data.train) / per_step))
+    updates = total * updates_per_step
+    optimizer = make_optimizer(trainable, o.lr, o.weight_decay, betas=tuple(o.adam_betas))
+    scheduler = make_scheduler(optimizer, o.schedule, o.warmup_steps or int(o.warmup_ratio * updates),
+                               updates, o.min_lr_ratio)
+    t = Training(cfg=cfg, run=run, tokenizer=tokenizer, data=data, model=model, trainable=trainable,
+                 reference=ref, device=device, amp=autocast_context(device, cfg.model.mixed_precision),
+                 optimizer=optimizer, scheduler=scheduler,
+                 order=EpochSampler(len(data.train), per_step, cfg.run.seed), total_steps=total, ckpt=ckpt)
+    if ckpt:
+        t.step, t.time_offset, t.skipped = restore_training(ckpt, run, optimizer, scheduler, t.order)
+    run.write_config(cfg)
+    t.bar = Progress(total, t.step, cfg.run.name, enabled=cfg.run.progress and run.is_main)
+    return t
