@@ -3,7 +3,7 @@ same engine and against a training forward, across the shapes the C code special
 of 1, 2 and 3 query heads (an odd group leaves one head alone in the last pair), head_dim 16, 32
 and 64 (pv_tile's 1-, 2- and 4-vector variants), Qwen2's q/k/v biases, Qwen3's q/k norms, prompts
 that cross 16-slot tile boundaries with left padding, batch compaction, two threads; and the
-fallbacks (no compiler, a LoRA-wrapped model, bf16)."""
+fallbacks (no compiler, a LoRA-wrapped model, bf16, the TETHER_CPU_DECODE=0 switch)."""
 import warnings
 
 import pytest
@@ -132,3 +132,24 @@ def test_fallbacks_keep_the_torch_path(monkeypatch):
         s = Sampler(model, tok, max_new_tokens=5)
         s.sample(["ab"])
     assert s.backend.attention == "bmm" and any("torch path" in str(x.message) for x in w)
+
+
+def test_the_environment_switch_routes_to_the_torch_path(monkeypatch):
+    """TETHER_CPU_DECODE=0: the torch path, chosen without building the C step and without a warning;
+    its outputs are the torch path's bit for bit (the C step's log-probs differ in float32 rounding)."""
+    model = _model(LlamaConfig, **SHAPES["llama G2 D16"][1])
+    kw = dict(max_new_tokens=40, temperature=1.0, ignore_eos=True)
+    ro_c, used_c = _sample(model, "auto", **kw)
+    ro_t, used_t = _sample(model, "bmm", **kw)
+    assert (used_c, used_t) == ("c", "bmm")
+    assert not torch.equal(ro_c.logprobs, ro_t.logprobs)  # so the equality below tells the paths apart
+    monkeypatch.setenv("TETHER_CPU_DECODE", "0")
+    monkeypatch.setattr(cpu, "library", lambda: pytest.fail("the C step was built though switched off"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ro, used = _sample(model, "auto", **kw)
+    assert used == "bmm"
+    assert torch.equal(ro.completion_ids, ro_t.completion_ids) and torch.equal(ro.logprobs, ro_t.logprobs)
+    assert torch.equal(ro.completion_ids, ro_c.completion_ids)  # and the same samples as the C step
+    with pytest.raises(ValueError, match="TETHER_CPU_DECODE"):  # forcing the C step names the switch
+        _sample(model, "c", **kw)

@@ -1,5 +1,6 @@
-"""The CPU decode step and prefill in C (cpu_decode.c): built with the system's C compiler on first
-use, called through ctypes, one call per decode step and one per prefill chunk.
+"""The CPU decode step and prefill in C (cpu_decode.c + cpu_attention.h): built with the system's C
+compiler on first use, called through ctypes, one call per decode step and one per prefill chunk,
+its arguments one :class:`Args` structure.
 
 Why: on the CPU a decode step of a small model is ~100 small torch ops; at batch 64 the work other
 than the matmuls (norms, RoPE, cache writes, attention as hundreds of tiny batched matmuls, SiLU,
@@ -10,7 +11,8 @@ them; nothing is copied, so optimizer steps between calls are seen).
 
 Used by :class:`~tether.rollout.native.NativeBackend` for float32 models on the CPU whose layers are
 plain (``nn.Linear`` without output bias on o/gate/up/down/lm_head, HF RMSNorm, SiLU MLP,
-``nn.Embedding``); anything else, or no compiler, keeps the torch path. The compiled library is
+``nn.Embedding``); anything else, no compiler, or ``TETHER_CPU_DECODE=0`` in the environment (a
+deliberate choice: no warning) keeps the torch path. The compiled library is
 cached under ``$TETHER_CACHE`` (default ``~/.cache/tether``), keyed by the source, the compiler
 flags and this CPU's flags, so a shared home directory never runs code built for another CPU.
 """
@@ -32,6 +34,7 @@ from torch import Tensor, nn
 from .layers import is_silu, rmsnorm_eps
 
 SRC = Path(__file__).with_name("cpu_decode.c")
+HEADER = SRC.with_name("cpu_attention.h")  # included by SRC: part of what is built
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lib = None  # the loaded library, False after a failed build (tried once per process)
 
@@ -74,7 +77,7 @@ def _build(extra_flags: tuple[str, ...] = ()):
     gemm = _sgemm()
     if cc is None or gemm is None:
         return fail("no C compiler" if cc is None else "torch exports no BLAS sgemm")
-    src = SRC.read_bytes()
+    src = SRC.read_bytes() + HEADER.read_bytes()
     flags = FLAGS + list(extra_flags)
     key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()
                          + torch.__version__.encode()).hexdigest()[:16]
@@ -104,6 +107,10 @@ def _build(extra_flags: tuple[str, ...] = ()):
         return fail("no writable directory for the compiled CPU decode step")
     lib = ctypes.CDLL(str(so))
     lib.tether_decode_step.restype = lib.tether_prefill.restype = lib.tether_gemm_check.restype = None
+    lib.tether_decode_step.argtypes = lib.tether_prefill.argtypes = [ctypes.POINTER(Args)]
+    lib.tether_args_size.restype = ctypes.c_size_t
+    if lib.tether_args_size() != ctypes.sizeof(Args):  # a field added on one side only
+        return fail("cpu.py's Args does not match cpu_decode.c's")
     # The sgemm found must be the 32-bit-integer Fortran BLAS interface this code calls (a wrong one
     # would compute garbage, not fail): check it on one small product against torch.mm.
     g = torch.Generator().manual_seed(0)
@@ -120,21 +127,46 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-RB = 16  # rows per attention block, as in cpu_decode.c
+RB = 16  # rows per attention block, as in cpu_attention.h
 
 
 def cache_shapes(layers: int, rows: int, kv_heads: int, slots: int, head_dim: int) -> tuple[tuple, tuple]:
     """The C step's key and value caches: tiles of 16 slots holding every row's keys / values,
     k [layers, tiles, rows, kv_heads, head_dim, 16], v [layers, tiles, rows, kv_heads, 16, head_dim]
-    (why: attention_rows in cpu_decode.c)."""
+    (why: attention_rows in cpu_attention.h)."""
     t = _round16(slots) // 16
     return (layers, t, rows, kv_heads, head_dim, 16), (layers, t, rows, kv_heads, 16, head_dim)
 
 
-# scratch buffers in the order of tether_decode_step's / tether_prefill's arguments
+# the scratch buffers of tether_decode_step / tether_prefill (Args fields)
 SCRATCH = ("x", "h", "q", "k", "v", "att", "g", "u")
 # per-layer weights in the order of cpu_decode.c's enum (W_LN1 ... W_D)
 PER_LAYER = ("ln1", "wq", "bq", "wk", "bk", "wv", "bv", "qn", "kn", "wo", "ln2", "wg", "wu", "wd")
+
+_int, _i64, _f32, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class Args(ctypes.Structure):
+    """The one argument of tether_decode_step / tether_prefill: cpu_decode.c's ``Args``, field for
+    field (names, types, order; what each means is written there). Pointers are plain addresses."""
+    _fields_ = [
+        # the model
+        *((n, _int) for n in ("L", "Hd", "H", "Hkv", "D", "I", "V")),
+        ("eps", _f32), ("qk_eps", _f32), ("scale", _f32), ("w", _p), ("gemm", _p), ("nt", _int),
+        # the KV cache and the RoPE tables
+        ("kcache", _p), ("vcache", _p), ("cache_rows", _i64), ("slots", _i64),
+        ("cos", _p), ("sin", _p), ("rope_stride", _i64),
+        # scratch
+        *((n, _p) for n in (*SCRATCH, "ml")),
+        # the call
+        ("B", _int), ("P", _int), ("row0", _i64), ("kv_len", _i64), ("bias_stride", _i64),
+        ("tokens", _p), ("slot", _p), ("ids", _p), ("pos", _p), ("real", _p), ("bias", _p), ("logits", _p),
+    ]
+
+    def set(self, **fields) -> None:
+        """Set fields; a tensor gives its data pointer (it must outlive the call that reads it)."""
+        for name, x in fields.items():
+            setattr(self, name, x.data_ptr() if isinstance(x, Tensor) else x)
 
 
 def _plain(m, bias_ok: bool) -> bool:
@@ -143,6 +175,10 @@ def _plain(m, bias_ok: bool) -> bool:
 
 def support(model) -> str | None:
     """None if the C step can run ``model`` (an unwrapped HF model), else why not."""
+    # The torch path by choice (to compare the two, or rule the C step out): read each time a
+    # backend is built; the library is then never built, so nothing warns.
+    if os.environ.get("TETHER_CPU_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "disabled by TETHER_CPU_DECODE=0"
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
         return "not a float32 model on the CPU"
@@ -203,9 +239,12 @@ class CpuStep:
             ptrs += [w[name] for name in PER_LAYER]
         ptrs += [base.embed_tokens.weight, base.norm.weight, model.lm_head.weight]
         self._w = (ctypes.c_void_p * len(ptrs))(*[t.data_ptr() if t is not None else None for t in ptrs])
-        ints = [len(base.layers), self.hidden, n_heads, n_kv, head_dim, self.inter, self.vocab]
-        self._cfg = (ctypes.c_int64 * len(ints))(*ints)
-        self._fcfg = (ctypes.c_float * 3)(float(base.norm.variance_epsilon), qk_eps, float(scaling))
+        model_fields = dict(L=len(base.layers), Hd=self.hidden, H=n_heads, Hkv=n_kv, D=head_dim, I=self.inter,
+                            V=self.vocab, eps=float(base.norm.variance_epsilon), qk_eps=qk_eps, scale=float(scaling),
+                            w=ctypes.addressof(self._w), gemm=lib.gemm.value)
+        # one Args per entry point: the model's fields now, the cache's and the scratch's when they
+        # are allocated, and only what changes per call at each call
+        self._step_args, self._pre_args = Args(**model_fields), Args(**model_fields)
         self.rows = 0
         self._pre = self._ml = None  # prefill scratch (grown to the largest chunk seen), softmax statistics
 
@@ -231,13 +270,12 @@ class CpuStep:
         self.rows, self.slots, self._keep = rows, slots, (k, v, cos, sin)
         self._step = self._buffers(rows)
         self.logits = torch.empty(rows, self.vocab)
-        # the arguments every call passes as they are: the caches and tables, then the step's scratch
-        self._cache_args = (_ptr(cos), _ptr(sin), ctypes.c_int64(cos[0].numel()), _ptr(k), _ptr(v),
-                            ctypes.c_int64(rows), ctypes.c_int64(slots))
-        self._step_args = tuple(_ptr(self._step[name]) for name in SCRATCH)
+        for a in (self._step_args, self._pre_args):
+            a.set(kcache=k, vcache=v, cache_rows=rows, slots=slots, cos=cos, sin=sin, rope_stride=cos[0].numel())
+        self._step_args.set(**self._step, logits=self.logits)
 
     def release(self) -> None:
-        self._step = self._pre = self._keep = self._cache_args = self._step_args = self._ml = None
+        self._step = self._pre = self._keep = self._ml = None
         self.logits, self.rows = None, 0
 
     def prefill(self, ids: Tensor, attn_mask: Tensor, row0: int) -> Tensor:
@@ -247,22 +285,19 @@ class CpuStep:
         if self._pre is None or self._pre["x"].shape[0] < B * P or self._pre["logits"].shape[0] < B:
             self._pre = {**self._buffers(B * P), "pos": torch.empty(B * P, dtype=torch.long),
                          "logits": torch.empty(B, self.vocab)}
-        s, nt = self._pre, torch.get_num_threads()
+            self._pre_args.set(**self._pre)
+        nt = torch.get_num_threads()
         ids, real = ids.contiguous(), attn_mask.to(torch.uint8).contiguous()
-        self.lib.tether_prefill(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B, P, ctypes.c_int64(row0),
-                                _ptr(ids), _ptr(real), *self._cache_args,
-                                *(_ptr(s[name]) for name in SCRATCH),
-                                _ptr(self._stats(nt)), _ptr(s["pos"]), _ptr(s["logits"]))
-        return s["logits"][:B]
+        a = self._pre_args
+        a.set(nt=nt, B=B, P=P, row0=row0, ids=ids, real=real, ml=self._stats(nt))
+        self.lib.tether_prefill(ctypes.byref(a))
+        return self._pre["logits"][:B]
 
     def __call__(self, tokens, pos, slot, bias, kv_len: int):
         B, nt = tokens.shape[0], torch.get_num_threads()
         assert B <= self.rows and tokens.is_contiguous() and pos.is_contiguous() and bias.stride(1) == 1
-        self.lib.tether_decode_step(self._cfg, self._fcfg, self._w, self.lib.gemm, nt, B, _ptr(tokens), _ptr(pos),
-                                    _ptr(slot), ctypes.c_int64(kv_len), _ptr(bias), ctypes.c_int64(bias.stride(0)),
-                                    *self._cache_args, *self._step_args, _ptr(self._stats(nt)), _ptr(self.logits))
+        a = self._step_args
+        a.set(nt=nt, B=B, tokens=tokens, pos=pos, slot=slot, kv_len=kv_len, bias=bias, bias_stride=bias.stride(0),
+              ml=self._stats(nt))
+        self.lib.tether_decode_step(ctypes.byref(a))
         return self.logits[:B]
-
-
-def _ptr(t: Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
