@@ -100,3 +100,83 @@ def test_cli_errors_are_one_line():
     assert r.stderr.strip().count("\n") == 0 and "unknown config key 'lrr'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "tether", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown command 'nope'" in r.stderr
+
+
+# ---- sections: flat names, per-trainer defaults, old flat files ---------------------------------
+
+from tether.config import flat_init, save_config  # noqa: E402
+
+
+@dataclass
+class _A:
+    x: int = 1
+    "x of a"
+    only_a: int = 2
+    "only in a"
+
+
+@dataclass
+class _B:
+    PRIMARY = "path"  # a plain class attribute works as well as a ClassVar
+    path: str = ""
+    "the b path"
+    x: int = 3
+    "x of b"
+
+
+@flat_init
+@dataclass
+class _Sectioned:
+    a: _A = field(default_factory=lambda: _A(only_a=20))
+    "section a"
+    b: _B = field(default_factory=_B)
+    "section b"
+
+
+def test_flat_names_route_to_their_section_on_top_of_the_trainers_defaults():
+    cfg = load_config(_Sectioned, None, ["only_a=5", "b=some/dir"])
+    assert cfg.a.only_a == 5 and cfg.b.path == "some/dir" and cfg.a.x == 1
+    cfg = load_config(_Sectioned, None, ["a.x=7"])
+    assert cfg.a.x == 7 and cfg.a.only_a == 20  # a partial section keeps the trainer's defaults
+
+
+def test_ambiguous_flat_name_is_one_line_listing_the_full_names():
+    with pytest.raises(ConfigError) as e:
+        load_config(_Sectioned, None, ["x=1"])
+    assert "ambiguous" in str(e.value) and "a.x" in str(e.value) and "b.x" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_flat_name_suggests_the_near_one():
+    with pytest.raises(ConfigError, match="did you mean 'only_a'"):
+        load_config(_Sectioned, None, ["only_b=1"])
+
+
+def test_python_flat_kwargs_and_replace():
+    import dataclasses
+    cfg = _Sectioned(only_a=9, b="p")
+    assert cfg.a == _A(x=1, only_a=9) and cfg.b.path == "p"
+    again = dataclasses.replace(cfg, path="q")  # replace passes the sections too: flat keys win
+    assert again.b.path == "q" and again.a.only_a == 9
+    assert _Sectioned(a=_A(x=4), only_a=6).a == _A(x=4, only_a=6)
+
+
+def test_old_flat_yaml_equals_nested_yaml_and_the_saved_config_reloads(tmp_path):
+    from tether.trainers.sft import SFTConfig
+    flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
+    flat.write_text("model: m\ndata: d.jsonl\nlr: 3.0e-4\nname: x\nbatch_size: 4\ncompletion_only: false\n")
+    nested.write_text("model: {path: m}\ndata: {path: d.jsonl, batch_size: 4}\noptim: {lr: 3.0e-4}\n"
+                      "run: {name: x}\nsft: {completion_only: false}\n")
+    a, b = load_config(SFTConfig, str(flat)), load_config(SFTConfig, str(nested))
+    assert a == b and a.optim.lr == 3e-4 and a.optim.warmup_ratio == 0.03 and a.run.log_every == 10
+    save_config(a, tmp_path / "saved.yaml")
+    assert load_config(SFTConfig, str(tmp_path / "saved.yaml")) == a
+    assert SFTConfig(model="m", data="d.jsonl", lr=3e-4, name="x", batch_size=4, completion_only=False) == a
+
+
+def test_help_is_grouped_by_section(capsys):
+    assert main(["sft", "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for section in ("model", "optim", "run", "data"):
+        header = next(i for i, line in enumerate(lines) if line.startswith(f"{section}:"))
+        assert lines[header + 1].strip().startswith(f"{section}.")
