@@ -171,6 +171,12 @@ class RolloutSection:
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0 (RL needs sampled completions)")
 
+    def sampling(self):
+        """The sampler's config for these knobs (the engine's other settings keep their defaults)."""
+        from tether.rollout import SamplingConfig
+        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, stop=list(self.stop))
+
 
 @dataclass
 class RewardSection:
