@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
+from tether.rollout.sampling import SamplingConfig
+
 
 @dataclass
 class ModelSection:
@@ -173,7 +175,6 @@ class RolloutSection:
 
     def sampling(self):
         """The sampler's config for these knobs (the engine's other settings keep their defaults)."""
-        from tether.rollout import SamplingConfig
         return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, stop=list(self.stop))
 
