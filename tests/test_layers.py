@@ -23,7 +23,7 @@ LAYERS = [
     ["models", "data"],
     ["objectives"],  # pure tensor functions: the models' log-prob forward uses them
     ["plots", "memory"],
-    ["run"],
+    ["run", "model_shape"],
     ["config", "errors"],
 ]
 LAYER_OF = {pkg: i + 1 for i, names in enumerate(LAYERS) for pkg in names}

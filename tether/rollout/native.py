@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu, kernels
+import tether.rollout.cpu as cpu  # by module path: `from . import` goes through the package __init__
+import tether.rollout.kernels as kernels
 from .layers import is_silu, rmsnorm_eps
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
