@@ -224,13 +224,50 @@ def test_padding_never_changes_gae_or_reinforce_pp(lengths, pad, seed, gamma, la
         torch.testing.assert_close(adv[i, :n], t(*textbook_gae(r[i, :n].tolist(), v[i, :n].tolist(), gamma, lam)))
 
 
-def test_registry_names_and_uniform_signature():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline"}
+# Hand-computed values of every registered estimator on one batch: rewards (1, 0, 2, 4) in groups
+# (0, 0, 1, 1), two tokens per row. A registry entry without a row here fails the test below.
+HAND_R, HAND_IDS, HAND_MASK = t(1.0, 0.0, 2.0, 4.0), torch.tensor([0, 0, 1, 1]), torch.ones(4, 2)
+HAND_VALUES = {
+    # group 0: mean 0.5, σ 0.5 → ±1; group 1: mean 3, σ 1 → ∓1 (σ + 1e-6: atol below)
+    "grpo": ({}, t(1.0, -1.0, -1.0, 1.0)),
+    # centering only: (1 − 0.5, 0 − 0.5, 2 − 3, 4 − 3)
+    "dr_grpo": ({}, t(0.5, -0.5, -1.0, 1.0)),
+    # leave-one-out: 1 − 0, 0 − 1, 2 − 4, 4 − 2
+    "rloo": ({}, t(1.0, -1.0, -2.0, 2.0)),
+    # minus the greedy completion's reward of the same prompt: 1 − 0.5, 0 − 0.5, 2 − 3, 4 − 3
+    "remax": ({"greedy_rewards": t(0.5, 0.5, 3.0, 3.0)}, t(0.5, -0.5, -1.0, 1.0)),
+    # every token carries its row's reward; token mean 1.75, population variance
+    # (0.75² + 1.75² + 0.25² + 2.25²)/4 = 8.75/4 = 2.1875 → (r − 1.75)/√2.1875 on both tokens
+    "reinforce_pp": ({}, ((t(1.0, 0.0, 2.0, 4.0) - 1.75) / math.sqrt(2.1875)).unsqueeze(1).expand(4, 2)),
+    # group means (0.5, 3) subtracted first → (0.5, −0.5, −1, 1): mean 0, variance 2.5/4 = 0.625
+    "reinforce_pp_baseline": ({}, (t(0.5, -0.5, -1.0, 1.0) / math.sqrt(0.625)).unsqueeze(1).expand(4, 2)),
+}
+
+
+def test_every_estimator_has_hand_values():
+    assert set(HAND_VALUES) == set(ADVANTAGE_ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_VALUES))
+def test_estimator_hand_values(name):
+    extra, want = HAND_VALUES[name]
+    got = compute_advantages(name, HAND_R, HAND_IDS, HAND_MASK, **extra)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_registry_uniform_signature_and_declared_needs():
     r, ids, mask = t(1.0, 0.0, 0.5, 0.5), torch.tensor([0, 0, 1, 1]), torch.ones(4, 2)
-    for name, fn in ADVANTAGE_ESTIMATORS.items():
-        extra = {"greedy_rewards": t(0.5, 0.5, 0.5, 0.5)} if name == "remax" else {}
-        out = fn(r, ids, mask, **extra)
+    for name, est in ADVANTAGE_ESTIMATORS.items():
+        extra = {"greedy_rewards": t(0.5, 0.5, 0.5, 0.5)} if est.needs_greedy else {}
+        if est.scaled:
+            extra["scale"] = "batch"
+        out = est(r, ids if est.grouped else None, mask, **extra)  # an ungrouped one needs no ids
         assert out.shape in {(4,), (4, 2)} and torch.isfinite(out).all()
+        if est.needs_greedy:
+            with pytest.raises(TypeError):
+                est(r, ids, mask)
+        if est.token_rewards:  # per-token rewards [N, T] are accepted
+            assert est(r.unsqueeze(1).expand(4, 2), ids, mask).shape == (4, 2)
     torch.testing.assert_close(compute_advantages("grpo", r, ids, mask), grpo_advantages(r, ids))
     with pytest.raises(ValueError):
         compute_advantages("nope", r, ids, mask)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from tether.objectives import (
     KL_ESTIMATORS,
+    SURROGATES,
     AdaptiveKLController,
     FixedKLController,
     aggregate_loss,
@@ -185,6 +186,43 @@ def test_gspo_clips_whole_sequences():
     assert m["clip_ratio/high_mean"].item() == 1.0
     (grad,) = torch.autograd.grad(loss, lp)
     assert torch.all(grad == 0)
+
+
+# Hand-computed loss and gradient of every `importance_level` in SURROGATES on one batch; a registry
+# entry without a row here fails the test below. Batch: old log-probs 0, so log π = Δ = log-ratio;
+# row 1 Δ = (0.3, −0.1, 0.0), A = +1, 3 tokens; row 2 Δ = (−0.5, 0.1), A = −2, 2 tokens (+1 padding);
+# ε_low = ε_high = 0.2; agg seq-mean-token-mean: loss = (row 1 mean + row 2 mean) / 2 and each row's
+# token gradients carry 1/2 · 1/|y_i|.
+SURROGATE_LP = [[0.3, -0.1, 0.0], [-0.5, 0.1, 0.0]]
+SURROGATE_ADV, SURROGATE_MASK = (1.0, -2.0), [[1, 1, 1], [1, 1, 0]]
+e = math.exp
+SURROGATE_HAND = {
+    # PPO per token, r = e^Δ. Row 1 (A = 1): r = (e^.3 = 1.3499 → clipped to 1.2, e^−.1, 1): row mean
+    # −(1.2 + e^−.1 + 1)/3. Row 2 (A = −2): r = (e^−.5 = 0.6065 → the min keeps the clipped 0.8·A,
+    # e^.1): row mean (2·0.8 + 2e^.1)/2. Gradient −A·r/(2|y|) where unclipped, 0 where clipped.
+    "token": ((-(1.2 + e(-0.1) + 1.0) / 3 + (1.6 + 2 * e(0.1)) / 2) / 2,
+              [[0.0, -e(-0.1) / 6, -1.0 / 6], [0.0, 2 * e(0.1) / 4, 0.0]]),
+    # GSPO-token: s_1 = e^{(0.3 − 0.1 + 0)/3} = e^{0.2/3} = 1.0689, s_2 = e^{(−0.5 + 0.1)/2} = e^−.2 =
+    # 0.8187, both inside [0.8, 1.2]: row means −s_1 and 2 s_2; gradient −A s_i/(2|y_i|) on every token.
+    "sequence": ((-e(0.2 / 3) + 2 * e(-0.2)) / 2,
+                 [[-e(0.2 / 3) / 6] * 3, [2 * e(-0.2) / 4] * 2 + [0.0]]),
+}
+
+
+def test_every_surrogate_has_hand_values():
+    assert set(SURROGATE_HAND) == set(SURROGATES)
+
+
+@pytest.mark.parametrize("level", sorted(SURROGATE_HAND))
+def test_surrogate_hand_values(level):
+    lp = torch.tensor(SURROGATE_LP, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(lp, torch.zeros(2, 3, dtype=torch.float64), t(*SURROGATE_ADV),
+                          torch.tensor(SURROGATE_MASK), clip_low=0.2, agg="seq-mean-token-mean",
+                          importance_level=level)
+    want_loss, want_grad = SURROGATE_HAND[level]
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

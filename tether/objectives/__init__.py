@@ -7,6 +7,7 @@ constants) are documented in ``docs/objectives.md`` and in each docstring.
 from ._masks import AGG_MODES, aggregate_loss, as_bool, masked_mean, masked_sum, masked_var, masked_whiten
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
+    Estimator,
     compute_advantages,
     discounted_returns,
     gae,
@@ -19,7 +20,9 @@ from .advantages import (
 from .logprobs import entropy_from_logits, sequence_logps, sft_loss, token_entropy, token_logps
 from .policy import (
     KL_ESTIMATORS,
+    SURROGATES,
     AdaptiveKLController,
+    Surrogate,
     FixedKLController,
     best_of_n_kl,
     kl_k1,
@@ -32,23 +35,25 @@ from .policy import (
 )
 from .preference import (
     PREFERENCE_LOSSES,
+    PairLogps,
     bradley_terry_loss,
     kto_kl_reference_point,
     kto_loss,
     log1mexp,
     log_odds,
     orpo_loss,
+    pairwise_preference_loss,
     preference_loss,
     simpo_loss,
 )
 
 __all__ = [
     "AGG_MODES", "aggregate_loss", "as_bool", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
-    "ADVANTAGE_ESTIMATORS", "compute_advantages", "discounted_returns", "gae", "group_stats",
+    "ADVANTAGE_ESTIMATORS", "Estimator", "compute_advantages", "discounted_returns", "gae", "group_stats",
     "grpo_advantages", "reinforce_pp_advantages", "remax_advantages", "rloo_advantages",
     "entropy_from_logits", "sequence_logps", "sft_loss", "token_entropy", "token_logps",
-    "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "best_of_n_kl", "kl_k1", "kl_k2",
+    "KL_ESTIMATORS", "SURROGATES", "Surrogate", "AdaptiveKLController", "FixedKLController", "best_of_n_kl", "kl_k1", "kl_k2",
     "kl_k3", "kl_penalized_rewards", "last_token_index", "policy_loss", "value_loss",
-    "PREFERENCE_LOSSES", "bradley_terry_loss", "kto_kl_reference_point", "kto_loss", "log1mexp",
-    "log_odds", "orpo_loss", "preference_loss", "simpo_loss",
+    "PREFERENCE_LOSSES", "PairLogps", "bradley_terry_loss", "kto_kl_reference_point", "kto_loss", "log1mexp",
+    "log_odds", "orpo_loss", "pairwise_preference_loss", "preference_loss", "simpo_loss",
 ]

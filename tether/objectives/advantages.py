@@ -1,20 +1,27 @@
 """Advantage estimators: the critic-free group family (GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++) and GAE.
 
-Groups (seed 004 §5.4) are given by ``group_ids`` [N]: any integer labels, in any order, groups of
-any size — e.g. the prompt index of each sampled completion. Statistics are computed with
-``torch.unique(return_inverse=True)`` + ``index_add_`` (no Python loop over rows), so shuffling
-rows together with their group ids permutes the output and changes nothing else.
+Groups are given by ``group_ids`` [N]: any integer labels, in any order, groups of any size — e.g.
+the prompt index of each sampled completion (GRPO's group of outputs per question, Shao et al. 2024,
+§4.1). Statistics are computed with ``torch.unique(return_inverse=True)`` + ``index_add_`` (no Python
+loop over rows), so shuffling rows together with their group ids permutes the output and changes
+nothing else.
 
-Standard deviations are *population* std (divide by n, not n − 1), as in the seeds' EQ R6.8.
+Standard deviations are *population* std (divide by n, not n − 1): the GRPO paper writes std(r)
+without saying which, and the population form gives a two-member group exactly ±1 (tested).
 A group whose rewards are all equal — including every singleton group — carries no learning
 signal: its advantages are exactly 0 (never NaN), whatever ``eps`` is.
 
-Registry: :data:`ADVANTAGE_ESTIMATORS` maps a name to a function with the uniform signature
-``fn(rewards [N], group_ids [N], mask [N, T], **kwargs) -> [N] or [N, T]`` (per-sequence
-advantages broadcast over tokens in :func:`tether.objectives.policy_loss`). A new estimator is one
-function, one registry entry and one test.
+Registry: :data:`ADVANTAGE_ESTIMATORS` maps a name to an :class:`Estimator`: the function, with the
+uniform signature ``fn(rewards [N], group_ids [N], mask [N, T], **kwargs) -> [N] or [N, T]``
+(per-sequence advantages broadcast over tokens in :func:`tether.objectives.policy_loss`), and what a
+trainer must hand it (group ids, a greedy baseline, per-token rewards, a scale). A trainer asks the
+entry, never the name. A new estimator is one function, one registry entry and one row in the
+hand-value table of tests/test_objectives_advantages.py.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -52,7 +59,7 @@ def group_stats(values: Tensor, group_ids) -> dict[str, Tensor]:
 
 
 def grpo_advantages(rewards: Tensor, group_ids, scale: str = "group", eps: float = 1e-6) -> Tensor:
-    """Group-relative advantages (GRPO, Shao et al. 2024; seed EQ R6.8).
+    """Group-relative advantages (GRPO, Shao et al. 2024, §4.1.2, outcome supervision).
 
     A_i = (r_i − mean_g(r)) / (σ + eps) with g the group of i and
     - ``scale="group"``: σ = population std of r within g (GRPO),
@@ -139,7 +146,7 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_ids=None, gamma
 
 
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95):
-    """Generalized advantage estimation (Schulman et al. 2016; seed 004 §2.3).
+    """Generalized advantage estimation (Schulman et al. 2016, eq. 16).
 
     δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   returns R_t = A_t + V_t,
     with V and A after the last real token taken as 0 (the episode ends there: no bootstrap).
@@ -169,6 +176,24 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
 
 # ---- registry: uniform signature fn(rewards, group_ids, mask, **kwargs) -------------------------
 
+@dataclass(frozen=True)
+class Estimator:
+    """A registry entry: the estimator and what the trainer must hand it."""
+    fn: Callable[..., Tensor]
+    "fn(rewards, group_ids, mask, **kwargs) -> [N] or [N, T]"
+    grouped: bool = True
+    "uses group_ids (statistics within each prompt's completions); else the trainer passes None"
+    needs_greedy: bool = False
+    "takes greedy_rewards= [N]: the reward of the greedy completion of each row's prompt"
+    token_rewards: bool = False
+    "takes per-token rewards [N, T] (returns-to-go), so a KL penalty in the reward stays per token"
+    scaled: bool = False
+    "takes scale= ('group' | 'batch' | 'none'): what the centered rewards are divided by"
+
+    def __call__(self, rewards: Tensor, group_ids, mask: Tensor | None = None, **kwargs) -> Tensor:
+        return self.fn(rewards, group_ids, mask, **kwargs)
+
+
 def _grpo(rewards, group_ids, mask=None, **kw):
     return grpo_advantages(rewards, group_ids, **kw)
 
@@ -193,13 +218,13 @@ def _reinforce_pp_baseline(rewards, group_ids, mask, **kw):
     return reinforce_pp_advantages(rewards, mask, group_ids=group_ids, **kw)
 
 
-ADVANTAGE_ESTIMATORS = {
-    "grpo": _grpo,
-    "dr_grpo": _dr_grpo,
-    "rloo": _rloo,
-    "remax": _remax,
-    "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp_baseline,
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_grpo, scaled=True),
+    "dr_grpo": Estimator(_dr_grpo),
+    "rloo": Estimator(_rloo),
+    "remax": Estimator(_remax, grouped=False, needs_greedy=True),
+    "reinforce_pp": Estimator(_reinforce_pp, grouped=False, token_rewards=True),
+    "reinforce_pp_baseline": Estimator(_reinforce_pp_baseline, token_rewards=True),
 }
 
 

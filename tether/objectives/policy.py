@@ -1,5 +1,5 @@
-"""Policy-gradient objectives: KL estimators, the clipped surrogate (PPO/GRPO/DAPO/GSPO), the value
-loss, KL-shaped rewards and KL-coefficient controllers.
+"""Policy-gradient objectives: KL estimators, the clipped surrogate (PPO/GRPO/DAPO/GSPO/GMPO), the
+value loss, KL-shaped rewards and KL-coefficient controllers.
 
 All per-token inputs are [B, T] tensors aligned the same way (e.g. from
 :func:`tether.objectives.token_logps`) with a mask [B, T] (bool or float, nonzero = counts);
@@ -8,6 +8,7 @@ padded positions are never read (``torch.where``, not multiplication, so NaN the
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -15,7 +16,7 @@ from torch import Tensor
 from ._masks import AGG_MODES, aggregate_loss, as_bool, masked_mean
 
 
-# ---- KL estimators (Schulman 2020, "Approximating KL divergence"; seed 004 §5.2) ---------------
+# ---- KL estimators (Schulman 2020, "Approximating KL divergence", the k1/k2/k3 of that note) -----
 # Per token, samples from π, estimating KL(π ‖ π_ref); Δ = log π_ref − log π.
 # Half-precision inputs are computed in float32 and returned in their own dtype: in bf16,
 # expm1(Δ) − Δ ≈ Δ²/2 cancels to a few percent error for |Δ| ~ 0.01–0.1.
@@ -66,25 +67,77 @@ def _per_token(advantages: Tensor, shape) -> Tensor:
     return advantages.expand(shape)
 
 
+# ---- importance ratio + clip: one function per `importance_level` -----------------------------------
+# fn(log_ratio, logps, advantages, mask, eps_low, eps_high) -> Surrogate, all [B, T]: log_ratio =
+# log π − log π_old and logps are 0 at padding, advantages per token (0 at padding), mask bool.
+
+class Surrogate(NamedTuple):
+    loss: Tensor
+    "[B, T] per-token surrogate loss (to be aggregated with the loss's `agg`)"
+    ratio: Tensor
+    "[B, T] the importance ratio's value at each token, detached (logged as ratio/mean)"
+    clipped_low: Tensor
+    "[B, T] bool: the clip binds at the low edge (ratio below it, A < 0): no gradient"
+    clipped_high: Tensor
+    "[B, T] bool: the clip binds at the high edge (ratio above it, A > 0)"
+
+
+def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Surrogate:
+    surrogate = ratio * adv
+    surrogate_clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    r, a = ratio.detach(), adv.detach()
+    return Surrogate(-torch.minimum(surrogate, surrogate_clipped), r,
+                     (r < 1 - eps_low) & (a < 0), (r > 1 + eps_high) & (a > 0))
+
+
+def token_ratio_surrogate(log_ratio, logps, adv, mask, eps_low, eps_high) -> Surrogate:
+    """PPO's clipped surrogate with one ratio per token (Schulman et al. 2017, eq. 7; as used by
+    GRPO, Shao et al. 2024, eq. 3; ε_high > ε_low is DAPO's clip-higher, Yu et al. 2025, §3.1):
+
+        r_t = exp(log π_t − log π_old,t),   L_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)
+    """
+    return _ppo_clip(torch.exp(log_ratio), adv, eps_low, eps_high)
+
+
+def gspo_token_surrogate(log_ratio, logps, adv, mask, eps_low, eps_high) -> Surrogate:
+    """GSPO (Zheng et al. 2025) in its GSPO-token form: every token's ratio has the value of the
+    sequence ratio s_i, the geometric mean of the sequence's token ratios, and the gradient of its
+    own log-probability; the clip acts on s_i, so a sequence is clipped as a whole:
+
+        s_i = exp((1/|y_i|) Σ_t (log π_t − log π_old,t)),   s_{i,t} = sg[s_i] · π_t / sg[π_t]
+        L_t = −min(s_{i,t} A_t, clip(s_{i,t}, 1 − ε_low, 1 + ε_high) A_t)
+
+    Token t's gradient is s_i A_{i,t} ∇log π_t (as verl). With advantages constant within each
+    sequence (GSPO's case) this is exactly the gradient of the loss's value under any ``agg``; with
+    ``"seq-mean-token-mean"`` it is sequence-level GSPO, s_i A_i (1/|y_i|) Σ_t ∇log π_t. With
+    per-token advantages it is GSPO-token's estimator, not the derivative of the value. Use GSPO's
+    small clip ranges (3e-4 / 4e-4).
+    """
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach().unsqueeze(-1)
+    ratio = torch.where(mask, torch.exp(seq_log_ratio + logps - logps.detach()), 1.0)
+    return _ppo_clip(ratio, adv, eps_low, eps_high)
+
+
+SURROGATES: dict[str, Callable[..., Surrogate]] = {
+    "token": token_ratio_surrogate,
+    "sequence": gspo_token_surrogate,
+}
+
+
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float | None = None, agg: str = "token-mean",
                 ref_logps: Tensor | None = None, beta: float = 0.0, kl_estimator: str = "k3",
                 importance_level: str = "token", norm_length: int | float | None = None):
-    """Clipped surrogate policy loss (PPO, Schulman et al. 2017; seed EQ R6.4) and its variants.
+    """Clipped surrogate policy loss (PPO, Schulman et al. 2017, eq. 7) and its variants.
 
-    Per token:  L_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t) + β·KL_t
-    - ``importance_level="token"``: r_t = exp(log π_t − log π_old,t) (PPO / GRPO).
-    - ``importance_level="sequence"`` (GSPO, Zheng et al. 2025): the value of every token's ratio is
-      the sequence ratio s_i = exp((1/|y_i|) Σ_t (log π_t − log π_old,t)), in the paper's
-      GSPO-token form s_{i,t} = sg[s_i] · π_t / sg[π_t] (as verl): token t's surrogate has
-      gradient s_i A_{i,t} ∇log π_t. With advantages constant within each sequence (GSPO's case)
-      this is exactly the gradient of the loss's value under any ``agg`` — with
-      ``"seq-mean-token-mean"`` it is sequence-level GSPO, s_i A_i (1/|y_i|) Σ_t ∇log π_t. With
-      per-token advantages it is GSPO-token's estimator, not the derivative of the value. The clip
-      acts on s_i, so a sequence is clipped as a whole. Use GSPO's small clip ranges (3e-4/4e-4).
+    Per token:  L_t = surrogate_t + β·KL_t, the surrogate from :data:`SURROGATES`
+    [``importance_level``] — ``"token"``: PPO / GRPO, −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)
+    with r_t = exp(log π_t − log π_old,t); ``"sequence"``: GSPO-token (one clipped ratio per
+    sequence); see each function for its equation.
     - ε_high = ``clip_high`` defaults to ε_low = ``clip_low``; a larger ε_high is DAPO's clip-higher.
     - KL_t = ``kl_estimator`` (k1/k2/k3) of (log π, log π_ref), added only when ``ref_logps`` is
-      given and β > 0 (GRPO's KL-in-loss); aggregated with the same ``agg``.
+      given and β > 0 (GRPO's KL-in-loss, Shao et al. 2024, eq. 4 is k3); aggregated with the same
+      ``agg``.
 
     ``advantages``: per sequence [B] (broadcast) or per token [B, T]. ``agg``
     (see :func:`aggregate_loss`): ``"token-mean"``, ``"seq-mean-token-mean"``,
@@ -92,8 +145,8 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     L tokens: token-mean = seq-mean-token-mean = (C/L) · seq-mean-token-sum-norm.
 
     Shapes: logps, old_logps, mask (and ref_logps) [B, T] → scalar loss. Metrics (token-means over
-    the mask): ``clip_ratio/low_mean`` (r < 1 − ε_low with A < 0: the clip binds at the low edge),
-    ``clip_ratio/high_mean`` (r > 1 + ε_high with A > 0), ``clip_ratio/region_mean`` (either),
+    the mask): ``clip_ratio/low_mean`` (the clip binds at the low edge, A < 0),
+    ``clip_ratio/high_mean`` (at the high edge, A > 0), ``clip_ratio/region_mean`` (either),
     ``approx_kl`` = mean ½(log π − log π_old)² (k2 vs the sampling policy, as PPO
     implementations report it), ``kl`` = mean KL_t vs the reference (whenever ``ref_logps`` is
     given, even with β = 0; 0 without a reference), ``pg_loss`` (the surrogate part, aggregated),
@@ -102,6 +155,8 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     """
     if agg not in AGG_MODES:
         raise ValueError(f"unknown agg {agg!r}; expected one of {AGG_MODES}")
+    if importance_level not in SURROGATES:
+        raise ValueError(f"unknown importance_level {importance_level!r}; expected one of {sorted(SURROGATES)}")
     m = as_bool(mask)
     eps_low = clip_low
     eps_high = clip_low if clip_high is None else clip_high
@@ -110,19 +165,10 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     # (0 · NaN), and exp() of garbage could overflow.
     logps, old_logps = _clean(logps, m), _clean(old_logps, m)
     log_ratio = logps - old_logps
-    if importance_level == "token":
-        ratio = torch.exp(log_ratio)
-    elif importance_level == "sequence":
-        seq_log_ratio = masked_mean(log_ratio, m, dim=-1).detach().unsqueeze(-1)
-        ratio = torch.exp(seq_log_ratio + logps - logps.detach())
-        ratio = torch.where(m, ratio, 1.0)
-    else:
-        raise ValueError(f"unknown importance_level {importance_level!r}; expected 'token' or 'sequence'")
     adv = _clean(_per_token(advantages, logps.shape), m)
+    surrogate = SURROGATES[importance_level](log_ratio, logps, adv, m, eps_low, eps_high)
 
-    surrogate = ratio * adv
-    surrogate_clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    pg_mat = -torch.minimum(surrogate, surrogate_clipped)
+    pg_mat = surrogate.loss
     loss_mat = pg_mat
     metrics: dict[str, Tensor] = {"kl": torch.zeros((), dtype=pg_mat.dtype, device=pg_mat.device)}
     if ref_logps is not None:
@@ -132,9 +178,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
             loss_mat = pg_mat + beta * kl_mat
     loss = aggregate_loss(loss_mat, m, agg, norm_length)
 
-    r, a = ratio.detach(), adv.detach()
-    low = (r < 1 - eps_low) & (a < 0)
-    high = (r > 1 + eps_high) & (a > 0)
+    r, low, high = surrogate.ratio, surrogate.clipped_low, surrogate.clipped_high
     metrics.update({
         "pg_loss": aggregate_loss(pg_mat.detach(), m, agg, norm_length),
         "clip_ratio/low_mean": masked_mean(low.to(r.dtype), m),
@@ -148,7 +192,8 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
                clip: float | None = 0.2, agg: str = "token-mean"):
-    """Clipped value loss (PPO as in OpenAI baselines / TRL, seed 004 §2.3).
+    """Clipped value loss: no paper equation; the form of OpenAI Baselines' ppo2 (Dhariwal et al. 2017),
+    which TRL's PPO follows.
 
     V_clip = V_old + clip(V − V_old, −c, c);  L_t = ½ max((V − R)², (V_clip − R)²),
     aggregated with ``agg`` (token-mean by default). ``clip=None`` gives the plain ½(V − R)².
@@ -181,7 +226,7 @@ def last_token_index(mask: Tensor) -> Tensor:
 
 def kl_penalized_rewards(scores: Tensor, logps: Tensor, ref_logps: Tensor, mask: Tensor, beta: float,
                          estimator: str = "k1") -> Tensor:
-    """Per-token RLHF reward with the KL penalty inside (Ziegler et al. 2019; seed 004 §2.4).
+    """Per-token RLHF reward with the KL penalty inside (Ziegler et al. 2019, eq. 2, spread over tokens).
 
     r̃_t = 1[t = last completion token] · R − β · KL_t,  KL_t = ``estimator`` (k1 by default, the
     classic log π − log π_ref) of (log π_old, log π_ref). Padding gets 0; a row with no tokens drops
