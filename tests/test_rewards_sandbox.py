@@ -1,171 +1,138 @@
-"""One test per sandbox limit: each attack is contained, scored 0 with a reason, and the run goes
-on (the next correct program still scores 1). Root-only guarantees (namespaces, a fresh uid) are
-asserted when the sandbox reports it got them, and skipped otherwise."""
+"""The code sandbox. Hostile programs (tests/hostile/*.py, one attack each, none solving its task)
+must score 0 and leave no trace outside; benign programs must score what they deserve.
 
+No wall-clock bounds here beyond "it came back": timings belong in benchmarks, not tests.
+Guarantees that need root (namespaces, own uids, cgroups) are asserted when the sandbox reports
+it obtained them; the unprivileged path is exercised by running as `nobody` where possible."""
+
+import ctypes
 import os
+import re
 import socket
 import subprocess
 import sys
-import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tether.rewards import load_reward
-from tether.rewards.sandbox import SandboxLimits, run_batch, run_python, sandbox_python
+from tether.rewards.sandbox import (SandboxLimits, missing_isolation, run_batch, run_python,
+                                    run_tests, sandbox_python)
+from tether.rewards.sandbox_host import parse_tests, remove_tree, same_stdout
 
-FAST = SandboxLimits(timeout_s=1.5)
+HOSTILE = Path(__file__).parent / "hostile"
+LIMITS = SandboxLimits(timeout_s=3.0)
 ROOT = os.geteuid() == 0 and sandbox_python() is not None
 GOOD = "def add(a, b):\n    return a + b\n"
-TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+TASKS = {  # every hostile program is written against one of these and solves none of them
+    "asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"],
+    "stdio": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 5\n", "output": "15\n"}],
+    "calls": [{"fn": "add", "args": [1, 2], "expected": 3},
+              {"fn": "add", "args": [10, 5], "expected": 15}],
+}
 
 
-def code_reward(solutions, tests=TESTS, limits=FAST):
-    fn = load_reward("code", limits=limits)
-    scores = fn([""] * len(solutions), solutions, None, tests=[tests] * len(solutions))
-    return scores, fn.last_results
+def hostile_programs():
+    out = []
+    for path in sorted(HOSTILE.glob("*.py")):
+        head = dict(re.findall(r"^# (\w+): (.*)$", path.read_text(), re.M))
+        out.append(pytest.param(path, head["class"], head["mode"], id=path.stem))
+    return out
 
 
-def still_works():
-    """The run goes on: after an attack, a correct program still scores 1."""
-    scores, _ = code_reward([GOOD])
-    assert scores == [1.0]
-
-
-def uid_processes(uid):
+def uid_processes(uids):
     n = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/status") as f:
-                if any(ln.startswith("Uid:") and str(uid) in ln.split() for ln in f):
+                if any(ln.startswith("Uid:") and set(map(str, uids)) & set(ln.split()) for ln in f):
                     n += 1
         except OSError:
             pass
     return n
 
 
-def test_correct_scores_one_wrong_scores_zero():
-    wrong = "def add(a, b):\n    return a - b\n"
-    fenced = f"Here you go:\n```python\n{GOOD}```\nDone."
-    scores, res = code_reward([GOOD, wrong, fenced, "def add(a, b) return"])
-    assert scores == [1.0, 0.0, 1.0, 0.0]
-    assert res[1].reason.startswith("exit code 1: AssertionError")
-    assert "SyntaxError" in res[3].reason
-    fn = load_reward("code")
-    assert fn(["", ""], [GOOD, GOOD], None, tests=[None, "assert add(2, 2) == 4"]) == [None, 1.0]
+@pytest.fixture(scope="module")
+def bait(tmp_path_factory):
+    """What a program would reach if it got out: listeners, a victim process whose command line
+    carries a marker, a SysV shared memory segment, paths it should not be able to create."""
+    d = tmp_path_factory.mktemp("bait")
+    tag = uuid.uuid4().hex[:12]
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(d / "s.sock"))
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind("\0tether-bait-" + tag)
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    for s in (unix, abstract, tcp):
+        s.listen(8)
+        s.setblocking(False)
+    marker = "tether-marker-" + tag
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmkey = 0x7E000000 | (os.getpid() & 0xFFFF)
+    shmid = libc.shmget(shmkey, 4096, 0o1000 | 0o666)          # IPC_CREAT
+    escape = f"/tmp/tether_escape_{tag}"
+    tokens = {"__UNIX_SOCK__": str(d / "s.sock"), "__ABSTRACT__": "tether-bait-" + tag,
+              "__PORT__": str(tcp.getsockname()[1]), "__VICTIM__": str(victim.pid),
+              "__TRAINER__": str(os.getpid()), "__ESCAPE__": escape,
+              "__ESCAPE_NAME__": f"tether_escape_{tag}", "__SHMKEY__": str(shmkey)}
+    paths = [escape, f"/dev/shm/tether_escape_{tag}", f"/work/main/tether_escape_{tag}",
+             f"/var/tmp/tether_escape_{tag}", "/usr/escape"]
+    yield dict(tokens=tokens, listeners=(unix, abstract, tcp), victim=victim, marker=marker,
+               paths=paths, shm=shmid)
+    victim.kill()
+    victim.wait()
+    for s in (unix, abstract, tcp):
+        s.close()
+    if shmid >= 0:
+        libc.shmctl(shmid, 0, None)                             # IPC_RMID
 
 
-def test_infinite_loop_is_killed_at_the_timeout():
-    t = time.monotonic()
-    scores, res = code_reward(["while True:\n    pass\n"])
-    assert time.monotonic() - t < 3.0
-    assert scores == [0.0] and res[0].reason == "timeout"
-    still_works()
+# What a contained attack prints (root: every layer present). Keys: program names.
+CONTAINED_OUTPUT = {
+    "esc_ptrace": ["ptrace 1 -1 1"], "esc_unshare_userns": ["unshare -1 1"],
+    "esc_clone3_newuser": ["clone3 -1 38"], "esc_mount": ["mount -1 1", "remount -1 1"],
+    "esc_tcp_ctypes": ["inet -1 raw -1 netlink -1"], "esc_x32_abi": ["x32 unshare -1 1"],
+    "esc_sysv_ipc": ["shmget -1 2"], "esc_unix_socket_ctypes": ["connect -1"],
+    "esc_kernel_surfaces": [f"{nr} -1 1" for nr in (250, 321, 425, 298, 323, 310)],
+}
 
 
-def test_fork_bomb_is_contained_by_nproc():
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    t = time.monotonic()
-    res = run_python(bomb, SandboxLimits(timeout_s=1.0, max_processes=8))
-    assert time.monotonic() - t < 4.0
-    assert not res.passed and res.reason == "timeout"
-    if res.isolation and res.isolation.get("uid"):
-        assert uid_processes(res.isolation["uid"]) == 0  # every copy was killed
-    still_works()
-
-
-def test_memory_bomb_hits_the_address_space_limit():
-    scores, res = code_reward(["hog = []\nwhile True:\n    hog.append(bytearray(50 * 2**20))\n"],
-                              limits=SandboxLimits(timeout_s=3, memory_mb=256))
-    assert scores == [0.0] and res[0].reason.startswith("memory")
-    still_works()
-
-
-def test_network_is_blocked():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.2)
-    port = server.getsockname()[1]
-    # The plain way: socket creation itself fails.
-    plain = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-    scores, res = code_reward([plain])
-    assert scores == [0.0] and "network access is disabled" in res[0].reason
-    # Around the in-process block (a fresh _socket module): the network namespace still stops it.
-    bypass = (f"import sys\ndel sys.modules['_socket']\nimport _socket\ns = _socket.socket()\n"
-              f"s.settimeout(1)\ns.connect(('127.0.0.1', {port}))\n")
-    res = run_python(bypass, FAST)
-    assert not res.passed
+@pytest.mark.parametrize("path, cls, mode", hostile_programs())
+def test_hostile_program_scores_zero_and_stays_inside(path, cls, mode, bait):
+    code = path.read_text()
+    for k, v in bait["tokens"].items():
+        code = code.replace(k, v)
+    fn = load_reward("code", limits=LIMITS)
+    scores = fn([""], [f"```python\n{code}```"], None, tests=[TASKS[mode]])
+    res = fn.last_results[0]
+    assert scores == [0.0], f"false pass: {res.reason}"
+    assert res.reason and res.duration_s < LIMITS.timeout_s + 30      # came back, with a reason
+    # Nothing outside changed: no connection, the victim lives, no file appeared.
+    for s in bait["listeners"]:
+        with pytest.raises(BlockingIOError):
+            s.accept()
+    assert bait["victim"].poll() is None
+    assert not any(os.path.exists(p) for p in bait["paths"])
+    assert bait["marker"] not in res.stdout + res.stderr
+    assert "[build-system]" not in res.stdout and "root:" not in res.stdout
     if ROOT:
-        assert res.isolation["net"] and "Network is unreachable" in res.reason
-    with pytest.raises(socket.timeout):
-        server.accept()  # nobody connected
-    server.close()
-    still_works()
+        iso = res.isolation
+        assert iso["fs"] == "minimal root" and iso["seccomp"] and iso["pid"] and iso["net"]
+        assert res.missing == []
+        assert uid_processes(iso["uids"]) == 0                  # every process it made is gone
+        for want in CONTAINED_OUTPUT.get(path.stem, []):
+            assert want in res.stdout, (want, res.stdout)
+        if res.peak_memory_mb is not None:                      # the tree, not each process
+            assert res.peak_memory_mb <= LIMITS.memory_mb + 96 + 1
+        m = re.search(r"children (\d+)", res.stdout)
+        assert m is None or int(m.group(1)) <= LIMITS.max_processes
 
 
-@pytest.mark.skipif(not ROOT, reason="read-only mounts need root (mount namespace)")
-def test_writing_outside_the_temp_dir_fails(tmp_path):
-    targets = [f"/tmp/tether_escape_{uuid.uuid4().hex}", str(tmp_path / "escape.txt"),
-               f"/dev/shm/tether_escape_{uuid.uuid4().hex}"]
-    for target in targets:
-        res = run_python(f"open({target!r}, 'w').write('x')\n", FAST)
-        assert not res.passed and ("Read-only" in res.reason or "Permission" in res.reason)
-        assert not os.path.exists(target)
-    # Inside its own temp dir it can write, and the dir is gone afterwards.
-    res = run_python("import os\nopen('out.txt', 'w').write('ok')\nprint(os.getcwd())\n", FAST)
-    assert res.passed and not os.path.exists(res.stdout.strip())
-    res = run_python("open('big', 'wb').write(b'x' * (2 * 2**20))\n",
-                     SandboxLimits(timeout_s=1.5, file_size_mb=1))
-    assert not res.passed and "File too large" in res.reason  # RLIMIT_FSIZE
-    still_works()
-
-
-def test_parent_environment_is_invisible(monkeypatch):
-    secret = uuid.uuid4().hex
-    monkeypatch.setenv("TETHER_TEST_SECRET", secret)
-    spy = ("import os\nprint(dict(os.environ))\n"
-           f"try:\n    print(open('/proc/{os.getpid()}/environ').read())\n"
-           "except OSError as e:\n    print('denied', e)\n"
-           "assert 'TETHER_TEST_SECRET' in os.environ\n")
-    res = run_python(spy, FAST)
-    assert secret not in res.stdout and secret not in res.stderr
-    assert not res.passed
-    if ROOT:
-        assert "denied" in res.stdout  # another uid cannot read our /proc/<pid>/environ
-    still_works()
-
-
-def test_flooding_stdout_is_capped_and_killed():
-    t = time.monotonic()
-    scores, res = code_reward(["while True:\n    print('spam' * 1000)\n"],
-                              limits=SandboxLimits(timeout_s=3, output_bytes=10_000))
-    assert time.monotonic() - t < 3.0
-    assert scores == [0.0] and res[0].reason == "output limit"
-    assert len(res[0].stdout) <= 10_000
-    still_works()
-
-
-def test_killing_its_parent_does_not_reach_the_trainer():
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        attack = ("import os, signal\n"
-                  "for pid in (os.getppid(), os.getpgid(0), %d, %d):\n"
-                  "    try:\n        os.kill(pid, signal.SIGKILL)\n"
-                  "    except OSError:\n        pass\n" % (os.getpid(), victim.pid))
-        scores, res = code_reward([attack + GOOD], tests=["assert add(1, 2) == 4"])
-        assert scores == [0.0] and res[0].reason  # scored 0 with a reason; we are alive
-        if ROOT:
-            assert victim.poll() is None  # a process of ours it named by pid survived
-    finally:
-        victim.kill()
-        victim.wait()
-    still_works()
-
-
-def test_batch_runs_concurrently_and_keeps_order():
-    progs = ["import time\ntime.sleep(0.5)\nprint(%d)\n" % i for i in range(4)]
-    t = time.monotonic()
-    res = run_batch(progs, FAST, workers=2)
-    assert [r.stdout.strip() for r in res] == ["0", "1", "2", "3"]
-    assert time.monotonic() - t < 1.9  # 2 workers: about 1 s, not 2
+def test_the_hostile_suite_covers_every_class():
+    classes = [p.values[1] for p in hostile_programs()]
+    assert len(classes) >= 40
+    for cls in ("false_pass", "hang_crash", "escape", "limits"):
+        assert classes.count(cls) >= 7, cls

@@ -1,23 +1,17 @@
-"""Run untrusted, model-written Python in a contained child process.
+"""Run untrusted, model-written Python and grade it, without letting it decide its own score.
 
-Layout of one run (the caller is the trainer)::
+    trainer ──Popen(new session)──> launcher ──unshare──fork──> init (PID 1 of a new namespace)
+                                                                  ├─> runner  (uid U1): the code
+                                                                  └─> grader  (uid U2): the tests
 
-    trainer ──Popen(new session)──> launcher (root if we are root)  ──fork──> program (uid U)
-
-The *launcher* is a tiny Python script that sets up isolation, forks the program and reports its
-exit status. The program's parent is the launcher, never the trainer, so `os.kill(os.getppid())`
-cannot reach the trainer; when we are root the program also runs under a fresh, unused uid U, so
-it cannot signal any process but its own. See docs/rewards.md for what is and isn't guaranteed.
-
-Isolation, when running as root (namespaces need CAP_SYS_ADMIN):
-  * new network namespace: no interfaces but a down loopback, so no connection of any kind;
-  * new mount namespace: every mount re-mounted read-only, except the fresh temp dir (cwd);
-  * new PID namespace: the program is PID 1 there; when it dies, everything it spawned dies;
-  * unused uid/gid: RLIMIT_NPROC counts per uid, and the kernel ignores it for root, so a fork
-    bomb is only contained because U is not root; U also owns no file outside the temp dir.
-Always: rlimits (CPU, address space, file size, processes, open files, no core dumps), wall-clock
-timeout, scrubbed environment, capped stdout/stderr, the whole process group SIGKILLed at the end,
-and `socket.socket` replaced by one that raises before the program's code runs.
+The verdict never comes from the program: not its exit status, not a file it could write.
+  * assert-style tests run in the grader, a process the candidate's code never enters; the
+    functions they call are proxies to the runner, values come back as plain data. The grader
+    writes a per-run nonce to a pipe only it holds, and only after every test statement returned.
+  * I/O tests (stdin -> stdout, function call -> result): the runner sends what the program
+    produced, and the comparison happens here, in the trainer.
+Isolation status and exit codes come from init over another pipe; nothing is read back from
+the program's directory. See docs/rewards.md (threat model) and sandbox_launcher.py (isolation).
 """
 
 from __future__ import annotations
@@ -26,115 +20,66 @@ import json
 import logging
 import os
 import random
+import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from tether.rewards.sandbox_codec import encode
+from tether.rewards.sandbox_host import (Cgroup, TestSpec, parse_tests, remove_tree,  # noqa: F401
+                                        verdict)
 
 log = logging.getLogger(__name__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LAUNCHER = os.path.join(_HERE, "sandbox_launcher.py")
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc")
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    timeout_s: float = 5.0          # wall clock, from start to SIGKILL of the process group
-    memory_mb: int = 512            # RLIMIT_AS (address space, not RSS)
-    file_size_mb: int = 16          # RLIMIT_FSIZE: largest file the program may write
-    max_processes: int = 16         # RLIMIT_NPROC for the program's uid (fork bombs)
+    timeout_s: float = 5.0          # wall clock, start to SIGKILL of everything
+    memory_mb: int = 512            # each process (RLIMIT_AS) and the whole tree (cgroup/watchdog)
+    file_size_mb: int = 16          # RLIMIT_FSIZE: largest single file
+    disk_mb: int = 32               # the whole work dir (tmpfs size, else a watchdog)
+    max_files: int = 4096           # inodes in the work dir
+    max_processes: int = 16         # the tree (pids cgroup / watchdog) and RLIMIT_NPROC of uid U1
     max_open_files: int = 64        # RLIMIT_NOFILE
     output_bytes: int = 64_000      # stdout + stderr kept; more than this kills the program
-    isolate: bool = True            # use namespaces and an unused uid when running as root
+    isolate: bool = True            # namespaces, minimal root, own uids (False: debugging only)
 
 
 @dataclass
 class SandboxResult:
     passed: bool
-    reason: str             # 'ok', 'timeout', 'output limit', 'memory', 'exit code 1: ...'
+    reason: str             # 'ok', 'timeout', 'failed test 2 (line 3): AssertionError: ...', ...
     stdout: str = ""
     stderr: str = ""
     returncode: int | None = None
     duration_s: float = 0.0
-    isolation: dict | None = None   # which namespaces the launcher managed to enter
+    isolation: dict | None = None   # what the launcher obtained (namespaces, uids, seccomp, ...)
+    missing: list = field(default_factory=list)   # isolation we asked for and did not get
+    peak_memory_mb: float | None = None   # the whole tree's high-water mark (cgroup only)
 
-
-# Replaces socket creation before the program runs. Best effort on its own (ctypes or a fresh
-# import of _socket under another name gets around it): the network namespace is the real block.
-_PRELUDE = r"""
-import sys, socket, _socket
-def _blocked(*a, **k):
-    raise PermissionError("network access is disabled in the tether sandbox")
-class _NoSocket(socket.socket):
-    def __init__(self, *a, **k):
-        _blocked()
-socket.socket = socket.SocketType = _NoSocket
-_socket.socket = _socket.SocketType = _NoSocket
-socket.socketpair = socket.fromfd = socket.create_connection = _blocked
-import runpy
-sys.argv = ["main.py"]
-runpy.run_path("main.py", run_name="__main__")
-"""
-
-# The launcher runs in the child of the trainer (argv[1]: JSON config). It stays root (if we
-# are) so the program cannot signal it, and exits with the program's status (128+signal).
-_LAUNCHER = r"""
-import ctypes, json, os, resource, sys
-cfg = json.loads(sys.argv[1])
-iso = {"uid": None, "net": False, "mount": False, "pid": False}
-libc = ctypes.CDLL(None, use_errno=True)
-def unshare(flag):
-    return libc.unshare(flag) == 0
-if cfg["isolate"] and os.geteuid() == 0:
-    iso["net"] = unshare(0x40000000)                      # CLONE_NEWNET
-    if unshare(0x00020000):                               # CLONE_NEWNS
-        MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
-        ok = libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
-        wd = cfg["workdir"].encode()
-        ok = ok and libc.mount(wd, wd, None, MS_BIND, None) == 0
-        points = []
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                p = line.split()[1].replace("\\040", " ")
-                if p != cfg["workdir"] and not p.startswith(("/proc", "/sys")):
-                    points.append(p)
-        for p in points:   # read-only everywhere but the temp dir; a failure means not contained
-            r = libc.mount(None, p.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
-            ok = ok and (r == 0 or not os.path.exists(p))
-        iso["mount"] = bool(ok)
-    iso["pid"] = unshare(0x20000000)                      # CLONE_NEWPID: next fork is PID 1
-    iso["uid"] = cfg["uid"]
-with open(os.path.join(cfg["workdir"], ".isolation.json"), "w") as f:
-    json.dump(iso, f)
-lim = cfg["limits"]
-pid = os.fork()
-if pid == 0:
-    try:
-        os.chdir(cfg["workdir"])
-        R = resource
-        mb = 1 << 20
-        for res, val in ((R.RLIMIT_CPU, lim["cpu_s"]), (R.RLIMIT_AS, lim["memory_mb"] * mb),
-                         (R.RLIMIT_FSIZE, lim["file_size_mb"] * mb), (R.RLIMIT_CORE, 0),
-                         (R.RLIMIT_NPROC, lim["max_processes"]),
-                         (R.RLIMIT_NOFILE, lim["max_open_files"])):
-            resource.setrlimit(res, (val, val))
-        if iso["uid"] is not None:
-            os.setgroups([])
-            os.setgid(iso["uid"])
-            os.setuid(iso["uid"])
-        os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["prelude"]], cfg["env"])
-    except BaseException as e:
-        os.write(2, ("sandbox setup failed: %r\n" % (e,)).encode())
-    os._exit(127)
-_, status = os.waitpid(pid, 0)
-if os.WIFSIGNALED(status):
-    os._exit(128 + os.WTERMSIG(status))
-os._exit(os.WEXITSTATUS(status))
-"""
 
 _UID_BASE = 1_700_000_000   # far above any real account; no files belong to these uids
+_PROGRAM = None
+
+
+def _program() -> str:
+    """The source run inside the sandbox: the codec, then the runner/grader."""
+    global _PROGRAM
+    if _PROGRAM is None:
+        parts = []
+        for name in ("sandbox_codec.py", "sandbox_harness.py"):
+            with open(os.path.join(_HERE, name)) as f:
+                parts.append(f.read())
+        _PROGRAM = "\n".join(parts)
+    return _PROGRAM
 
 
 def _fresh_uid() -> int:
@@ -167,63 +112,172 @@ def sandbox_python() -> str | None:
     return None
 
 
+def _binds(python: str) -> list[str]:
+    """The interpreter's installation, if the system directories do not already hold it."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    if prefix in ("/", "") or any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM):
+        return []
+    return [prefix]
+
+
+def missing_isolation(iso: dict | None) -> list[str]:
+    """What the launcher did not get, in words (docs/rewards.md explains each)."""
+    if not iso:
+        return ["everything: the launcher reported nothing"]
+    out = [f"{ns} namespace" for ns in ("net", "ipc", "uts", "mount", "pid", "cgroup")
+           if not iso.get(ns)]
+    if iso.get("fs") != "minimal root":
+        out.append("minimal root filesystem (the program sees the host's files)")
+    if not iso.get("uids"):
+        out.append("separate uids for the program and the grader")
+    if not iso.get("seccomp"):
+        out.append("seccomp filter")
+    if not iso.get("cgroup_limits"):
+        out.append("cgroup (tree memory/process caps by a polling watchdog)")
+    return out
+
+
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `code` as a script in the sandbox. Never raises for anything the code does."""
-    limits = limits or SandboxLimits()
+    """Run `code` as a script. `passed` is only "exited with status 0": a program can always
+    arrange that, so never use this to grade a task -- use run_tests. Never raises."""
+    return _run(code, None, limits or SandboxLimits())
+
+
+def run_tests(code: str, tests, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Grade `code` against `tests` (see sandbox_host.parse_tests for the accepted forms).
+    `passed` only if every test passed, as decided outside the program. Never raises for
+    anything the code does; a malformed `tests` raises ValueError."""
+    spec = parse_tests(tests)
+    if spec is None:
+        raise ValueError("no tests")
+    return _run(code, spec, limits or SandboxLimits())
+
+
+def run_batch(programs: list[str], limits: SandboxLimits | None = None, workers: int = 2,
+              tests: list | None = None) -> list[SandboxResult]:
+    """Several programs concurrently (each may use a full core), each with its row's `tests`
+    (run_tests) or, without `tests`, just run (run_python). Results in input order."""
+    if not programs:
+        return []
+    if tests is None:
+        job = (lambda i: run_python(programs[i], limits))
+    else:
+        specs = [parse_tests(t) for t in tests]     # malformed tests fail here, before any run
+        job = (lambda i: _run(programs[i], specs[i], limits or SandboxLimits()))
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(programs)))) as pool:
+        return list(pool.map(job, range(len(programs))))
+
+
+def _jobs(code: str, spec: TestSpec | None, limits: SandboxLimits):
+    """(mode, runner job, grader job, results cap)."""
+    if spec is None:
+        return "plain", {"mode": "plain", "code": code}, None, 0
+    if spec.kind == "asserts":
+        return "serve", {"mode": "serve", "code": code}, {"tests": spec.source}, 0
+    if spec.kind == "calls":
+        calls = [{"fn": fn, "args": [encode(a) for a in args],
+                  "kw": {k: encode(v) for k, v in kw.items()}}
+                 for fn, args, kw in spec.inputs]
+        cap = sum(2 * len(json.dumps(o, default=str)) + limits.output_bytes for o in spec.outputs)
+        return "calls", {"mode": "calls", "code": code, "calls": calls}, None, cap
+    caps = [max(limits.output_bytes, 2 * len(o) + 1024) for o in spec.outputs]
+    job = {"mode": "stdio", "code": code, "inputs": spec.inputs, "caps": caps}
+    return "stdio", job, None, sum(caps) + 1024 * len(caps)
+
+
+def _run(code: str, spec: TestSpec | None, limits: SandboxLimits) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="tether_sandbox_")
-    python = sandbox_python() if (limits.isolate and os.geteuid() == 0) else None
-    # Without an interpreter the new uid can run, fall back to our own uid (documented weaker).
-    uid = _fresh_uid() if python else None
-    python = python or sys.executable
-    proc = None
+    proc, cg, ours = None, None, []
     try:
-        with open(os.path.join(workdir, "main.py"), "w") as f:
-            f.write(code)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chmod(workdir, 0o700)
+        root = os.geteuid() == 0
+        python = sandbox_python() if (limits.isolate and root) else os.path.realpath(sys.executable)
+        isolate = limits.isolate and python is not None
+        python = python or os.path.realpath(sys.executable)
+        uids = [_fresh_uid(), _fresh_uid()] if (isolate and root) else None
+        if isolate and root:
+            cg = Cgroup.create(limits.memory_mb, limits.max_processes)
+        mode, runner_job, grader_job, results_cap = _jobs(code, spec, limits)
+        nonce = secrets.token_hex(16)
+        if grader_job is not None:
+            grader_job["nonce"] = nonce
+        names = ["status"] + ["verdict"] * (mode == "serve") + ["results"] * bool(results_cap)
+        pipes = {name: os.pipe() for name in names}
+        ours = [fd for pair in pipes.values() for fd in pair]
         lim = asdict(limits)
-        lim["cpu_s"] = int(limits.timeout_s) + 1   # CPU limit backs up the wall clock
-        cfg = {"workdir": workdir, "uid": uid, "isolate": limits.isolate, "limits": lim,
-               "prelude": _PRELUDE, "python": python,
+        lim["cpu_s"] = int(limits.timeout_s) + 1          # CPU limit backs up the wall clock
+        cfg = {"mode": mode, "runner_job": runner_job, "grader_job": grader_job,
+               "fds": {k: w for k, (_, w) in pipes.items()}, "isolate": isolate, "uids": uids,
+               "cgroups": cg.procs if cg else [], "watchdog": cg is None, "workdir": workdir,
+               "binds": _binds(python), "limits": lim, "python": python, "program": _program(),
                # Scrubbed: the program sees none of the trainer's variables (tokens, keys).
-               "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
-                       "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}}
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"},
-                                start_new_session=True, close_fds=True)
-        out, err, why = _collect(proc, limits, start)
-        _kill_all(proc, uid, python)
-        try:
-            rc = proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            rc = None
-        iso = _read_json(os.path.join(workdir, ".isolation.json"))
-        res = _classify(why, rc, out, err)
-        res.duration_s = time.monotonic() - start
-        res.isolation = iso
+               "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}}
+        cfg_fd = os.memfd_create("tether-sandbox-config")
+        ours.append(cfg_fd)
+        os.write(cfg_fd, json.dumps(cfg).encode())
+        os.lseek(cfg_fd, 0, 0)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER], stdin=cfg_fd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=[w for _, w in pipes.values()],
+                                env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        for fd in [w for _, w in pipes.values()] + [cfg_fd]:
+            os.close(fd)
+            ours.remove(fd)
+        caps = {"status": 1 << 20, "verdict": 1 << 20, "results": results_cap + (1 << 20)}
+        streams, why = _collect(proc, {k: r for k, (r, _) in pipes.items()}, caps, limits, start)
+        for k, (r, _) in pipes.items():
+            ours.remove(r)                                # _collect closed them
+        oom, peak = (cg.oom_killed(), cg.peak_memory_mb()) if cg else (False, None)
+        res = SandboxResult(**verdict(mode, spec, streams, why, oom, nonce, limits.output_bytes))
+        res.duration_s, res.peak_memory_mb = time.monotonic() - start, peak
+        res.missing = (["isolate=False"] if not isolate else []) + missing_isolation(res.isolation)
         if not res.passed:
             log.info("sandbox: %s", res.reason)
         return res
-    except Exception as e:  # our own failure (disk full, fork refused): score 0, keep training
+    except Exception as e:  # our own failure (fork refused, no memfd): score 0, keep training
         log.warning("sandbox could not run a program: %s: %s", type(e).__name__, e)
         return SandboxResult(False, f"sandbox error: {type(e).__name__}: {e}",
                              duration_s=time.monotonic() - start)
     finally:
-        if proc is not None and proc.poll() is None:
-            _kill_all(proc, uid, python)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _stop(proc, cg)
+        for fd in ours:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        remove_tree(workdir)
 
 
-def _collect(proc, limits, start):
-    """Read stdout/stderr until both close, the deadline passes or the output cap is hit."""
-    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+def _stop(proc, cg):
+    """SIGKILL the launcher's group (the PID namespace dies with init), then the cgroup's
+    stragglers; reap the launcher. Never raises, never waits long."""
+    try:
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if cg is not None:
+            cg.destroy()
+        if proc is not None:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                log.warning("sandbox: launcher %d did not exit", proc.pid)
+    except Exception as e:
+        log.warning("sandbox: cleanup: %s", e)
+
+
+def _collect(proc, extra: dict, caps: dict, limits: SandboxLimits, start: float):
+    """Read every pipe until all close, the deadline passes or a cap is hit. Non-blocking reads
+    of pipes we created: nothing the program does can make this block or read without bound."""
+    fds = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
+    fds.update({fd: name for name, fd in extra.items()})
+    bufs = {name: bytearray() for name in fds.values()}
     sel = selectors.DefaultSelector()
-    for f in bufs:
-        os.set_blocking(f.fileno(), False)
-        sel.register(f, selectors.EVENT_READ)
+    for fd in fds:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
     deadline = start + limits.timeout_s
     why = None
     try:
@@ -233,80 +287,25 @@ def _collect(proc, limits, start):
                 why = "timeout"
                 break
             for key, _ in sel.select(timeout=min(left, 0.5)):
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
+                name = fds[key.fd]
+                try:
+                    chunk = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
                     continue
-                bufs[key.fileobj] += chunk
-            if sum(len(b) for b in bufs.values()) > limits.output_bytes:
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                bufs[name] += chunk
+                if name in caps and len(bufs[name]) > caps[name]:
+                    why = "output limit"
+            if len(bufs["stdout"]) + len(bufs["stderr"]) > limits.output_bytes:
                 why = "output limit"
+            if why:
                 break
     finally:
         sel.close()
-        for f in bufs:
-            f.close()
-    cap = limits.output_bytes
-    return (bytes(bufs[proc.stdout][:cap]).decode("utf-8", "replace"),
-            bytes(bufs[proc.stderr][:cap]).decode("utf-8", "replace"), why)
-
-
-def _kill_all(proc, uid, python):
-    """Kill everything the program started, then the launcher.
-
-    With its own uid: kill(-1) from a process with uid U signals exactly U's processes, which
-    also catches children that called setsid to leave the process group. The launcher (root)
-    survives that, reaps the program and exits; killing the launcher first would orphan the
-    program to PID 1, which in a container may never reap it (a zombie counted in NPROC)."""
-    if uid is not None:
-        subprocess.run([python, "-I", "-S", "-c",
-                        "import os,signal\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass"],
-                       user=uid, group=uid, extra_groups=[], env={}, timeout=10,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=False)
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # the whole process group: the only handle we have without a uid of its own
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _classify(why, rc, out, err) -> SandboxResult:
-    def res(passed, reason):
-        return SandboxResult(passed, reason, out, err, rc)
-
-    if why is not None:
-        return res(False, why)
-    if rc == 0:
-        return res(True, "ok")
-    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
-    if "MemoryError" in err:
-        return res(False, "memory: " + last[:200])
-    if rc is None:
-        return res(False, "sandbox launcher did not exit")
-    if rc < 0:  # the launcher itself was killed (e.g. by the program); we are unaffected
-        return res(False, f"sandbox launcher killed by signal {-rc}")
-    if rc > 128:
-        sig = rc - 128
-        name = {signal.SIGXCPU: "cpu time limit", signal.SIGXFSZ: "file size limit"}.get(sig)
-        return res(False, name or f"killed by signal {sig} ({signal.Signals(sig).name})")
-    return res(False, f"exit code {rc}: {last[:300]}")
-
-
-def run_batch(programs: list[str], limits: SandboxLimits | None = None,
-              workers: int = 2) -> list[SandboxResult]:
-    """Run several programs concurrently (a small pool: each one may use a full core)."""
-    if not programs:
-        return []
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(programs)))) as pool:
-        return list(pool.map(lambda c: run_python(c, limits), programs))
+        proc.stdout.close()
+        proc.stderr.close()
+        for fd in extra.values():
+            os.close(fd)
+    return bufs, why

@@ -5,7 +5,7 @@ built-in name, so metrics read `rewards/math/mean`, `rewards/format/mean`, ...
   format          1.0 if the completion matches a regex (default <think>..</think><answer>..</answer>)
   length_penalty  soft overlong penalty: 0 until max_length - cache, then linear down to -1
   arithmetic      the embedded arithmetic task's verifier (strict: only the '#### n' line counts)
-  code            runs the completion's Python plus the row's `tests` in the sandbox: 1 pass, 0 not
+  code            the completion's Python, graded by the row's `tests` in the sandbox: 1 or 0
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 # by module path, not `from tether.rewards import`: the package __init__ imports the registry,
 # which imports this module, so going through the __init__ would be a cycle
-from tether.rewards.sandbox import SandboxLimits, run_batch
+from tether.rewards.sandbox import SandboxLimits, parse_tests, run_batch
 from tether.tasks.arithmetic import check_answer
 
 log = logging.getLogger(__name__)
@@ -190,21 +190,25 @@ def extract_code(text: str) -> str:
 
 def make_code(tests_column: str = "tests", limits: SandboxLimits | None = None,
               workers: int = 2):
-    """1.0 if the completion's code followed by the row's tests (a string of asserts, or a list
-    of them) exits 0 in the sandbox; 0.0 otherwise, the reason logged; None if no tests."""
+    """1.0 if the completion's code passes the row's tests in the sandbox, 0.0 otherwise (the
+    reason logged), None if the row has no tests. Tests: assert source (a string, or a list of
+    strings), stdin/stdout pairs, or function-call/result pairs (sandbox_host.parse_tests).
+    The verdict comes from outside the program: a grader process that never runs its code, or
+    a comparison here of what it printed or returned -- never its exit status."""
     def code(prompts, completions, completion_ids=None, **columns):
         tests = columns.get(tests_column)
         if tests is None:
             raise KeyError(f"needs a {tests_column!r} column; got {sorted(columns)}")
-        rows, programs = [], []
+        rows, programs, specs = [], [], []
         for i, (c, t) in enumerate(zip(completions, tests)):
-            if t is None or (isinstance(t, (list, tuple)) and not t):
+            spec = parse_tests(t)
+            if spec is None:
                 continue
-            t = "\n".join(t) if isinstance(t, (list, tuple)) else str(t)
             rows.append(i)
-            programs.append(extract_code(c) + "\n\n" + t + "\n")
+            programs.append(extract_code(c))
+            specs.append(spec)
         out: list[float | None] = [None] * len(completions)
-        results = run_batch(programs, limits, workers)
+        results = run_batch(programs, limits, workers, tests=specs)
         for i, res in zip(rows, results):
             out[i] = 1.0 if res.passed else 0.0
             if not res.passed:

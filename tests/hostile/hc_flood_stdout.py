@@ -1,0 +1,5 @@
+# class: hang_crash
+# mode: asserts
+# what: endless stdout
+while True:
+    print('x' * 1000)

@@ -1,0 +1,9 @@
+# class: hang_crash
+# mode: asserts
+# what: fork bomb
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
