@@ -206,6 +206,15 @@ SURROGATE_HAND = {
     # 0.8187, both inside [0.8, 1.2]: row means −s_1 and 2 s_2; gradient −A s_i/(2|y_i|) on every token.
     "sequence": ((-e(0.2 / 3) + 2 * e(-0.2)) / 2,
                  [[-e(0.2 / 3) / 6] * 3, [2 * e(-0.2) / 4] * 2 + [0.0]]),
+    # GMPO: clip each Δ in log space first, on the side A's sign makes binding, then the geometric
+    # mean. Row 1 (A > 0): min(Δ, clip(Δ, −.2, .2)) = (0.2, −0.1, 0.0) → s_1 = e^{0.1/3} = 1.033895
+    # (not the arithmetic mean of clipped ratios (1.2 + e^−.1 + 1)/3 = 1.034946, not GSPO's
+    # unclipped e^{0.2/3} = 1.068939). Row 2 (A < 0): max(Δ, clip) = (−0.2, 0.1) → s_2 = e^{−0.1/2} =
+    # 0.951229 (clipping at 1 − ε = 0.8 in ratio space would give e^{(ln 0.8 + 0.1)/2} = 0.940285).
+    # Row losses −A s: −s_1, 2 s_2. Gradient −A s_i/(2|y_i|) on unclipped tokens: −s_1/6 on row 1's
+    # tokens 2-3, 2 s_2/4 on row 2's token 2; 0 on the clipped tokens 1 of each row.
+    "gmpo": ((-e(0.1 / 3) + 2 * e(-0.05)) / 2,
+             [[0.0, -e(0.1 / 3) / 6, -e(0.1 / 3) / 6], [0.0, 2 * e(-0.05) / 4, 0.0]]),
 }
 
 

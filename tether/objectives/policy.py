@@ -118,9 +118,33 @@ def gspo_token_surrogate(log_ratio, logps, adv, mask, eps_low, eps_high) -> Surr
     return _ppo_clip(ratio, adv, eps_low, eps_high)
 
 
+def gmpo_surrogate(log_ratio, logps, adv, mask, eps_low, eps_high) -> Surrogate:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", §3, the clipped objective):
+    one ratio per sequence, the geometric mean of its token ratios, each token clipped in log space
+    on the side the advantage's sign makes binding *before* the mean (GSPO clips the mean instead):
+
+        A_i = mean_t A_{i,t},   Δ_t = log π_t − log π_old,t,   c_t = clip(Δ_t, −ε_low, ε_high)
+        ℓ_t = min(Δ_t, c_t) if A_i ≥ 0, max(Δ_t, c_t) if A_i < 0   (= log of min(ρ_t A_i, clip(ρ_t) A_i)/A_i)
+        s_i = exp((1/|y_i|) Σ_t ℓ_t),   L_i = −s_i A_i   (on each of the sequence's tokens)
+
+    A clipped token gets no gradient; the others get −A_i s_i / |y_i| · ∇log π_t. Use
+    ``loss_agg="seq-mean-token-mean"`` for the paper's mean over sequences, and its wider clip
+    (ε = 0.4: ratios in (e^−0.4, e^0.4)); ε here is in log space. Per-token advantages are averaged
+    over the sequence (GMPO is defined for one advantage per sequence).
+    """
+    seq_adv = masked_mean(adv, mask, dim=-1).unsqueeze(-1)
+    clipped = torch.clamp(log_ratio, -eps_low, eps_high)
+    kept = torch.where(seq_adv < 0, torch.maximum(log_ratio, clipped), torch.minimum(log_ratio, clipped))
+    ratio = torch.exp(masked_mean(kept, mask, dim=-1)).unsqueeze(-1)
+    delta = log_ratio.detach()
+    return Surrogate((-ratio * seq_adv).expand_as(log_ratio), ratio.detach().expand_as(log_ratio),
+                     (delta < -eps_low) & (seq_adv < 0), (delta > eps_high) & (seq_adv > 0))
+
+
 SURROGATES: dict[str, Callable[..., Surrogate]] = {
     "token": token_ratio_surrogate,
     "sequence": gspo_token_surrogate,
+    "gmpo": gmpo_surrogate,
 }
 
 
