@@ -166,3 +166,51 @@ def test_proxy_rm_is_near_bayes_optimal_at_the_default_size(tmp_path):
     policy = build_sft_policy(tmp_path / "world")
     s = build_proxy_rm(tmp_path / "world", policy)
     assert s["eval/accuracy"] >= s["eval/bayes_accuracy"] - 0.05, s
+
+
+def test_ensemble_members_differ_only_by_seed_and_name(tmp_path):
+    """train_rm_ensemble builds each member with dataclasses.replace(cfg, name=..., seed=...): the
+    flat keys land in the run section, every other section (here lr, batch size, eval_seed) is kept."""
+    import yaml
+
+    from tether.trainers.rm import train_rm_ensemble
+    model = _tiny_world_model(tmp_path / "m")
+    data = _writer_pairs(tmp_path / "pairs.jsonl", 64)
+    cfg = RMConfig(model=model, data=data, name="ens", runs_dir=str(tmp_path), batch_size=8, max_steps=2,
+                   lr=1e-2, eval_seed=3, device="cpu", progress=False)
+    paths = train_rm_ensemble(cfg, [0, 1])
+    assert paths == [str(tmp_path / f"ens-s{s}" / "checkpoints" / "step-2") for s in (0, 1)]
+    assert cfg.run.name == "ens" and cfg.run.seed == 0  # the caller's config is not touched
+    for s in (0, 1):
+        saved = yaml.safe_load((tmp_path / f"ens-s{s}" / "config.yaml").read_text())
+        assert saved["run"]["name"] == f"ens-s{s}" and saved["run"]["seed"] == s
+        assert saved["optim"]["lr"] == 1e-2 and saved["data"]["batch_size"] == 8 and saved["rm"]["eval_seed"] == 3
+    summaries = [json.loads((tmp_path / f"ens-s{s}" / "summary.json").read_text()) for s in (0, 1)]
+    assert summaries[0]["eval_pairs"] == summaries[1]["eval_pairs"] > 0  # one held-out split (eval_seed)
+    heads = [ScalarHeadModel.from_pretrained(p, device="cpu").head.weight for p in paths]
+    assert not torch.allclose(heads[0], heads[1])  # seeds differ: head init and data order
+
+
+def test_samples_are_held_out_pairs_with_their_rewards(tmp_path):
+    """At eval points and at the end, run.num_samples held-out pairs with the (centered) rewards
+    the saved model gives them."""
+    model = _tiny_world_model(tmp_path / "m")
+    data = _writer_pairs(tmp_path / "pairs.jsonl", 64)
+    s = train_rm(RMConfig(model=model, data=data, runs_dir=str(tmp_path), batch_size=8, max_steps=4,
+                          eval_every=2, num_samples=3, lr=1e-2, device="cpu", progress=False))
+    rows = [json.loads(l) for l in (tmp_path / "rm" / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 2, 2, 4, 4, 4]
+    # the first held-out pairs (eval_fraction 0.1 of 64, split by eval_seed 0), the same each time
+    import random
+    order = list(range(64))
+    random.Random(0).shuffle(order)
+    pairs = [json.loads(l) for l in open(data)]
+    held_out = [pairs[i] for i in sorted(order[:6])][:3]
+    for r in rows:
+        assert (r["prompt"], r["chosen"], r["rejected"]) in [(h["prompt"], h["chosen"], h["rejected"]) for h in held_out]
+    assert [r["chosen"] for r in rows[:3]] == [r["chosen"] for r in rows[3:]] == [h["chosen"] for h in held_out]
+    rm = LearnedReward(s["checkpoint"], device="cpu")
+    final = rows[3:]
+    got = rm([r["prompt"] for r in final] * 2, [r["chosen"] for r in final] + [r["rejected"] for r in final])
+    want = [r["reward_chosen"] for r in final] + [r["reward_rejected"] for r in final]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
