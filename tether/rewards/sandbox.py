@@ -191,9 +191,10 @@ def _run(code: str, spec: TestSpec | None, limits: SandboxLimits) -> SandboxResu
     proc, cg, ours = None, None, []
     try:
         root = os.geteuid() == 0
-        python = sandbox_python() if (limits.isolate and root) else os.path.realpath(sys.executable)
-        isolate = limits.isolate and python is not None
-        python = python or os.path.realpath(sys.executable)
+        isolate = limits.isolate
+        # As root, an interpreter the fresh uid can run even outside the minimal root; failing
+        # that, ours (its prefix is bound into the minimal root, below world-searchable dirs).
+        python = (sandbox_python() if root else None) or os.path.realpath(sys.executable)
         uids = [_fresh_uid(), _fresh_uid()] if (isolate and root) else None
         if isolate and root:
             cg = Cgroup.create(limits.memory_mb, limits.max_processes)
@@ -231,7 +232,9 @@ def _run(code: str, spec: TestSpec | None, limits: SandboxLimits) -> SandboxResu
         res = SandboxResult(**verdict(mode, spec, streams, why, oom, nonce, limits.output_bytes))
         res.duration_s, res.peak_memory_mb = time.monotonic() - start, peak
         res.missing = (["isolate=False"] if not isolate else []) + missing_isolation(res.isolation)
-        if not res.passed:
+        if res.reason.startswith("sandbox error"):   # ours, not the program's: say it loudly
+            log.warning("sandbox: %s", res.reason)
+        elif not res.passed:
             log.info("sandbox: %s", res.reason)
         return res
     except Exception as e:  # our own failure (fork refused, no memfd): score 0, keep training

@@ -192,7 +192,10 @@ def runner():
         send(out_fd, {"load_error": describe_text(e)})
         return
     _flush()                                    # init kills us once the verdict is in
-    send(out_fd, {"ready": [k for k in mod.__dict__ if not k.startswith("__")]})
+    import types
+    names = {k: [type(v).__name__[:80], v.__name__ if isinstance(v, types.ModuleType) else None]
+             for k, v in list(mod.__dict__.items()) if not k.startswith("__")}
+    send(out_fd, {"ready": names})
     if mode == "serve":
         return _serve(mod, 4, out_fd)
     refs = []                                   # mode "calls": function call -> value pairs
@@ -217,9 +220,14 @@ class RemoteError(Exception):
     """The candidate raised an exception that is not a builtin one."""
 
 
+def _stdlib(name):
+    return name.partition(".")[0] in getattr(sys, "stdlib_module_names", ())
+
+
 def grader():
     import ast
     import builtins
+    import importlib
     try:   # same-uid setups: keep /proc/<pid>/{mem,fd} of this process away from the candidate
         import ctypes
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE 0
@@ -304,7 +312,7 @@ def grader():
     except (OSError, EOFError, ValueError, RecursionError) as e:
         ready = {"load_error": "it ended before its functions could be tested (%s)" % (
             type(e).__name__,)}
-    if not isinstance(ready, dict) or not (isinstance(ready.get("ready"), list)
+    if not isinstance(ready, dict) or not (isinstance(ready.get("ready"), dict)
                                            or "load_error" in ready):
         ready = {"load_error": "it broke the test protocol"}
     if "load_error" in ready:
@@ -317,13 +325,24 @@ def grader():
         send(verdict, {"pass": False, "bad_tests": True, "error": "tests do not compile: %s" % e})
         return
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    called = {n.func.id for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     ns = {"__name__": "__tests__", "__builtins__": builtins}
-    for name in ready["ready"]:
-        if isinstance(name, str) and name in used:
-            try:
+    for name, info in ready["ready"].items():
+        if not isinstance(name, str) or name not in used or hasattr(builtins, name):
+            continue    # never let the program redefine abs, len, sorted, AssertionError, ...
+        kind, module = info if isinstance(info, list) and len(info) == 2 else (None, None)
+        try:
+            # A module the tests use (math.isclose) is the real one, imported here, never the
+            # program's object of that name (a fake whose isclose always says yes).
+            if kind == "module" and isinstance(module, str) and _stdlib(module):
+                ns[name] = importlib.import_module(module)
+            elif _stdlib(name) and name not in called:
+                ns[name] = importlib.import_module(name)
+            else:
                 ns[name] = val(rpc(op="get", name=name)["v"])
-            except Exception:
-                pass                      # a NameError in the test that uses it says enough
+        except Exception:
+            pass                          # a NameError in the test that uses it says enough
     for i, stmt in enumerate(tree.body):
         try:
             exec(compile(ast.Module([stmt], []), "<tests>", "exec"), ns)

@@ -210,7 +210,7 @@ def start_stage(cfg, iso, role, uid, fdmap, job):
             raise OSError("seccomp failed")
         env = dict(cfg["env"], HOME=os.getcwd(), TMPDIR=os.getcwd())
         py = cfg["python"]
-        os.execve(py, [py, "-I", "-S", "-c", cfg["program"], role], env)
+        os.execve(py, [py, "-I", "-c", cfg["program"], role], env)   # -I: no env, no cwd on path
     except BaseException as e:
         os.write(2, ("sandbox setup failed (%s): %r\n" % (role, e)).encode())
     os._exit(127)
