@@ -87,3 +87,10 @@ def test_run_bon_keeps_the_best_sample_and_reports_kl(tmp_path):
     rft = [json.loads(l) for l in (tmp_path / "bon" / "rft.jsonl").read_text().splitlines()]
     assert [r["completion"] for r in rft] == [r["completion"] for r in kept]
     assert (tmp_path / "bon" / "rft" / "checkpoints").exists() and s["rft"]["rows"] == 3
+    # the RFT run is train_sft with bon's model section and run settings, rft_* on top of SFT's defaults
+    import yaml
+    rft_cfg = yaml.safe_load((tmp_path / "bon" / "rft" / "config.yaml").read_text())
+    assert rft_cfg["model"] == yaml.safe_load((tmp_path / "bon" / "config.yaml").read_text())["model"]
+    assert rft_cfg["optim"]["lr"] == 1e-4 and rft_cfg["optim"]["warmup_ratio"] == 0.03
+    assert rft_cfg["data"]["batch_size"] == 8 and rft_cfg["data"]["max_length"] == 1024 + 12 + 2
+    assert rft_cfg["run"]["seed"] == 3 and rft_cfg["run"]["name"] == "rft"

@@ -26,14 +26,17 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from tether.config import flat_init
 from tether.errors import UserError
 from tether.objectives.policy import best_of_n_kl
+from tether.trainers.sections import (DataSection, ModelSection, PromptSection, RewardSection,
+                                      RolloutSection, RunSection)
 
 __all__ = ["BoNConfig", "run_bon", "bon_distribution", "bon_brute_force", "bon_kl", "bon_kl_uniform",
            "bon_curve", "best_of_n_kl", "select_best"]
@@ -120,37 +123,13 @@ def select_best(rewards, n: int) -> list[int]:
 # -- the command -----------------------------------------------------------------------------------
 
 @dataclass
-class BoNConfig:
-    model: str = ""
-    "policy to sample from: a local HF directory or a hub id"
-    data: str = ""
-    "prompts (any format with a `prompt` column; extra columns go to the reward functions)"
-    split: str = "train"
-    "split to read when `data` is a dataset directory or hub name"
-    max_prompts: int = 0
-    "use only the first N prompts (0 = all)"
-    reward_funcs: list[str] = field(default_factory=list)
-    "the proxy that picks the best: built-in names, module:function, or rm:<path>[,<path>...]"
-    reward_weights: Optional[list[float]] = None
-    "weights of reward_funcs in the proxy (default all 1)"
-    gold_reward: Optional[str] = None
-    "optional gold reward (same spec forms) reported next to the proxy, e.g. tether.tasks.preference_world:gold_reward"
+class BoNSection:
     n: int = 16
     "samples per prompt; the proxy-best one is kept"
-    temperature: float = 1.0
-    "sampling temperature"
-    top_p: float = 1.0
-    "nucleus sampling threshold (1 = off)"
-    max_new_tokens: int = 256
-    "longest completion"
-    max_prompt_length: int = 1024
-    "longer prompts keep their end"
-    batch_size: int = 256
-    "sequences sampled at once"
-    name: str = "bon"
-    "run name: everything is written to <runs_dir>/<name>/"
-    runs_dir: str = "runs"
-    "parent directory of run directories"
+    max_prompts: int = 0
+    "use only the first N prompts (0 = all)"
+    gold_reward: Optional[str] = None
+    "optional gold reward (same spec forms) reported next to the proxy, e.g. tether.tasks.preference_world:gold_reward"
     rft: bool = False
     "rejection-sampling fine-tuning: SFT the policy on the kept completions (run <name>/rft)"
     rft_lr: float = 1e-5
@@ -159,16 +138,79 @@ class BoNConfig:
     "RFT passes over the kept rows"
     rft_batch_size: int = 8
     "RFT examples per step"
-    dtype: str = "auto"
-    "weight dtype: fp32 | bf16 | fp16 | auto"
-    device: str = "auto"
-    "cuda | cpu | auto"
-    seed: int = 0
-    "sampling seed"
 
     def __post_init__(self):
         if self.n < 1:
             raise ValueError("n must be >= 1")
+
+
+@dataclass
+class BoNPrompts(PromptSection):
+    batch_size: int = 256
+    "sequences sampled at once (the n completions of every prompt are decoded in waves of this many)"
+
+
+@flat_init
+@dataclass
+class BoNConfig:
+    model: ModelSection = field(default_factory=lambda: ModelSection(dtype="auto"))
+    "the policy to sample from (and, with rft=true, to fine-tune: lora_r etc. apply there)"
+    data: BoNPrompts = field(default_factory=lambda: BoNPrompts(max_prompt_length=1024))
+    "prompts (any format with a `prompt` column; extra columns go to the reward functions)"
+    rollout: RolloutSection = field(default_factory=lambda: RolloutSection(num_generations=1, max_new_tokens=256))
+    "sampling; the samples per prompt are `n` (num_generations stays 1)"
+    reward: RewardSection = field(default_factory=RewardSection)
+    "the proxy that picks the best: built-in names, module:function, or rm:<path>[,<path>...]"
+    run: RunSection = field(default_factory=lambda: RunSection(name="bon", num_samples=0, progress=False))
+    "run directory and sampling seed; logging, checkpoints and num_samples apply to the RFT run"
+    bon: BoNSection = field(default_factory=BoNSection)
+    "best-of-n and rejection-sampling fine-tuning"
+
+    def __post_init__(self):
+        if self.rollout.num_generations != 1:
+            raise ValueError("bon: set the samples per prompt with n (rollout.num_generations is not used)")
+        if self.reward.eval_reward_funcs:
+            raise ValueError("bon: the reward reported next to the proxy is gold_reward (eval_reward_funcs is not used)")
+
+
+def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tuple[list, list | None]:
+    """Proxy (and gold) reward of every sample, prompt-major: n consecutive samples per prompt."""
+    n = cfg.bon.n
+    prompts = [r["prompt"] for r in rows for _ in range(n)]
+    columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    ids = [rollout.completion_ids[i][rollout.completion_mask[i]].tolist() for i in range(len(rollout))]
+    proxies = proxy.score(prompts, rollout.texts, ids, columns).total
+    golds = gold.score(prompts, rollout.texts, ids, columns).total if gold else None
+    return proxies, golds
+
+
+def keep_best(rows: list[dict], texts: list[str], proxies, golds, n: int, ns: list[int]):
+    """The proxy-best sample of each prompt, and each prompt's best-of-n' curve (:func:`bon_curve`)."""
+    kept, curves = [], []
+    for group, best in enumerate(select_best(proxies, n)):
+        i = group * n + best
+        kept.append({"prompt": rows[group]["prompt"], "completion": texts[i], "reward": proxies[i],
+                     **({"gold": golds[i]} if golds else {})})
+        window = slice(group * n, (group + 1) * n)
+        curves.append(bon_curve(proxies[window], golds[window] if golds else None, ns))
+    return kept, curves
+
+
+def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict], is_main: bool) -> dict:
+    """SFT (tether.trainers.sft) of the policy on the kept completions, in <run>/rft: the model
+    section and the run's logging / checkpoint settings carry over, rft_* set the optimizer and batch."""
+    from tether.trainers.sft import SFTConfig, train_sft
+    data = run_dir / "rft.jsonl"
+    if is_main:
+        data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]},
+                                           ensure_ascii=False) + "\n" for r in kept))
+    summary = train_sft(SFTConfig(
+        model=cfg.model, run=replace(cfg.run, name="rft", runs_dir=str(run_dir)),
+        data=DataSection(path=str(data), batch_size=cfg.bon.rft_batch_size,
+                         max_length=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens + 2),
+        lr=cfg.bon.rft_lr, epochs=cfg.bon.rft_epochs))
+    return {"data": str(data), "rows": len(kept), "checkpoint": summary["checkpoint"],
+            "final_loss": summary.get("final_loss")}
 
 
 def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
@@ -177,84 +219,55 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     from tether.data import encode_prompts, load_data
     from tether.models import load_model, load_tokenizer
     from tether.rewards import RewardSet, load_reward
-    from tether.rollout import sample
+    from tether.rollout import Sampler
     from tether.run import RunDir, seed_everything
 
-    if not cfg.model:
+    if not cfg.model.path:
         raise UserError("bon: `model` is required")
-    if not cfg.data:
+    if not cfg.data.path:
         raise UserError("bon: `data` is required (prompts)")
-    funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.reward_funcs)
+    funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.reward.reward_funcs)
     if not funcs:
         raise UserError("bon: at least one reward function is required (reward_funcs=[...])")
-    proxy = RewardSet(funcs, cfg.reward_weights)
-    gold_spec = gold_reward if gold_reward is not None else cfg.gold_reward
+    proxy = RewardSet(funcs, cfg.reward.reward_weights or None)
+    gold_spec = gold_reward if gold_reward is not None else cfg.bon.gold_reward
     gold = RewardSet([load_reward(gold_spec)]) if gold_spec else None
-    seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model)
-    rows, _ = encode_prompts(load_data(cfg.data, expect="prompt-only", split=cfg.split), tok,
-                             cfg.max_prompt_length, source=cfg.data)
-    if cfg.max_prompts:
-        rows = rows[:cfg.max_prompts]
-    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    run = RunDir(Path(cfg.runs_dir) / cfg.name)
+    seed_everything(cfg.run.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    rows, _ = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split), tokenizer,
+                             cfg.data.max_prompt_length, cfg.data.truncation, source=cfg.data.path)
+    rows = rows[:cfg.bon.max_prompts or None]
+    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+                       attn_implementation=cfg.model.attn_implementation)
+    run = RunDir(Path(cfg.run.runs_dir) / cfg.run.name, log_with=cfg.run.log_with)
     run.write_config(cfg)
 
-    t0 = time.time()
-    ro = sample(model, tok, [r["prompt_ids"] for r in rows], n=cfg.n, seed=cfg.seed,
-                temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                max_batch_size=cfg.batch_size)
-    sample_s = time.time() - t0
-    prompts = [r["prompt"] for r in rows for _ in range(cfg.n)]
-    extra = [k for k in rows[0] if k not in ("prompt", "prompt_ids")]
-    columns = {k: [r.get(k) for r in rows for _ in range(cfg.n)] for k in extra}
-    ids = [ro.completion_ids[i][ro.completion_mask[i]].tolist() for i in range(len(ro))]
-    scored = proxy.score(prompts, ro.texts, ids, columns)
-    golds = gold.score(prompts, ro.texts, ids, columns).total if gold else None
-
-    best = select_best(scored.total, cfg.n)
-    kept, curves = [], []
-    ns = [m for m in (2 ** j for j in range(int(math.log2(cfg.n)) + 1))] + \
-        ([cfg.n] if cfg.n & (cfg.n - 1) else [])
-    for g, b in enumerate(best):
-        i = g * cfg.n + b
-        row = {"prompt": rows[g]["prompt"], "completion": ro.texts[i], "reward": scored.total[i]}
-        if golds:
-            row["gold"] = golds[i]
-        kept.append(row)
-        sl = slice(g * cfg.n, (g + 1) * cfg.n)
-        curves.append(bon_curve(scored.total[sl], golds[sl] if golds else None, ns))
+    n, started = cfg.bon.n, time.time()
+    sampler = Sampler(model, tokenizer, replace(cfg.rollout.sampling(), max_batch_size=cfg.data.batch_size))
+    rollout = sampler.sample([r["prompt_ids"] for r in rows], n=n, seed=cfg.run.seed)
+    sample_seconds = time.time() - started
+    proxies, golds = score_samples(cfg, rows, rollout, proxy, gold)
+    ns = [2 ** j for j in range(int(math.log2(n)) + 1)] + ([n] if n & (n - 1) else [])
+    kept, curves = keep_best(rows, rollout.texts, proxies, golds, n, ns)
     run.add_samples(0, kept)
 
     curve = []
     for m in ns:
-        pt = {"n": m, "kl_bon": best_of_n_kl(m), "d": math.sqrt(best_of_n_kl(m)),
-              "proxy": float(np.mean([c[m][0] for c in curves]))}
+        point = {"n": m, "kl_bon": best_of_n_kl(m), "d": math.sqrt(best_of_n_kl(m)),
+                 "proxy": float(np.mean([c[m][0] for c in curves]))}
         if golds:
-            pt["gold"] = float(np.mean([c[m][1] for c in curves]))
-        curve.append(pt)
-        run.log(m, {k: v for k, v in pt.items() if k != "n"})
-    summary = {"n": cfg.n, "prompts": len(rows), "kl_bon": best_of_n_kl(cfg.n),
-               "d": math.sqrt(best_of_n_kl(cfg.n)),
+            point["gold"] = float(np.mean([c[m][1] for c in curves]))
+        curve.append(point)
+        run.log(m, {k: v for k, v in point.items() if k != "n"})
+    summary = {"n": n, "prompts": len(rows), "kl_bon": best_of_n_kl(n), "d": math.sqrt(best_of_n_kl(n)),
                "proxy/best_mean": float(np.mean([r["reward"] for r in kept])),
-               "proxy/mean": float(np.mean(scored.total)), "sample_seconds": round(sample_s, 2),
-               "completions/mean_length": float(ro.lengths.float().mean()), "curve": curve}
+               "proxy/mean": float(np.mean(proxies)), "sample_seconds": round(sample_seconds, 2),
+               "completions/mean_length": float(rollout.lengths.float().mean()), "curve": curve}
     if golds:
         summary["gold/best_mean"] = float(np.mean([r["gold"] for r in kept]))
         summary["gold/mean"] = float(np.mean(golds))
-    if cfg.rft:
-        from tether.trainers.sft import SFTConfig, train_sft
-        data = run.path / "rft.jsonl"
-        if run.is_main:
-            data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]},
-                                               ensure_ascii=False) + "\n" for r in kept))
-        sft = train_sft(SFTConfig(model=cfg.model, data=str(data), name="rft", runs_dir=str(run.path),
-                                  lr=cfg.rft_lr, epochs=cfg.rft_epochs, batch_size=cfg.rft_batch_size,
-                                  dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, num_samples=0,
-                                  max_length=cfg.max_prompt_length + cfg.max_new_tokens + 2,
-                                  progress=False))
-        summary["rft"] = {"data": str(data), "rows": len(kept), "checkpoint": sft["checkpoint"],
-                          "final_loss": sft.get("final_loss")}
+    if cfg.bon.rft:
+        summary["rft"] = rejection_sampling_fine_tune(cfg, run.path, kept, run.is_main)
     run.write_summary(summary)
     run.close()
     return summary
