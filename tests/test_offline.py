@@ -9,13 +9,16 @@ import pytest
 import torch
 
 import tether.trainers.offline as offline
+import tether.trainers.offline_reference as offline_reference
+import tether.trainers.setup as setup
 from tether.cli import main as cli_main
 from tether.data import encode_preference
 from tether.models import load_model, make_tiny_model
 from tether.run import read_jsonl
-from tether.trainers.offline import (DPOConfig, KTOConfig, ORPOConfig, SimPOConfig,
-                                     reference_logps, train_offline, train_step)
-from tether.trainers.offline_data import CACHE_FILE, CACHE_META, kl_partners, to_unpaired
+from tether.trainers.offline import (DPOConfig, KTOConfig, ORPOConfig, SimPOConfig, train_offline,
+                                     train_step)
+from tether.trainers.offline_data import kl_partners, to_unpaired
+from tether.trainers.offline_reference import CACHE_FILE, CACHE_META, reference_logps
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 CPU = torch.device("cpu")
@@ -84,7 +87,7 @@ def _ratios_after_one_step(tiny, name):
     base, tok, pairs = tiny
     cls, kw = METHODS[name]
     cfg = cls(model="x", data="x", **kw)
-    paired = cfg.method != "kto"
+    paired = cfg.preference.method != "kto"
     ex = [dict(e, idx=i) for i, e in enumerate(pairs if paired else to_unpaired(pairs))]
     model = copy.deepcopy(base).train()
     split = {"train": ex}
@@ -190,6 +193,7 @@ def test_bad_data_is_one_line_error(root, capsys):
 # ---- reference cache and exact resume -------------------------------------------------------------
 
 def _count_loads(monkeypatch, limit):
+    """Counts model loads: the policy's (trainers/setup.py) and the reference's (offline_reference.py)."""
     calls = []
 
     def counting(path, *a, **k):
@@ -197,7 +201,8 @@ def _count_loads(monkeypatch, limit):
         if len(calls) > limit:
             raise AssertionError(f"load_model called {len(calls)} times: {calls}")
         return load_model(path, *a, **k)
-    monkeypatch.setattr(offline, "load_model", counting)
+    monkeypatch.setattr(setup, "load_model", counting)
+    monkeypatch.setattr(offline_reference, "load_model", counting)
     return calls
 
 
@@ -224,6 +229,9 @@ def test_reference_cache_reused_on_resume_and_resume_is_exact(root, monkeypatch)
     assert len(calls) == 1 and "checkpoints/step-3" in calls[0]
     assert s["reference"] == "cache" and cache.stat().st_mtime_ns == stamp
     assert _metrics(runs / "cut" / "metrics.jsonl") == _metrics(runs / "full" / "metrics.jsonl")
+    samples = read_jsonl(runs / "cut" / "samples.jsonl")  # sampled at steps 3 and 6, 2 prompts each
+    assert [r["step"] for r in samples] == [3, 3, 6, 6]
+    assert samples == read_jsonl(runs / "full" / "samples.jsonl")  # forked RNG: resume stays exact
     assert s["eval/rewards/accuracies"] == full["eval/rewards/accuracies"]
 
     # Without the cache the resumed run must load the reference (so the count above is meaningful),
@@ -231,7 +239,6 @@ def test_reference_cache_reused_on_resume_and_resume_is_exact(root, monkeypatch)
     old = {k: v.clone() for k, v in __import__("safetensors.torch").torch.load_file(str(cache)).items()}
     cache.unlink()
     calls.clear()
-    monkeypatch.setattr(offline, "load_model", load_model)
     calls = _count_loads(monkeypatch, limit=2)
     s = train_offline(cfg_for(root, name="cut", max_steps=7, eval_fraction=0.125, resume=True))
     assert len(calls) == 2 and s["reference"] == "reference model"

@@ -136,7 +136,8 @@ def _completion_mask(mask: Tensor) -> Tensor:
 
 def sequence_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor,
                    average: bool = False, temperature: float = 1.0) -> Tensor:
-    """Per-sequence log-probability of the completion (DESIGN "Objectives"; seed 004 §6.1 input).
+    """Per-sequence log-probability of the completion: the log π(y | x) of DPO's loss (Rafailov et al.
+    2023, eq. 7) and of the other preference objectives.
 
     log π(y | x) = Σ_t m_t · log π(x_t | x_<t)   (``average=True``: divided by Σ_t m_t, the
     length-normalized log-prob used by IPO, SimPO and ORPO; 0 for an empty completion).

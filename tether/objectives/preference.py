@@ -2,12 +2,15 @@
 
 All take per-example log-probabilities (see :func:`tether.objectives.sequence_logps`), reduce with
 a batch mean and return ``(loss, metrics)``; metrics are detached 0-d tensors (no host sync).
-A new DPO-style variant is one function of the log-ratio difference ``h`` in
-:data:`PREFERENCE_LOSSES`, plus one test.
+A new DPO-style variant is one function of a :class:`PairLogps` (the policy's and the reference's
+log-probs) and the config's numbers, one entry in :data:`PREFERENCE_LOSSES`, and one test.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,67 +34,120 @@ def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin:
     return loss, {"accuracy": (d > 0).float().mean(), "margin": d.mean()}
 
 
-# ---- DPO family: per-example loss as a function of h (log-ratio difference) -------------------
+# ---- DPO family: a per-pair loss of the policy's and the reference's log-probs ------------------
 
-def _sigmoid(h: Tensor, beta: float, eps: float) -> Tensor:
-    # DPO (Rafailov et al. 2023 eq. 7); eps > 0 is conservative DPO (cDPO, OpenRLHF label_smoothing):
-    # the label is flipped with probability eps, i.e. cross-entropy against soft target 1 − eps.
+@dataclass(frozen=True)
+class PairLogps:
+    """Per-pair inputs of a preference loss, each [N]: the policy's log π(y|x) of the chosen (y_w)
+    and rejected (y_l) completion, the reference's log π_ref(y|x) (None when reference-free), and the
+    completion lengths in tokens (None: the log-probs are used as given)."""
+    chosen: Tensor
+    rejected: Tensor
+    ref_chosen: Optional[Tensor] = None
+    ref_rejected: Optional[Tensor] = None
+    chosen_len: Optional[Tensor] = None
+    rejected_len: Optional[Tensor] = None
+
+    @property
+    def chosen_logratio(self) -> Tensor:
+        return self.chosen - self.ref_chosen
+
+    @property
+    def rejected_logratio(self) -> Tensor:
+        return self.rejected - self.ref_rejected
+
+    @property
+    def h(self) -> Tensor:
+        """The log-ratio difference h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))."""
+        return self.chosen_logratio - self.rejected_logratio
+
+    def length_averaged(self) -> PairLogps:
+        """ā = log π(y|x) / |y| (|y| ≥ 1), for the policy and the reference alike."""
+        n_chosen, n_rejected = self.chosen_len.clamp(min=1), self.rejected_len.clamp(min=1)
+        ref = {} if self.ref_chosen is None else {"ref_chosen": self.ref_chosen / n_chosen,
+                                                  "ref_rejected": self.ref_rejected / n_rejected}
+        return PairLogps(self.chosen / n_chosen, self.rejected / n_rejected, **ref,
+                         chosen_len=self.chosen_len, rejected_len=self.rejected_len)
+
+
+# Each entry: (pair, params) -> per-pair loss [N]. `params` is any object with the numbers the entry
+# reads (`beta`, `label_smoothing`, ...): the offline trainer passes its config section, so a loss
+# with a new number needs that one config field and nothing else.
+
+def _sigmoid(x: PairLogps, p) -> Tensor:
+    """DPO (Rafailov et al. 2023, eq. 7): −log σ(βh). ε = label_smoothing > 0 is conservative DPO
+    (cDPO, Mitchell 2023): the label is flipped with probability ε, i.e. cross-entropy against the
+    soft target 1 − ε: −(1−ε) log σ(βh) − ε log σ(−βh)."""
+    h, beta, eps = x.h, p.beta, p.label_smoothing
     return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
 
 
-def _robust(h: Tensor, beta: float, eps: float) -> Tensor:
-    # Robust DPO (Chowdhury et al. 2024 eq. 6): unbiased under label-flip rate eps < 1/2.
+def _robust(x: PairLogps, p) -> Tensor:
+    """Robust DPO (Chowdhury et al. 2024, eq. 6), unbiased under a label-flip rate ε < 1/2:
+    (−(1−ε) log σ(βh) + ε log σ(−βh)) / (1 − 2ε)."""
+    h, beta, eps = x.h, p.beta, p.label_smoothing
     if not 0 <= eps < 0.5:
         raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {eps}")
     return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
 
 
-def _hinge(h: Tensor, beta: float, eps: float) -> Tensor:
-    # SLiC-HF (Zhao et al. 2023) calibration hinge on the scaled log-ratio difference.
-    return torch.relu(1 - beta * h)
+def _hinge(x: PairLogps, p) -> Tensor:
+    """SLiC-HF's calibration hinge (Zhao et al. 2023) on the scaled log-ratio difference:
+    max(0, 1 − βh)."""
+    return torch.relu(1 - p.beta * x.h)
 
 
-def _ipo(h: Tensor, beta: float, eps: float) -> Tensor:
-    # IPO (Azar et al. 2023 eq. 17; seed 004 §6.1): regress h onto 1/(2β) instead of pushing it to ∞.
-    return (h - 1 / (2 * beta)) ** 2
+def _ipo(x: PairLogps, p) -> Tensor:
+    """IPO (Azar et al. 2023, eq. 17): (h − 1/(2β))², regressing h onto 1/(2β) instead of pushing
+    it to ∞; h on length-averaged log-probs when lengths are given (as the authors' code and TRL)."""
+    return (x.h - 1 / (2 * p.beta)) ** 2
 
 
 PREFERENCE_LOSSES = {"sigmoid": _sigmoid, "robust": _robust, "hinge": _hinge, "ipo": _ipo}
+LENGTH_AVERAGED = {"ipo"}  # their log-probs are length-averaged before the loss and its metrics
 
 
-def preference_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
-                    ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, beta: float,
-                    loss_type: str = "sigmoid", label_smoothing: float = 0.0):
-    """Offline pairwise preference loss (DPO family, seed 004 §6.1).
-
-    h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l)), on the log-probs *as given*:
-    the caller decides summed or length-averaged (DPO uses sums; IPO's authors and TRL use
-    length-averaged log-probs for ``"ipo"``). With ε = ``label_smoothing``:
-
-    - ``"sigmoid"`` (DPO / cDPO):  −(1−ε) log σ(βh) − ε log σ(−βh)
-    - ``"robust"`` (rDPO):         (−(1−ε) log σ(βh) + ε log σ(−βh)) / (1 − 2ε)
-    - ``"hinge"`` (SLiC):          max(0, 1 − βh)
-    - ``"ipo"``:                   (h − 1/(2β))²
-
-    Loss = batch mean. Shapes: four [N] tensors → scalar. Metrics (TRL names) with implicit reward
-    r = β(log π − log π_ref): ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (means),
-    ``rewards/accuracies`` (fraction r_w > r_l), ``logps/chosen``, ``logps/rejected``.
-    """
+def pairwise_preference_loss(x: PairLogps, loss_type: str, params):
+    """Batch mean of ``PREFERENCE_LOSSES[loss_type](x, params)``; metrics (TRL names) with the
+    implicit reward r = β(log π − log π_ref): ``rewards/chosen``, ``rewards/rejected``,
+    ``rewards/margins`` (means), ``rewards/accuracies`` (fraction r_w > r_l), ``logps/chosen``,
+    ``logps/rejected`` — all on the log-probs the loss saw (length-averaged for LENGTH_AVERAGED)."""
     if loss_type not in PREFERENCE_LOSSES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {sorted(PREFERENCE_LOSSES)}")
-    chosen_logratio = policy_chosen_logps - ref_chosen_logps
-    rejected_logratio = policy_rejected_logps - ref_rejected_logps
-    h = chosen_logratio - rejected_logratio
-    loss = PREFERENCE_LOSSES[loss_type](h, beta, label_smoothing).mean()
-    rc, rr = beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
+    if loss_type in LENGTH_AVERAGED and x.chosen_len is not None:
+        x = x.length_averaged()
+    loss = PREFERENCE_LOSSES[loss_type](x, params).mean()
+    rc, rr = params.beta * x.chosen_logratio.detach(), params.beta * x.rejected_logratio.detach()
     return loss, {
         "rewards/chosen": rc.mean(),
         "rewards/rejected": rr.mean(),
         "rewards/margins": (rc - rr).mean(),
         "rewards/accuracies": (rc > rr).float().mean(),
-        "logps/chosen": policy_chosen_logps.detach().mean(),
-        "logps/rejected": policy_rejected_logps.detach().mean(),
+        "logps/chosen": x.chosen.detach().mean(),
+        "logps/rejected": x.rejected.detach().mean(),
     }
+
+
+def preference_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
+                    ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, beta: float,
+                    loss_type: str = "sigmoid", label_smoothing: float = 0.0, **numbers):
+    """Offline pairwise preference loss on log-probs *as given* (the caller decides summed or
+    length-averaged). With h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l)) and
+    ε = ``label_smoothing``, per pair:
+
+    - ``"sigmoid"`` (DPO, Rafailov et al. 2023, eq. 7; cDPO if ε > 0):
+      −(1−ε) log σ(βh) − ε log σ(−βh)
+    - ``"robust"`` (rDPO, Chowdhury et al. 2024, eq. 6):
+      (−(1−ε) log σ(βh) + ε log σ(−βh)) / (1 − 2ε)
+    - ``"hinge"`` (SLiC-HF, Zhao et al. 2023):  max(0, 1 − βh)
+    - ``"ipo"`` (Azar et al. 2023, eq. 17):  (h − 1/(2β))²
+
+    Loss = batch mean. Shapes: four [N] tensors → scalar. ``numbers``: further numbers a loss reads
+    (e.g. ``dpop_lambda``). Metrics: see :func:`pairwise_preference_loss`.
+    """
+    params = SimpleNamespace(beta=beta, label_smoothing=label_smoothing, **numbers)
+    pair = PairLogps(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    return pairwise_preference_loss(pair, loss_type, params)
 
 
 def kto_kl_reference_point(policy_kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
@@ -105,7 +161,7 @@ def kto_kl_reference_point(policy_kl_logps: Tensor, ref_kl_logps: Tensor) -> Ten
 
 def kto_loss(policy_logps: Tensor, ref_logps: Tensor, labels: Tensor, kl_reference_point: Tensor | float,
              beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
-    """KTO: Kahneman–Tversky optimization on unpaired labels (seed 004 §6.2; Ethayarajh et al. 2024).
+    """KTO: Kahneman–Tversky optimization on unpaired labels (Ethayarajh et al. 2024, eq. 8).
 
     r = log π(y|x) − log π_ref(y|x), z₀ = max(0, ``kl_reference_point``) detached (the KL estimate
     *without* β), v = σ(β(r − z₀)) if y is desirable else σ(β(z₀ − r));

@@ -1,8 +1,8 @@
-"""Offline preference optimization: DPO (+ cDPO, rDPO, IPO, hinge), KTO, SimPO, ORPO (docs/dpo.md).
+"""Offline preference optimization: DPO (+ cDPO, rDPO, IPO, hinge, ...), KTO, SimPO, ORPO (docs/dpo.md).
 
 The loop, top to bottom:
-    load tokenizer -> load, validate and tokenize pairs (or KTO's unpaired rows; errors before any
-       model is loaded) -> load the policy
+    setup_training: tokenizer -> pairs (or KTO's unpaired rows) read, validated and tokenized, errors
+       before any model is loaded -> the policy (+ LoRA) -> run directory, optimizer, data order
     -> reference log-probs of every example, computed once and cached in the run directory: at
        step 0 the policy *is* the reference, so a fresh run needs no second model; a resumed run
        reads the cache (LoRA without a cache: the base with adapters disabled). SimPO and ORPO
@@ -11,39 +11,39 @@ The loop, top to bottom:
        through the policy in one concatenated forward; per-sequence log-probs -> the method's pure
        loss (tether.objectives.preference) -> backward; KTO first estimates its reference point
        z0 from mismatched prompt/completion pairs (no grad); clip, step (finite-checked)
-    -> log (TRL's metric names) / held-out implicit-reward accuracy / checkpoint (exact resume).
+    -> log (TRL's metric names) / held-out implicit-reward accuracy and sampled completions /
+       checkpoint (exact resume).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
+from torch import Tensor
 
-from tether.errors import NonFiniteLossError, UserError
-from tether.models import load_model, load_tokenizer
-from tether.objectives import (kto_kl_reference_point, kto_loss, orpo_loss, preference_loss,
-                               simpo_loss)
-from tether.plots import plot_metrics
-from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.models.logprobs import completion_token_logps
-from tether.trainers.common import (EpochSampler, Progress, Timer, autocast_context, guarded_step, make_optimizer, make_scheduler, restore_training, save_training)
-from tether.trainers.offline_data import (cache_fingerprint, collate, collate_mismatched,
-                                          kl_partners, load_cache, load_offline_data, save_cache)
-
-METHODS = ("dpo", "kto", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
+from tether.config import flat_init
+from tether.errors import NonFiniteLossError
+from tether.objectives import (PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point, kto_loss,
+                               orpo_loss, pairwise_preference_loss, simpo_loss)
+from tether.rollout.hf import generate
+from tether.trainers.common import Timer, guarded_step
+from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
+from tether.trainers.offline_reference import completion_logps, get_reference
+from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
+from tether.trainers.setup import Data, setup_training
 
 
 @dataclass
-class OfflineConfig:
-    method: Literal["dpo", "kto", "simpo", "orpo"] = "dpo"
+class PreferenceSection:
+    """The preference objective (tether.objectives.preference) and its numbers."""
+    method: Literal[tuple(PAIR_OBJECTIVES)] = "dpo"
     "dpo (pairs, reference) | kto (unpaired labels, reference) | simpo, orpo (pairs, no reference)"
-    loss: Literal["sigmoid", "robust", "ipo", "hinge"] = "sigmoid"
-    "dpo only: sigmoid (DPO; cDPO with label_smoothing > 0), robust (rDPO), ipo, hinge (SLiC)"
+    loss: Literal[tuple(PREFERENCE_LOSSES)] = "sigmoid"
+    "dpo only: which DPO-family loss (tether.objectives.PREFERENCE_LOSSES); sigmoid with label_smoothing > 0 = cDPO"
     beta: float = 0.1
     "β: DPO/IPO/hinge/KTO temperature, SimPO's reward scale, ORPO's λ (weight of the odds-ratio term)"
     label_smoothing: float = 0.0
@@ -54,312 +54,239 @@ class OfflineConfig:
     "kto only: λ_D, weight of desirable examples"
     undesirable_weight: float = 1.0
     "kto only: λ_U, weight of undesirable examples"
-    model: str = ""
-    "policy to train: a local HF directory or a hub id (also the reference unless ref_model is set)"
     ref_model: Optional[str] = None
     "reference model (default: the initial policy); only read when its log-probs are not cached"
-    data: str = ""
-    "preference data (prompt, chosen, rejected); kto also takes unpaired (prompt, completion, label)"
-    split: str = "train"
-    "split to read when `data` is a dataset directory or hub name"
-    eval_data: Optional[str] = None
-    "held-out data in the same format (default: carve eval_fraction out of `data`)"
-    eval_fraction: float = 0.0
-    "fraction of `data` held out for eval when eval_data is not given"
-    name: str = "dpo"
-    "run name: everything is written to <runs_dir>/<name>/"
-    runs_dir: str = "runs"
-    "parent directory of run directories"
-    max_length: int = 1024
-    "longest prompt + response in tokens (longer: response end cut, or row dropped; both counted)"
-    max_prompt_length: Optional[int] = None
-    "longest prompt in tokens (longer ones keep their end); null = only max_length applies"
-    truncation: Literal["truncate", "drop"] = "truncate"
-    "what to do with an example over max_length: cut the responses' ends, or drop it"
-    batch_size: int = 8
-    "pairs (kto: rows) per micro-batch"
-    grad_accum: int = 1
-    "micro-batches per optimizer step (effective batch = batch_size * grad_accum)"
-    max_steps: int = -1
-    "optimizer steps to run; -1 = derive from epochs"
-    epochs: float = 1.0
-    "passes over the data when max_steps is -1"
-    lr: float = 1e-6
-    "peak learning rate (AdamW)"
-    weight_decay: float = 0.0
-    "AdamW weight decay (never applied to norms and biases)"
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    "AdamW (beta1, beta2)"
-    schedule: Literal["cosine", "linear", "constant"] = "linear"
-    "learning-rate shape after warmup"
-    warmup_steps: int = 0
-    "linear warmup steps (0 = use warmup_ratio)"
-    warmup_ratio: float = 0.1
-    "warmup as a fraction of all steps when warmup_steps is 0"
-    max_grad_norm: float = 1.0
-    "gradient clipping by global norm (0 = off)"
-    dtype: str = "fp32"
-    "weight dtype: fp32 (master weights; use with mixed_precision) | bf16 | fp16 | auto"
-    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
-    "bf16 autocast on CUDA when supported ('auto'), forced, or off; no effect on CPU"
-    device: str = "auto"
-    "cuda | cpu | auto"
-    attn_implementation: Optional[str] = None
-    "attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2)"
-    gradient_checkpointing: bool = False
-    "recompute activations in backward to save memory"
-    lora_r: int = 0
-    "LoRA rank (0 = full fine-tuning); checkpoints then hold the adapter only"
-    lora_alpha: int = 16
-    "LoRA scaling numerator (the update is scaled by alpha / r)"
-    lora_dropout: float = 0.0
-    "dropout on the LoRA input"
-    lora_targets: str = "all-linear"
-    "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
-    log_every: int = 10
-    "write metrics (means over the steps since the last write) every N optimizer steps"
-    eval_every: int = 0
-    "evaluate on held-out data every N steps (0 = only at the end)"
-    save_every: int = 0
-    "checkpoint every N steps (0 = only at the end)"
-    keep_last: int = 2
-    "checkpoints to keep (older ones are deleted)"
-    resume: bool = False
-    "continue from the latest checkpoint in the run directory (reference log-probs from the cache)"
-    seed: int = 0
-    "seed for data order and the held-out split"
-    log_with: Literal["none", "tensorboard"] = "none"
-    "also write TensorBoard event files to <run>/tensorboard"
-    progress: bool = True
-    "show a progress bar with ETA and live metrics"
+    sample_max_new_tokens: int = 64
+    "tokens per completion sampled from held-out (else training) prompts (run.num_samples of them)"
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("batch_size and grad_accum must be >= 1")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError("eval_fraction must be in [0, 1)")
-        if len(self.adam_betas) != 2:
-            raise ValueError("adam_betas must be two numbers")
+        if self.method not in PAIR_OBJECTIVES:
+            raise ValueError(f"method must be one of {', '.join(PAIR_OBJECTIVES)}; got {self.method!r}")
         if self.beta <= 0:
             raise ValueError("beta must be > 0")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError("label_smoothing must be in [0, 0.5)")
 
 
+@dataclass
+class PreferenceDataSection(DataSection):
+    """Preference pairs (prompt, chosen, rejected); kto also takes unpaired (prompt, completion, label)."""
+    max_prompt_length: Optional[int] = None
+    "longest prompt in tokens (longer ones keep their end); null = only max_length applies"
+
+
+def _optim(**overrides) -> OptimSection:
+    return OptimSection(**{"lr": 1e-6, "schedule": "linear", "warmup_ratio": 0.1, **overrides})
+
+
+def _run(name: str) -> RunSection:
+    return RunSection(name=name, num_samples=2)  # samples are a peek at the policy: 2 keep evals cheap
+
+
+@flat_init
+@dataclass
+class OfflineConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    "the policy to train (also the reference unless ref_model is set) and how it runs"
+    data: PreferenceDataSection = field(default_factory=PreferenceDataSection)
+    "training and held-out preference data, batch"
+    optim: OptimSection = field(default_factory=_optim)
+    "optimizer, schedule, length"
+    run: RunSection = field(default_factory=lambda: _run("dpo"))
+    "run directory, seed, logging, evaluation, checkpoints"
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
+    "the preference objective"
+
+
 # Presets: the four commands. Defaults follow the papers / TRL for real models.
+@flat_init
 @dataclass
 class DPOConfig(OfflineConfig):
-    method: Literal["dpo", "kto", "simpo", "orpo"] = "dpo"
-    name: str = "dpo"
+    pass
 
 
+@flat_init
 @dataclass
 class KTOConfig(OfflineConfig):
-    method: Literal["dpo", "kto", "simpo", "orpo"] = "kto"
-    name: str = "kto"
+    run: RunSection = field(default_factory=lambda: _run("kto"))
+    preference: PreferenceSection = field(default_factory=lambda: PreferenceSection(method="kto"))
 
 
+@flat_init
 @dataclass
 class SimPOConfig(OfflineConfig):
-    method: Literal["dpo", "kto", "simpo", "orpo"] = "simpo"
-    name: str = "simpo"
-    beta: float = 2.0  # SimPO paper: β ∈ [2, 10], γ/β ∈ [0.3, 0.8]; TRL's CPO simpo default 2 / 0.5
-    lr: float = 1e-6
+    run: RunSection = field(default_factory=lambda: _run("simpo"))
+    # SimPO paper: β ∈ [2, 10], γ/β ∈ [0.3, 0.8]; TRL's CPO simpo default 2 / 0.5
+    preference: PreferenceSection = field(default_factory=lambda: PreferenceSection(method="simpo", beta=2.0))
 
 
+@flat_init
 @dataclass
 class ORPOConfig(OfflineConfig):
-    method: Literal["dpo", "kto", "simpo", "orpo"] = "orpo"
-    name: str = "orpo"
-    beta: float = 0.1  # λ in Hong et al. 2024
-    lr: float = 8e-6  # ORPO trains from the base (it includes SFT): larger lr, as in the paper
-
-
-# ---- the policy's per-sequence log-probs -----------------------------------------------------------
-
-def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed completion log-prob [R], completion length [R]) for every row of a padded batch.
-
-    Only completion positions get logits (`common.completion_token_logps`: the LM head over the
-    completion tokens, chunked when the logits are large), which saves the LM head's matmul and the
-    largest activation on the prompt part.
-    """
-    on = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "completion_mask")}
-    logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the completions
-    return logps.sum(-1).float(), on["completion_mask"][:, 1:].sum(-1).float()
+    optim: OptimSection = field(default_factory=lambda: _optim(lr=8e-6))  # from the base, as in the paper
+    run: RunSection = field(default_factory=lambda: _run("orpo"))
+    # β is ORPO's λ, the weight of the odds-ratio term (Hong et al. 2024)
+    preference: PreferenceSection = field(default_factory=lambda: PreferenceSection(method="orpo", beta=0.1))
 
 
 # ---- the objective: per-sequence numbers -> the method's pure loss ---------------------------------
 
-def objective(cfg, pol: dict, ref: Optional[dict], z0=None):
-    """The method's loss and metrics. `pol` / `ref`: per-sequence summed log-probs — pairs
-    {"chosen", "rejected", "chosen_len", "rejected_len"}, unpaired {"completion", "label"}."""
-    if "completion" in pol:  # KTO
-        loss, m = kto_loss(pol["completion"], ref["completion"], pol["label"], z0, cfg.beta,
-                           cfg.desirable_weight, cfg.undesirable_weight)
-        d = pol["label"]
-        lp = pol["completion"].detach()
-        m = {**m, "logps/chosen": lp[d].mean(), "logps/rejected": lp[~d].mean(),
-             "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
-        # a group absent from the batch has no mean: drop it rather than log a fake 0
-        for side in ("chosen", "rejected"):
-            if int(m[f"count/{side}"]) == 0:
-                for k in (f"rewards/{side}", f"logps/{side}", "rewards/margins"):
-                    m.pop(k, None)
-        return loss, m
-    pc, pr = pol["chosen"], pol["rejected"]
-    avg_c, avg_r = pc / pol["chosen_len"].clamp(min=1), pr / pol["rejected_len"].clamp(min=1)
-    if cfg.method == "dpo" and cfg.loss == "ipo":
-        # IPO's authors (and TRL) use length-averaged log-probs, for the policy and the reference
-        loss, m = preference_loss(avg_c, avg_r, ref["chosen"] / pol["chosen_len"].clamp(min=1),
-                                  ref["rejected"] / pol["rejected_len"].clamp(min=1), cfg.beta, "ipo")
-    elif cfg.method in ("dpo", "kto"):  # kto here: held-out pairs, scored with the same implicit reward
-        loss, m = preference_loss(pc, pr, ref["chosen"], ref["rejected"], cfg.beta,
-                                  cfg.loss if cfg.method == "dpo" else "sigmoid", cfg.label_smoothing)
-    elif cfg.method == "simpo":
-        loss, m = simpo_loss(avg_c, avg_r, cfg.beta, cfg.gamma_beta_ratio * cfg.beta, cfg.label_smoothing)
-    else:  # orpo: NLL of the chosen answer, per sequence (token mean), + λ · odds-ratio term
-        loss, m = orpo_loss(avg_c, avg_r, -avg_c, cfg.beta)
-        m["rewards/margins"] = m["rewards/chosen"] - m["rewards/rejected"]
-    m.setdefault("logps/chosen", pc.detach().mean())
-    m.setdefault("logps/rejected", pr.detach().mean())
+@dataclass(frozen=True)
+class UnpairedLogps:
+    """KTO's per-row inputs [N]: the policy's summed completion log-probs, the labels (True =
+    desirable) and the reference's log-probs."""
+    completion: Tensor
+    label: Tensor
+    ref_completion: Optional[Tensor] = None
+
+
+def _simpo(x: PairLogps, s):
+    avg = x.length_averaged()
+    return simpo_loss(avg.chosen, avg.rejected, s.beta, s.gamma_beta_ratio * s.beta, s.label_smoothing)
+
+
+def _orpo(x: PairLogps, s):
+    # the SFT term is the chosen answer's NLL as a per-sequence token mean (Hong et al. 2024, eq. 6)
+    avg = x.length_averaged()
+    loss, m = orpo_loss(avg.chosen, avg.rejected, -avg.chosen, s.beta)
+    return loss, {**m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
+
+
+PAIR_OBJECTIVES = {  # method -> (pairs, the preference section) -> (loss, metrics)
+    "dpo": lambda x, s: pairwise_preference_loss(x, s.loss, s),
+    # KTO trains on unpaired rows (kto_objective); held-out pairs are scored with DPO's implicit
+    # reward, so accuracy and margins compare across methods
+    "kto": lambda x, s: pairwise_preference_loss(x, "sigmoid", s),
+    "simpo": _simpo,
+    "orpo": _orpo,
+}
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def kto_objective(x: UnpairedLogps, s, z0):
+    """KTO on unpaired rows, logged with the pairwise methods' metric names. Its own path: a row is
+    one completion and a label, and the loss needs the batch's reference point z0, so it is not a
+    function of one pair's log-probs."""
+    loss, m = kto_loss(x.completion, x.ref_completion, x.label, z0, s.beta, s.desirable_weight,
+                       s.undesirable_weight)
+    desirable, logps = x.label, x.completion.detach()
+    m = {**m, "logps/chosen": logps[desirable].mean(), "logps/rejected": logps[~desirable].mean(),
+         "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
+    # a group absent from the batch has no mean: drop it rather than log a fake 0
+    for side in ("chosen", "rejected"):
+        if int(m[f"count/{side}"]) == 0:
+            for k in (f"rewards/{side}", f"logps/{side}", "rewards/margins"):
+                m.pop(k, None)
     return loss, m
 
 
-def split_rows(cfg, paired: bool, examples: list[dict], logps, lens, ref_all: Optional[dict],
-               prefix: str) -> tuple[dict, Optional[dict]]:
-    """Per-sequence tensors of one forward, split into the objective's named inputs."""
+def objective(cfg, x: PairLogps | UnpairedLogps, z0=None):
+    """The method's loss and metrics on one batch's per-sequence log-probs."""
+    if isinstance(x, UnpairedLogps):
+        return kto_objective(x, cfg.preference, z0)
+    loss, m = PAIR_OBJECTIVES[cfg.preference.method](x, cfg.preference)
+    m.setdefault("logps/chosen", x.chosen.detach().mean())
+    m.setdefault("logps/rejected", x.rejected.detach().mean())
+    return loss, m
+
+
+def split_rows(paired: bool, examples: list[dict], logps, lengths, reference: Optional[dict],
+               split: str) -> PairLogps | UnpairedLogps:
+    """One forward's per-sequence tensors (pairs: [chosen rows; rejected rows]) as the objective's
+    inputs, with the cached reference log-probs of the same examples."""
     idx = torch.tensor([ex["idx"] for ex in examples])
+
+    def ref(key: str):
+        return None if reference is None else reference[f"{split}.{key}"][idx].to(logps.device)
     if paired:
-        B = len(examples)
-        pol = {"chosen": logps[:B], "rejected": logps[B:], "chosen_len": lens[:B], "rejected_len": lens[B:]}
-        keys = ("chosen", "rejected")
-    else:
-        pol = {"completion": logps, "label": torch.tensor([ex["label"] for ex in examples], device=logps.device)}
-        keys = ("completion",)
-    ref = None
-    if ref_all is not None:
-        ref = {k: ref_all[f"{prefix}.{k}"][idx].to(logps.device) for k in keys}
-    return pol, ref
+        n = len(examples)
+        return PairLogps(logps[:n], logps[n:], ref("chosen"), ref("rejected"), lengths[:n], lengths[n:])
+    labels = torch.tensor([ex["label"] for ex in examples], device=logps.device)
+    return UnpairedLogps(logps, labels, ref("completion"))
 
 
-def _cat(parts: list[dict]) -> dict:
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+def _tensors(x) -> dict:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if getattr(x, f.name) is not None}
 
 
-# ---- reference log-probs: once per run ----------------------------------------------------------
-
-@torch.no_grad()
-def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, amp) -> dict:
-    """Summed completion log-probs of every example of every split under `net` (eval mode)."""
-    was = net.training
-    net.eval()
-    out = {}
-    for name, examples in splits.items():
-        if not examples:
-            continue
-        parts: dict[str, list] = {}
-        partners = None if paired[name] else kl_partners(len(examples))
-        for i in range(0, len(examples), cfg.batch_size):
-            chunk = examples[i:i + cfg.batch_size]
-            lp, _ = completion_logps(net, collate(chunk, paired[name], pad_id), device, amp)
-            if paired[name]:
-                parts.setdefault("chosen", []).append(lp[:len(chunk)])
-                parts.setdefault("rejected", []).append(lp[len(chunk):])
-            else:
-                parts.setdefault("completion", []).append(lp)
-                kl = collate_mismatched(chunk, examples, partners, pad_id, cfg.max_length)
-                parts.setdefault("kl", []).append(completion_logps(net, kl, device, amp)[0])
-        out.update({f"{name}.{k}": torch.cat(v).cpu() for k, v in parts.items()})
-    net.train(was)
-    return out
-
-
-def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired: dict, pad_id,
-                  device, amp) -> tuple[dict, str]:
-    """The cached reference log-probs, computing (and caching) them if needed. Returns (tensors,
-    where they came from)."""
-    ref_source = cfg.ref_model or cfg.model
-    precision = f"{cfg.dtype}/{cfg.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
-    fp = cache_fingerprint(ref_source, splits, precision)
-    cached = load_cache(run_path, fp)
-    if cached is not None:
-        return cached, "cache"
-    if fresh and not cfg.ref_model:
-        # Step 0: the policy is the initial model, i.e. the reference (LoRA: B = 0, adapters are a no-op).
-        tensors, how = reference_logps(model, splits, paired, cfg, pad_id, device, amp), "policy at step 0"
-    elif cfg.lora_r > 0 and not cfg.ref_model:
-        with model.disable_adapter():
-            tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp)
-        how = "base with adapters disabled"
-    else:
-        net = load_model(ref_source, dtype=cfg.dtype, device=cfg.device,
-                         attn_implementation=cfg.attn_implementation)
-        tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp), "reference model"
-        del net  # not held during training
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    save_cache(run_path, tensors, fp, {"reference": ref_source, "computed_with": how,
-                                       "rows": {k: len(v) for k, v in splits.items()}})
-    return tensors, how
+def _concat(parts: list):
+    """A step's inputs from its micro-batches' (the loss metrics are over the whole batch)."""
+    return dataclasses.replace(parts[0], **{k: torch.cat([getattr(p, k) for p in parts])
+                                            for k in _tensors(parts[0])})
 
 
 # ---- one optimizer step ---------------------------------------------------------------------------
 
 def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired: bool,
-               ref_all: Optional[dict], pad_id: int, device, amp,
+               reference: Optional[dict], pad_id: int, device, amp,
                kl_pool: Optional[list[dict]] = None, partners: Optional[list[int]] = None) -> dict:
     """Forward/backward every micro-batch, then one guarded optimizer step. Returns the metrics
     (loss, method metrics, grad_norm, tokens) or raises NonFiniteLossError (step skipped)."""
-    n_total = sum(len(m) for m in micro)
+    n_total = sum(len(rows) for rows in micro)
     z0 = None
-    if cfg.method == "kto":
+    if cfg.preference.method == "kto":
         # Reference point from mismatched pairs under the current policy, no grad (it is detached
         # in the loss anyway). Under data parallelism this mean would be all-reduced across ranks.
         with torch.no_grad():
-            kl = torch.cat([completion_logps(model, collate_mismatched(m, kl_pool, partners, pad_id,
-                                                                       cfg.max_length), device, amp)[0]
-                            for m in micro])
-        ref_kl = ref_all["train.kl"][torch.tensor([ex["idx"] for m in micro for ex in m])].to(device)
+            kl = torch.cat([completion_logps(model, collate_mismatched(rows, kl_pool, partners, pad_id,
+                                                                       cfg.data.max_length), device, amp)[0]
+                            for rows in micro])
+        ref_kl = reference["train.kl"][torch.tensor([ex["idx"] for rows in micro for ex in rows])].to(device)
         z0 = kto_kl_reference_point(kl, ref_kl)
-    pols, refs, tokens = [], [], 0
-    for m in micro:
-        batch = collate(m, paired, pad_id)
+    inputs, tokens = [], 0
+    for rows in micro:
+        batch = collate(rows, paired, pad_id)
         tokens += int(batch["attention_mask"].sum())
-        logps, lens = completion_logps(model, batch, device, amp)
-        pol, ref = split_rows(cfg, paired, m, logps, lens, ref_all, "train")
-        loss, _ = objective(cfg, pol, ref, z0)
+        x = split_rows(paired, rows, *completion_logps(model, batch, device, amp), reference, "train")
+        loss, _ = objective(cfg, x, z0)
         # batch-mean losses: weight each micro-batch by its share, so accumulation = one big batch
-        (loss * (len(m) / n_total)).backward()
-        pols.append({k: v.detach() for k, v in pol.items()})
-        refs.append(ref)
-    loss, metrics = objective(cfg, _cat(pols), None if refs[0] is None else _cat(refs), z0)
+        (loss * (len(rows) / n_total)).backward()
+        inputs.append(dataclasses.replace(x, **{k: v.detach() for k, v in _tensors(x).items()}))
+    loss, metrics = objective(cfg, _concat(inputs), z0)
     loss = float(loss)
-    grad_norm = guarded_step(model, optimizer, scheduler, cfg.max_grad_norm, loss)
+    grad_norm = guarded_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, loss)
     return {"loss": loss, **{k: float(v) for k, v in metrics.items()}, "grad_norm": grad_norm,
             "tokens": tokens}
 
 
+# ---- evaluation: held-out metrics, sampled completions -------------------------------------------
+
 @torch.no_grad()
-def evaluate(cfg, model, examples: list[dict], paired: bool, ref_all, pad_id, device, amp) -> dict:
-    """Held-out metrics over the whole eval set: implicit-reward accuracy and margins."""
+def evaluate_preferences(cfg, model, examples: list[dict], paired: bool, reference, pad_id, device,
+                         amp) -> dict:
+    """Held-out metrics over the whole eval set: implicit-reward accuracy and margins (unpaired
+    rows: reward means per label; z0 does not enter them)."""
     was = model.training
     model.eval()
-    pols, refs = [], []
-    for i in range(0, len(examples), cfg.batch_size):
-        chunk = examples[i:i + cfg.batch_size]
-        logps, lens = completion_logps(model, collate(chunk, paired, pad_id), device, amp)
-        pol, ref = split_rows(cfg, paired, chunk, logps, lens, ref_all, "eval")
-        pols.append(pol)
-        refs.append(ref)
+    parts, batch_size = [], cfg.data.batch_size
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        logps, lengths = completion_logps(model, collate(chunk, paired, pad_id), device, amp)
+        parts.append(split_rows(paired, chunk, logps, lengths, reference, "eval"))
     model.train(was)
-    pol, ref = _cat(pols), None if refs[0] is None else _cat(refs)
-    if not paired:  # unpaired held-out rows: reward means per label (z0 does not enter them)
-        loss, m = objective(cfg, pol, ref, 0.0)
-        m = {k: v for k, v in m.items() if k != "kl"}
-    else:
-        loss, m = objective(cfg, pol, ref)
+    loss, m = objective(cfg, _concat(parts), 0.0)
+    m.pop("kl", None)
     return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in m.items()}}
+
+
+def sample_completions(model, tokenizer, examples: list[dict], count: int, max_new_tokens: int,
+                       seed: int, device) -> list[dict]:
+    """Completions for the first `count` distinct prompts of `examples`, sampled under their own
+    seeded RNG: forked, so sampling never shifts the training RNG stream (a resumed run must see
+    the same random numbers as an uninterrupted one)."""
+    prompts: list[list[int]] = []
+    for ex in examples:
+        if len(prompts) == count:
+            break
+        if ex["prompt_ids"] not in prompts:
+            prompts.append(ex["prompt_ids"])
+    if not prompts:
+        return []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        completions = generate(model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=1.0)
+    return [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
+            for p, c in zip(prompts, completions)]
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -367,106 +294,65 @@ def evaluate(cfg, model, examples: list[dict], paired: bool, ref_all, pad_id, de
 def train_offline(cfg: OfflineConfig) -> dict:
     """Run DPO / KTO / SimPO / ORPO per `cfg`; returns the summary (also written to summary.json),
     whose `model` is the final checkpoint's path (the adapter's under LoRA)."""
-    if cfg.method not in METHODS:
-        raise UserError(f"method must be one of {', '.join(METHODS)}; got {cfg.method!r}")
-    if not cfg.model:
-        raise UserError(f"{cfg.method}: `model` is required (a local HF directory or hub id)")
-    if not cfg.data:
-        raise UserError(f"{cfg.method}: `data` is required (preference rows: prompt, chosen, rejected)")
-    run_path = Path(cfg.runs_dir) / cfg.name
-    ckpt = latest_checkpoint(run_path) if cfg.resume else None
-    seed_everything(cfg.seed)
+    method = cfg.preference.method
 
-    tokenizer = load_tokenizer(str(ckpt) if ckpt else cfg.model)
-    pad_id = tokenizer.pad_token_id
-    # Data is read, validated and tokenized before the model is loaded: bad input fails fast.
-    train_ex, eval_ex, paired, eval_paired, report = load_offline_data(cfg, tokenizer)
-    if cfg.lora_r > 0:
-        from tether.models.lora import apply_lora  # the base always comes from cfg.model
-        model = apply_lora(load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
-                                      attn_implementation=cfg.attn_implementation), cfg, ckpt)
-    else:
-        model = load_model(str(ckpt) if ckpt else cfg.model, dtype=cfg.dtype, device=cfg.device,
-                           attn_implementation=cfg.attn_implementation)
-    device = next(model.parameters()).device
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.log_with)
-    amp = autocast_context(device, cfg.mixed_precision)
+    def load(tokenizer):
+        train, held_out, paired, eval_paired, report = load_offline_data(cfg, tokenizer)
+        return Data(train, held_out, report, {"paired": paired, "eval_paired": eval_paired})
+    t = setup_training(cfg, load)
+    model, tokenizer, device, amp = t.model, t.tokenizer, t.device, t.amp
+    pad_id, batch_size = tokenizer.pad_token_id, cfg.data.batch_size
+    paired, eval_paired = t.data.extra["paired"], t.data.extra["eval_paired"]
 
-    ref_all, ref_from = None, "none (reference-free)"
-    if cfg.method not in REFERENCE_FREE:
-        ref_all, ref_from = get_reference(cfg, run_path, model, ckpt is None,
-                                          {"train": train_ex, "eval": eval_ex},
-                                          {"train": paired, "eval": eval_paired}, pad_id, device, amp)
-    model.train()
+    reference, reference_from = None, "none (reference-free)"
+    if method not in REFERENCE_FREE:
+        reference, reference_from = get_reference(
+            cfg, t.run.path, model, t.ckpt is None, {"train": t.data.train, "eval": t.data.eval},
+            {"train": paired, "eval": eval_paired}, pad_id, device, amp)
+    partners = kl_partners(len(t.data.train)) if method == "kto" else None
 
-    per_step = cfg.batch_size * cfg.grad_accum
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else \
-        max(1, math.ceil(cfg.epochs * len(train_ex) / per_step))
-    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, betas=tuple(cfg.adam_betas))
-    scheduler = make_scheduler(optimizer, cfg.schedule, warmup, total_steps)
-    sampler = EpochSampler(len(train_ex), per_step, cfg.seed)
-    step, time_offset, skipped = 0, 0.0, 0
-    if ckpt:
-        step, time_offset, skipped = restore_training(ckpt, run, optimizer, scheduler, sampler)
-    run.write_config(cfg)
+    def evaluate() -> dict:
+        out = {}
+        if t.data.eval:
+            out = evaluate_preferences(cfg, model, t.data.eval, eval_paired, reference, pad_id, device, amp)
+        t.add_samples(sample_completions(model, tokenizer, t.data.eval or t.data.train, cfg.run.num_samples,
+                                         cfg.preference.sample_max_new_tokens, cfg.run.seed + t.step, device))
+        return out
 
-    def checkpoint():
-        return save_training(run, step, model, tokenizer, optimizer, scheduler, sampler, skipped,
-                             time_offset, cfg.keep_last)
-
-    def do_eval() -> dict:
-        if not eval_ex:
-            return {}
-        return evaluate(cfg, model, eval_ex, eval_paired, ref_all, pad_id, device, amp)
-
-    partners = kl_partners(len(train_ex)) if cfg.method == "kto" else None
-    bar = Progress(total_steps, step, cfg.name, enabled=cfg.progress and run.is_main)
-    timer, acc, n_acc, tokens_since = Timer(), {}, 0, 0
-    last: dict = {}
-    while step < total_steps:
-        idx = sampler.next()
-        micro = [[train_ex[j] for j in idx[i:i + cfg.batch_size]] for i in range(0, len(idx), cfg.batch_size)]
+    timer, window, steps_since, tokens_since, last = Timer(), {}, 0, 0, {}
+    while t.step < t.total_steps:
+        rows = [t.data.train[j] for j in t.order.next()]
+        micro = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
         try:
-            out = train_step(cfg, model, optimizer, scheduler, micro, paired, ref_all, pad_id, device,
-                             amp, kl_pool=train_ex, partners=partners)
-        except NonFiniteLossError:
-            skipped += 1
-            out = {"loss": float("nan"), "grad_norm": float("nan"), "tokens": 0}
-        step += 1
+            out = train_step(cfg, model, t.optimizer, t.scheduler, micro, paired, reference, pad_id,
+                             device, amp, kl_pool=t.data.train, partners=partners)
+        except NonFiniteLossError:  # refused by guarded_step: nothing reached the weights
+            t.skipped += 1
+            out = {"loss": math.nan, "grad_norm": math.nan, "tokens": 0}
+        t.step += 1
         tokens_since += out.pop("tokens")
-        n_acc += 1
-        for k, v in out.items():  # metrics are means over the steps since the last write
-            acc[k] = acc.get(k, 0.0) + v
+        steps_since += 1
+        for k, v in out.items():  # logged metrics are means over the steps since the last write
+            window[k] = window.get(k, 0.0) + v
         last = out
-        if step % cfg.log_every == 0 or step == total_steps:
+        if t.log_due():
             dt = timer.lap()
-            run.log(step, {**{k: v / n_acc for k, v in acc.items()}, "lr": scheduler.get_last_lr()[0],
-                           "epoch": sampler.epoch, "skipped_steps": skipped,
-                           "step_time": dt / n_acc, "tokens_per_second": tokens_since / dt},
-                    time_offset=time_offset)
-            acc, n_acc, tokens_since = {}, 0, 0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            run.log(step, do_eval(), time_offset=time_offset)
-        if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-            checkpoint()
-        bar.update({"loss": out["loss"], "acc": out.get("rewards/accuracies", float("nan"))})
-    bar.close()
+            t.log({**{k: v / steps_since for k, v in window.items()}, "lr": t.lr,
+                   "epoch": t.order.epoch, "skipped_steps": t.skipped,
+                   "step_time": dt / steps_since, "tokens_per_second": tokens_since / dt})
+            window, steps_since, tokens_since = {}, 0, 0
+        if t.due(cfg.run.eval_every):
+            t.log(evaluate())
+        if t.due(cfg.run.save_every):
+            t.checkpoint()
+        t.bar.update({"loss": out["loss"], "acc": out.get("rewards/accuracies", math.nan)})
 
-    final_eval = do_eval()
-    run.log(step, final_eval, time_offset=time_offset)
-    path = checkpoint()
-    summary = {"method": cfg.method, "loss_type": cfg.loss if cfg.method == "dpo" else cfg.method,
-               "steps": step, "train_examples": len(train_ex), "eval_examples": len(eval_ex),
-               "final_loss": last.get("loss"), "skipped_steps": skipped, "reference": ref_from,
-               "data": report, "model": str(path), "checkpoint": str(path),
-               "train": {k: v for k, v in last.items() if k.startswith(("rewards/", "logps/", "kl"))},
-               **final_eval}
-    run.write_summary(summary)
-    if run.is_main:
-        plot_metrics(run.path)
-    run.close()
-    return summary
+    final_eval = evaluate()
+    t.log(final_eval)
+    return t.finish({
+        "method": method, "loss_type": cfg.preference.loss if method == "dpo" else method,
+        "train_examples": len(t.data.train), "eval_examples": len(t.data.eval),
+        "final_loss": last.get("loss"), "reference": reference_from, "data": t.data.report,
+        "model": str(t.run.checkpoint_dir(t.step)),  # the checkpoint finish() writes
+        "train": {k: v for k, v in last.items() if k.startswith(("rewards/", "logps/", "kl"))},
+        **final_eval})

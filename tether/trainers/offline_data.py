@@ -1,35 +1,20 @@
-"""The offline trainer's data step and reference cache (docs/dpo.md).
+"""The offline trainer's data step (docs/dpo.md): rows -> examples, and their collation.
 
-Data: preference rows (`prompt`, `chosen`, `rejected`, or implicit-prompt `chosen`/`rejected`)
+Preference rows (`prompt`, `chosen`, `rejected`, or implicit-prompt `chosen`/`rejected`)
 for DPO / SimPO / ORPO; KTO also takes unpaired rows (`prompt`, `completion`, `label`) and turns
 preference rows into two unpaired ones (chosen → desirable, rejected → undesirable), as TRL does.
-Examples are token lists; `idx` is an example's position in its split, the key into the cache.
-
-Reference cache: `<run>/reference_logps.safetensors` holds, per split, the reference model's
-per-sequence summed completion log-probs (`train.chosen`, `train.rejected` for pairs;
-`train.completion` and `train.kl` — the mismatched pairs KTO's reference point needs — for
-unpaired rows). `reference_logps.json` holds a fingerprint of everything the numbers depend on
-(token ids of every example, the reference model's config and weight-file sizes, dtype and
-precision, the KL pairing); a cache whose fingerprint differs is stale and recomputed.
+Examples are token lists; `idx` is an example's position in its split, the key into the
+reference cache (offline_reference.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 import random
-from pathlib import Path
-
-import torch
 
 from tether.data import (encode_preference, encode_unpaired, join_prompt_response, load_data,
                          pad_batch)
 from tether.errors import UserError
 
-logger = logging.getLogger("tether.offline")
-CACHE_FILE, CACHE_META = "reference_logps.safetensors", "reference_logps.json"
 KL_PAIRING_SEED = 0  # fixed: the mismatched pairs are part of the cached numbers
 
 
@@ -44,12 +29,12 @@ def to_unpaired(pairs: list[dict]) -> list[dict]:
     return out
 
 
-def _encode(cfg, source: str, split: str | None, unpaired_ok: bool, tokenizer):
+def _encode(data, source: str, split: str | None, unpaired_ok: bool, tokenizer):
     expect = ("preference", "unpaired-preference") if unpaired_ok else "preference"
     rows = load_data(source, expect=expect, split=split)
     enc = encode_unpaired if rows.format == "unpaired-preference" else encode_preference
-    examples, rep = enc(rows, tokenizer, cfg.max_length, cfg.truncation,
-                        max_prompt_length=cfg.max_prompt_length, source=source)
+    examples, rep = enc(rows, tokenizer, data.max_length, data.truncation,
+                        max_prompt_length=data.max_prompt_length, source=source)
     if rows.format == "unpaired-preference":
         for ex in examples:
             if not isinstance(ex["label"], bool):
@@ -67,19 +52,20 @@ def load_offline_data(cfg, tokenizer):
     """Returns (train, eval, train_paired, eval_paired, report). KTO trains on unpaired examples
     (converted from pairs when given pairs); a held-out split of pairs stays paired, so its
     implicit-reward accuracy means the same thing for every method."""
-    kto = cfg.method == "kto"
-    train, rep, paired = _encode(cfg, cfg.data, cfg.split, kto, tokenizer)
+    data, method = cfg.data, cfg.preference.method
+    kto = method == "kto"
+    train, rep, paired = _encode(data, data.path, data.split, kto, tokenizer)
     report = {"train": rep.summary(), "train_rows": rep.total, "truncated": rep.truncated,
               "dropped": rep.dropped}
-    if cfg.eval_data:
-        eval_ex, erep, eval_paired = _encode(cfg, cfg.eval_data, None, kto, tokenizer)
+    if data.eval_data:
+        eval_ex, erep, eval_paired = _encode(data, data.eval_data, None, kto, tokenizer)
         report.update({"eval": erep.summary(), "eval_truncated": erep.truncated,
                        "eval_dropped": erep.dropped})
-    elif cfg.eval_fraction > 0:
+    elif data.eval_fraction > 0:
         # Seeded split of the encoded examples: the same held-out set on resume.
         order = list(range(len(train)))
-        random.Random(cfg.seed).shuffle(order)
-        held = set(order[:max(1, int(len(order) * cfg.eval_fraction))])
+        random.Random(cfg.run.seed).shuffle(order)
+        held = set(order[:max(1, int(len(order) * data.eval_fraction))])
         eval_ex = [train[i] for i in sorted(held)]
         train = [ex for i, ex in enumerate(train) if i not in held]
         eval_paired = paired
@@ -88,9 +74,9 @@ def load_offline_data(cfg, tokenizer):
     if kto and paired:
         train, paired = to_unpaired(train), False
     if not train:
-        raise UserError(f"{cfg.method}: no training examples left in {cfg.data}")
+        raise UserError(f"{method}: no training examples left in {data.path}")
     if not paired and not kto:
-        raise UserError(f"{cfg.method} needs preference pairs (prompt, chosen, rejected)")
+        raise UserError(f"{method} needs preference pairs (prompt, chosen, rejected)")
     return _index(train), _index(eval_ex), paired, eval_paired, report
 
 
@@ -129,54 +115,3 @@ def collate_mismatched(examples: list[dict], pool: list[dict], partners: list[in
             c = c[:max(1, max_length - len(p))]
         seqs.append(join_prompt_response(p, c))
     return pad_batch(seqs, pad_id)
-
-
-# ---- reference cache ----------------------------------------------------------------------------
-
-def model_fingerprint(path: str) -> dict:
-    """What identifies a model without reading its weights: config + weight-file names and sizes
-    (a hub id is taken as is)."""
-    p = Path(path)
-    if not p.is_dir():
-        return {"id": path}
-    cfg = (p / "config.json").read_text() if (p / "config.json").exists() else ""
-    files = sorted((f.name, f.stat().st_size) for f in p.iterdir()
-                   if f.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
-    return {"config": hashlib.sha256(cfg.encode()).hexdigest(), "files": files}
-
-
-def data_fingerprint(splits: dict[str, list[dict]]) -> str:
-    h = hashlib.sha256()
-    for name, examples in sorted(splits.items()):
-        h.update(name.encode())
-        for ex in examples:
-            keys = ("prompt_ids", "chosen_ids", "rejected_ids", "completion_ids")
-            h.update(json.dumps([ex.get(k) for k in keys]).encode())
-    return h.hexdigest()
-
-
-def cache_fingerprint(ref_source: str, splits: dict, precision: str) -> str:
-    blob = json.dumps({"model": model_fingerprint(ref_source), "data": data_fingerprint(splits),
-                       "precision": precision, "kl_pairing_seed": KL_PAIRING_SEED}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def load_cache(run_path: Path, fingerprint: str) -> dict[str, torch.Tensor] | None:
-    """The cached tensors, or None if missing or stale (a stale cache is logged and ignored)."""
-    meta, data = run_path / CACHE_META, run_path / CACHE_FILE
-    if not (meta.exists() and data.exists()):
-        return None
-    if json.loads(meta.read_text()).get("fingerprint") != fingerprint:
-        logger.warning("%s is stale (data, model or precision changed): recomputing", data)
-        return None
-    from safetensors.torch import load_file
-    return load_file(str(data))
-
-
-def save_cache(run_path: Path, tensors: dict[str, torch.Tensor], fingerprint: str, info: dict) -> None:
-    from safetensors.torch import save_file
-    run_path.mkdir(parents=True, exist_ok=True)
-    tmp = run_path / (CACHE_FILE + ".tmp")
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, run_path / CACHE_FILE)
-    (run_path / CACHE_META).write_text(json.dumps({"fingerprint": fingerprint, **info}, indent=2) + "\n")

@@ -1,0 +1,150 @@
+"""The offline trainer's per-sequence log-probs and its reference log-probs, computed once per run
+and cached (docs/dpo.md, "Reference log-probs").
+
+Cache: `<run>/reference_logps.safetensors` holds, per split, the reference model's per-sequence
+summed completion log-probs (`train.chosen`, `train.rejected` for pairs; `train.completion` and
+`train.kl` — the mismatched pairs KTO's reference point needs — for unpaired rows).
+`reference_logps.json` holds a fingerprint of everything the numbers depend on (token ids of every
+example, the reference model's config and weight-file sizes, dtype and precision, the KL pairing);
+a cache whose fingerprint differs is stale and recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tether.models import load_model
+from tether.models.logprobs import completion_token_logps
+from tether.trainers.offline_data import KL_PAIRING_SEED, collate, collate_mismatched, kl_partners
+
+logger = logging.getLogger("tether.offline")
+CACHE_FILE, CACHE_META = "reference_logps.safetensors", "reference_logps.json"
+
+
+def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed completion log-prob [R], completion length [R]) for every row of a padded batch.
+
+    Only completion positions get logits (`models.logprobs.completion_token_logps`: the LM head
+    over the completion tokens, chunked when the logits are large), which saves the LM head's matmul
+    and the largest activation on the prompt part.
+    """
+    on = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "completion_mask")}
+    logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the completions
+    return logps.sum(-1).float(), on["completion_mask"][:, 1:].sum(-1).float()
+
+
+@torch.no_grad()
+def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, amp) -> dict:
+    """Summed completion log-probs of every example of every split under `net` (eval mode)."""
+    was = net.training
+    net.eval()
+    out = {}
+    batch_size = cfg.data.batch_size
+    for name, examples in splits.items():
+        if not examples:
+            continue
+        parts: dict[str, list] = {}
+        partners = None if paired[name] else kl_partners(len(examples))
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i:i + batch_size]
+            logps, _ = completion_logps(net, collate(chunk, paired[name], pad_id), device, amp)
+            if paired[name]:
+                parts.setdefault("chosen", []).append(logps[:len(chunk)])
+                parts.setdefault("rejected", []).append(logps[len(chunk):])
+            else:
+                parts.setdefault("completion", []).append(logps)
+                kl = collate_mismatched(chunk, examples, partners, pad_id, cfg.data.max_length)
+                parts.setdefault("kl", []).append(completion_logps(net, kl, device, amp)[0])
+        out.update({f"{name}.{k}": torch.cat(v).cpu() for k, v in parts.items()})
+    net.train(was)
+    return out
+
+
+def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired: dict, pad_id,
+                  device, amp) -> tuple[dict, str]:
+    """The cached reference log-probs, computing (and caching) them if needed. Returns (tensors,
+    where they came from)."""
+    ref_model, spec = cfg.preference.ref_model, cfg.model
+    ref_source = ref_model or spec.path
+    precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
+    fingerprint = cache_fingerprint(ref_source, splits, precision)
+    cached = load_cache(run_path, fingerprint)
+    if cached is not None:
+        return cached, "cache"
+    # A resumed run has restored the training RNG already: loading a model here must not move it.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if fresh and not ref_model:
+            # Step 0: the policy is the initial model, i.e. the reference (LoRA: B = 0, adapters are a no-op).
+            tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp)
+            how = "policy at step 0"
+        elif spec.lora_r > 0 and not ref_model:
+            with model.disable_adapter():
+                tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp)
+            how = "base with adapters disabled"
+        else:
+            net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
+                             attn_implementation=spec.attn_implementation)
+            tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp), "reference model"
+            del net  # not held during training
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    save_cache(run_path, tensors, fingerprint, {"reference": ref_source, "computed_with": how,
+                                                "rows": {k: len(v) for k, v in splits.items()}})
+    return tensors, how
+
+
+# ---- the cache ----------------------------------------------------------------------------------
+
+def model_fingerprint(path: str) -> dict:
+    """What identifies a model without reading its weights: config + weight-file names and sizes
+    (a hub id is taken as is)."""
+    p = Path(path)
+    if not p.is_dir():
+        return {"id": path}
+    cfg = (p / "config.json").read_text() if (p / "config.json").exists() else ""
+    files = sorted((f.name, f.stat().st_size) for f in p.iterdir()
+                   if f.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    return {"config": hashlib.sha256(cfg.encode()).hexdigest(), "files": files}
+
+
+def data_fingerprint(splits: dict[str, list[dict]]) -> str:
+    h = hashlib.sha256()
+    for name, examples in sorted(splits.items()):
+        h.update(name.encode())
+        for ex in examples:
+            keys = ("prompt_ids", "chosen_ids", "rejected_ids", "completion_ids")
+            h.update(json.dumps([ex.get(k) for k in keys]).encode())
+    return h.hexdigest()
+
+
+def cache_fingerprint(ref_source: str, splits: dict, precision: str) -> str:
+    blob = json.dumps({"model": model_fingerprint(ref_source), "data": data_fingerprint(splits),
+                       "precision": precision, "kl_pairing_seed": KL_PAIRING_SEED}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def load_cache(run_path: Path, fingerprint: str) -> dict[str, torch.Tensor] | None:
+    """The cached tensors, or None if missing or stale (a stale cache is logged and ignored)."""
+    meta, data = run_path / CACHE_META, run_path / CACHE_FILE
+    if not (meta.exists() and data.exists()):
+        return None
+    if json.loads(meta.read_text()).get("fingerprint") != fingerprint:
+        logger.warning("%s is stale (data, model or precision changed): recomputing", data)
+        return None
+    from safetensors.torch import load_file
+    return load_file(str(data))
+
+
+def save_cache(run_path: Path, tensors: dict[str, torch.Tensor], fingerprint: str, info: dict) -> None:
+    from safetensors.torch import save_file
+    run_path.mkdir(parents=True, exist_ok=True)
+    tmp = run_path / (CACHE_FILE + ".tmp")
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, run_path / CACHE_FILE)
+    (run_path / CACHE_META).write_text(json.dumps({"fingerprint": fingerprint, **info}, indent=2) + "\n")
