@@ -230,6 +230,17 @@ def ppo_advantages(scores, old_logps, ref_logps, old_values, mask, beta: float, 
     return token_rewards, advantages, returns
 
 
+def update_stats(policy_term, policy_stats: dict, value_term, value_stats: dict, entropy,
+                 grad_norm: float) -> dict[str, float]:
+    """One optimizer update's numbers (TRL's names); the step's log row holds their means."""
+    stats = {"policy/approxkl_avg": policy_stats["approx_kl"],
+             "policy/clipfrac_avg": policy_stats["clip_ratio/region_mean"],
+             "loss/policy_avg": policy_term, "loss/value_avg": value_term,
+             "val/clipfrac_avg": value_stats["clipfrac"], "policy/entropy_avg": entropy,
+             "val/ratio": policy_stats["ratio/mean"], "grad_norm": grad_norm}
+    return {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in stats.items()}
+
+
 def step_metrics(t, scored: dict, rewards: Rewards, rollout, batch: dict, old_logps, sequence_kl,
                  beta: float, updates: dict, started: float, sampling_seconds: float) -> dict:
     """One step's log row, with TRL's PPO names where they exist."""
@@ -322,12 +333,9 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                 loss = policy_term + spec.vf_coef * value_term - spec.ent_coef * entropy
                 loss.backward()
                 grad_norm = t.optimizer_step(float(loss.detach()), keep_grads=gradient_buffer is not None)
-                for k, v in {"policy/approxkl_avg": policy_stats["approx_kl"],
-                             "policy/clipfrac_avg": policy_stats["clip_ratio/region_mean"],
-                             "loss/policy_avg": policy_term, "loss/value_avg": value_term,
-                             "val/clipfrac_avg": value_stats["clipfrac"], "policy/entropy_avg": entropy,
-                             "val/ratio": policy_stats["ratio/mean"], "grad_norm": grad_norm}.items():
-                    updates.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
+                for k, v in update_stats(policy_term, policy_stats, value_term, value_stats, entropy,
+                                         grad_norm).items():
+                    updates.setdefault(k, []).append(v)
         t.step += 1
         mean_kl = float(sequence_kl.mean())
         kl_control.update(mean_kl, sequences)
