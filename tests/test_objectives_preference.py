@@ -1,5 +1,6 @@
 """tether.objectives.preference: Bradley–Terry, DPO family, KTO, SimPO, ORPO."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from tether.objectives import (
     PREFERENCE_LOSSES,
+    PairLogps,
     bradley_terry_loss,
     kto_kl_reference_point,
     kto_loss,
@@ -86,8 +88,23 @@ def test_dpo_variants_hand_values():
         dpo_worked_example(loss_type="robust", label_smoothing=0.5)
 
 
+def test_dpop_hand_values():
+    # β = 0.5, λ = 2. Pair 1: log π(y_w) = −3 below log π_ref(y_w) = −2.5, so the penalty is
+    # max(0, −2.5 − (−3)) = 0.5; h = (−3 + 2.5) − (−5 + 4) = 0.5; loss = −log σ(0.5·(0.5 − 2·0.5))
+    # = log(1 + e^0.25) = 0.825939. Pair 2: log π(y_w) = −2 above log π_ref(y_w) = −3: penalty
+    # max(0, −1) = 0; h = (−2 + 3) − (−4 + 3.5) = 1.5; loss = log(1 + e^−0.75) = 0.386871.
+    # Wrong sign of the penalty: pair 1 gives 0.386871; no max(0, ·): pair 2 gives log(1 + e^−1.75)
+    # = 0.160224; λ outside β (βh − λ·pen): pair 1 gives log(1 + e^0.75) = 1.136871.
+    pair = PairLogps(t(-3.0, -2.0), t(-5.0, -4.0), t(-2.5, -3.0), t(-4.0, -3.5))
+    per_pair = PREFERENCE_LOSSES["dpop"](pair, SimpleNamespace(beta=0.5, dpop_lambda=2.0))
+    assert per_pair.tolist() == pytest.approx([0.825939, 0.386871], abs=1e-6)
+    loss, _ = preference_loss(t(-3.0, -2.0), t(-5.0, -4.0), t(-2.5, -3.0), t(-4.0, -3.5), 0.5,
+                              loss_type="dpop", dpop_lambda=2.0)
+    assert loss.item() == pytest.approx((0.825939 + 0.386871) / 2, abs=1e-6)
+
+
 def test_registry_lists_every_loss_type():
-    assert set(PREFERENCE_LOSSES) == {"sigmoid", "robust", "hinge", "ipo"}
+    assert set(PREFERENCE_LOSSES) == {"sigmoid", "robust", "hinge", "ipo", "dpop"}
 
 
 @pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.5), ("robust", 0.5), ("hinge", 0.1), ("ipo", 0.5)])

@@ -103,7 +103,14 @@ def _ipo(x: PairLogps, p) -> Tensor:
     return (x.h - 1 / (2 * p.beta)) ** 2
 
 
-PREFERENCE_LOSSES = {"sigmoid": _sigmoid, "robust": _robust, "hinge": _hinge, "ipo": _ipo}
+def _dpop(x: PairLogps, p) -> Tensor:
+    """DPO-Positive (Pal et al. 2024, eq. 3): −log σ(β(h − λ·max(0, log π_ref(y_w) − log π(y_w)))),
+    λ = ``dpop_lambda``. DPO can widen the gap while lowering the chosen completion's likelihood;
+    the penalty starts once log π(y_w) falls below the reference's."""
+    return -F.logsigmoid(p.beta * (x.h - p.dpop_lambda * torch.relu(x.ref_chosen - x.chosen)))
+
+
+PREFERENCE_LOSSES = {"sigmoid": _sigmoid, "robust": _robust, "hinge": _hinge, "ipo": _ipo, "dpop": _dpop}
 LENGTH_AVERAGED = {"ipo"}  # their log-probs are length-averaged before the loss and its metrics
 
 

@@ -54,6 +54,8 @@ class PreferenceSection:
     "kto only: λ_D, weight of desirable examples"
     undesirable_weight: float = 1.0
     "kto only: λ_U, weight of undesirable examples"
+    dpop_lambda: float = 50.0
+    "loss=dpop only: λ, weight of the penalty on log π(y_w) falling below log π_ref(y_w) (Pal et al. 2024: 50)"
     ref_model: Optional[str] = None
     "reference model (default: the initial policy); only read when its log-probs are not cached"
     sample_max_new_tokens: int = 64
