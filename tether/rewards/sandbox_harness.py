@@ -328,9 +328,15 @@ def grader():
     called = {n.func.id for n in ast.walk(tree)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     ns = {"__name__": "__tests__", "__builtins__": builtins}
+    shadowed = sorted(n for n in ready["ready"] if isinstance(n, str) and n in used
+                      and hasattr(builtins, n))
+    if shadowed:    # abs, len, AssertionError, ...: whose is it? Ambiguous, so fail closed.
+        send(verdict, {"pass": False, "error": "the program redefines %s, which the tests use"
+                       % ", ".join(shadowed[:5])})
+        return
     for name, info in ready["ready"].items():
-        if not isinstance(name, str) or name not in used or hasattr(builtins, name):
-            continue    # never let the program redefine abs, len, sorted, AssertionError, ...
+        if not isinstance(name, str) or name not in used:
+            continue
         kind, module = info if isinstance(info, list) and len(info) == 2 else (None, None)
         try:
             # A module the tests use (math.isclose) is the real one, imported here, never the
