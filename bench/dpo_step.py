@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tether.models import char_tokenizer  # noqa: E402
 from tether.trainers.common import autocast_context, make_optimizer, make_scheduler  # noqa: E402
-from tether.trainers.offline import DPOConfig, reference_logps, train_step  # noqa: E402
+from tether.trainers.offline import DPOConfig, train_step  # noqa: E402
+from tether.trainers.offline_reference import reference_logps  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
@@ -99,7 +100,7 @@ def bench_ours(model, tok, examples, device, warmup, steps):
     sync(device)
     ref_s = time.perf_counter() - t
     model.train()
-    opt = make_optimizer(model, cfg.lr, 0.0)
+    opt = make_optimizer(model, cfg.optim.lr, 0.0)
     sched = make_scheduler(opt, "constant", 0, warmup + steps)
     times = []
     for i in range(warmup + steps):
