@@ -9,7 +9,8 @@ import torch
 
 from tether.errors import UserError
 from tether.models import make_tiny_model
-from tether.trainers.online import GRPOConfig, score, train_grpo
+from tether.rewards.scoring import score
+from tether.trainers.online import GRPOConfig, train_grpo
 
 DIGITS = set("0123456789")
 

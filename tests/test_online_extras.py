@@ -12,7 +12,7 @@ from tether.models import load_model, make_tiny_model
 from tether.objectives import token_logps
 from tether.rewards.scoring import overlong_penalty
 from tether.rollout import Sampler
-from tether.trainers import online
+from tether.trainers import online, online_update, setup
 from tether.trainers.online import GRPOConfig, ReMaxConfig, RLOOConfig, train_grpo
 from tether.trainers.online_sampling import has_signal
 
@@ -120,7 +120,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(root, monkeypatch,
                 for t, g in zip(completions, tag)]
 
     grads, rows_seen = {}, {}
-    real_step, real_logps = online.guarded_step, online.completion_token_logps
+    real_step, real_logps = setup.guarded_step, online_update.completion_token_logps
 
     for skip in (True, False):
         def spy_step(model, *a, **k):
@@ -130,8 +130,8 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(root, monkeypatch,
         def spy_logps(model, mb, *a, **k):
             rows_seen[skip] = rows_seen.get(skip, 0) + mb["input_ids"].shape[0]
             return real_logps(model, mb, *a, **k)
-        monkeypatch.setattr(online, "guarded_step", spy_step)
-        monkeypatch.setattr(online, "completion_token_logps", spy_logps)
+        monkeypatch.setattr(setup, "guarded_step", spy_step)
+        monkeypatch.setattr(online_update, "completion_token_logps", spy_logps)
         train_grpo(_cfg(root, f"skip0-{agg}-{skip}", max_steps=1, skip_zero_advantage=skip, loss_agg=agg,
                         micro_batch_size=5), reward_funcs=[half_constant])
         m = _metrics(root, f"skip0-{agg}-{skip}")[0]
@@ -145,12 +145,12 @@ def test_trained_rows_whole_micro_batches():
     adv = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, -2.0], [0.0, 0.0], [0.0, 0.0]])
     mask = torch.ones(6, 2, dtype=torch.bool)
     mask[3, 1] = False  # its only non-zero advantage sits on padding: no gradient either
-    assert online._trained_rows(adv, mask, True).tolist() == [1]
-    assert online._trained_rows(adv, mask, False).tolist() == [0, 1, 2, 3, 4, 5]
+    assert online_update._trained_rows(adv, mask, True).tolist() == [1]
+    assert online_update._trained_rows(adv, mask, False).tolist() == [0, 1, 2, 3, 4, 5]
     # compiled layers: rounded up to whole micro-batches of 4 with skipped rows (static shapes)
-    assert online._trained_rows(adv, mask, True, quantum=4).tolist() == [0, 1, 2, 3]
-    assert online._trained_rows(adv, mask, True, quantum=6).tolist() == [0, 1, 2, 3, 4, 5]
-    assert online._trained_rows(torch.zeros(6, 2), mask, True, quantum=4).tolist() == []
+    assert online_update._trained_rows(adv, mask, True, quantum=4).tolist() == [0, 1, 2, 3]
+    assert online_update._trained_rows(adv, mask, True, quantum=6).tolist() == [0, 1, 2, 3, 4, 5]
+    assert online_update._trained_rows(torch.zeros(6, 2), mask, True, quantum=4).tolist() == []
 
 
 def test_skip_zero_advantage_keeps_the_kl_term(root, monkeypatch):
@@ -276,7 +276,7 @@ def test_kl_in_reward_keeps_the_policy_near_the_reference(root):
 
 def test_lora_reference_is_the_base_without_a_copy(root, monkeypatch):
     loads, refs, rollouts = [], [], []
-    real_load, real_loss, real_sample = online.load_model, online.policy_loss, Sampler.sample
+    real_load, real_loss, real_sample = setup.load_model, online_update.policy_loss, Sampler.sample
 
     def load_spy(*a, **k):
         loads.append(a)
@@ -294,10 +294,10 @@ def test_lora_reference_is_the_base_without_a_copy(root, monkeypatch):
     def no_copy(*a, **k):
         raise AssertionError("the LoRA reference must not copy the model")
 
-    monkeypatch.setattr(online, "load_model", load_spy)
-    monkeypatch.setattr(online, "policy_loss", loss_spy)
+    monkeypatch.setattr(setup, "load_model", load_spy)
+    monkeypatch.setattr(online_update, "policy_loss", loss_spy)
     monkeypatch.setattr(Sampler, "sample", sample_spy)
-    monkeypatch.setattr(online, "copy", SimpleNamespace(deepcopy=no_copy))
+    monkeypatch.setattr(setup, "copy", SimpleNamespace(deepcopy=no_copy))
     # (adapters on the inner layers alone barely move this 32-wide random model; on lm_head they do)
     train_grpo(_cfg(root, "lora", lora_r=8, lora_alpha=16, lora_targets="lm_head,down_proj", lr=3e-2,
                     beta=0.05), reward_funcs=[digit_frac])
@@ -325,8 +325,8 @@ def test_presets_and_cli():
     from tether import cli
 
     r, x = RLOOConfig(), ReMaxConfig()
-    assert (r.advantage, r.kl_in, r.beta) == ("rloo", "reward", 0.05)
-    assert (x.advantage, x.num_generations, x.kl_in) == ("remax", 1, "reward")
+    assert (r.grpo.advantage, r.grpo.kl_in, r.grpo.beta) == ("rloo", "reward", 0.05)
+    assert (x.grpo.advantage, x.rollout.num_generations, x.grpo.kl_in) == ("remax", 1, "reward")
     assert cli._load("rloo") == (RLOOConfig, train_grpo) and cli._load("remax") == (ReMaxConfig, train_grpo)
 
 

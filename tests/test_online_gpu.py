@@ -30,7 +30,7 @@ def test_compiled_grpo_step_equals_eager(tmp_path, monkeypatch):
                          name=f"c{int(comp)}", batch_size=1, num_generations=8, max_new_tokens=16, max_steps=2,
                          lr=1e-3, beta=0.05, device="cuda", mixed_precision="no", compile=comp, progress=False, seed=0)
         train_grpo(cfg, reward_funcs=[digit_frac])
-        rows[comp] = [json.loads(x) for x in (tmp_path / "runs" / cfg.name / "metrics.jsonl").read_text().splitlines()]
+        rows[comp] = [json.loads(x) for x in (tmp_path / "runs" / cfg.run.name / "metrics.jsonl").read_text().splitlines()]
     torch._dynamo.reset()
     a, b = rows[False][0], rows[True][0]
     assert a["reward"] == b["reward"]  # same weights, same seed: the same completions

@@ -68,14 +68,16 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, co
     return coef * ((expected - lengths) / buffer).clamp(max=0.0)
 
 
-def score_rollout(funcs, weights, seq_rows: list[dict], ro, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score a Rollout and add the overlong shaping (to scored completions only; a skipped one
-    stays NaN). Returns (per-function rewards [N, F], total reward [N]); with shaping on, the
-    penalty is per_fn's last column (logged as `rewards/overlong_penalty/mean`)."""
-    comp_ids = [ids[m].tolist() for ids, m in zip(ro.completion_ids, ro.completion_mask)]
-    per_fn, rewards = score(funcs, weights, seq_rows, ro.texts, comp_ids)
-    if cfg.overlong_buffer > 0:
-        pen = overlong_penalty(ro.lengths.cpu(), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+def score_rollout(funcs, weights, seq_rows: list[dict], rollout, *, max_new_tokens: int, buffer: int = 0,
+                  coef: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score a Rollout and add the overlong shaping (:func:`overlong_penalty` with `max_new_tokens`,
+    `buffer`, `coef`; to scored completions only: a skipped one stays NaN). Returns (per-function
+    rewards [N, F], total reward [N]); with shaping on (buffer > 0), the penalty is per_fn's last
+    column (logged as `rewards/overlong_penalty/mean`)."""
+    comp_ids = [ids[m].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    per_fn, rewards = score(funcs, weights, seq_rows, rollout.texts, comp_ids)
+    if buffer > 0:
+        pen = overlong_penalty(rollout.lengths.cpu(), max_new_tokens, buffer, coef)
         rewards = rewards + pen
         per_fn = torch.cat([per_fn, pen.unsqueeze(1)], 1)
     return per_fn, rewards
