@@ -41,7 +41,8 @@ from tether.models.load import compile_layers
 from tether.models.logprobs import completion_token_logps
 from tether.objectives import (AdaptiveKLController, FixedKLController, gae, kl_penalized_rewards,
                                masked_whiten, policy_loss, value_loss)
-from tether.rewards.scoring import fn_name, resolve_reward_funcs, score
+from tether.rewards.scoring import fn_name, resolve_reward_funcs
+from tether.rewards.scoring import score as score_completions
 from tether.rollout import Sampler, logprob_mismatch
 from tether.trainers.common import lend_gradients
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
@@ -153,6 +154,7 @@ def build_policy_and_critic(cfg: PPOConfig, ckpt: Path | None):
 
 
 def load_prompts(cfg: PPOConfig, tokenizer) -> Data:
+    """Prompt rows with their token ids (+ every extra column, for the reward functions)."""
     data = cfg.data
     rows, report = encode_prompts(load_data(data.path, expect="prompt-only", split=data.split),
                                   tokenizer, data.max_prompt_length, data.truncation, source=data.path)
@@ -198,10 +200,10 @@ class Rewards:
         """R per completion ([N], CPU; no score from any function = 0, counted) and the
         per-function rewards behind it."""
         completion_ids = [ids[m].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        per_function, scores = score(self.funcs, self.weights, rows, rollout.texts, completion_ids)
+        per_function, scores = score_completions(self.funcs, self.weights, rows, rollout.texts, completion_ids)
         unscored = scores.isnan()
         scores = torch.nan_to_num(scores) - length_penalty * rollout.lengths.float().cpu()
-        evals = score(self.evals, [1.0] * len(self.evals), rows, rollout.texts, completion_ids)[0] \
+        evals = score_completions(self.evals, [1.0] * len(self.evals), rows, rollout.texts, completion_ids)[0] \
             if self.evals else None
         return {"scores": scores, "per_function": per_function, "unscored": unscored, "evals": evals}
 
