@@ -106,14 +106,14 @@ def load_tok(model_dir: Path):
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
              compile=False) -> dict:
     from tether.models import logprobs as common
-    from tether.trainers import online
+    from tether.trainers import setup
     from tether.trainers.online import GRPOConfig, train_grpo
 
     split = common._split_head
     if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
         common._split_head = lambda model: None
 
-    online.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok
+    setup.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok (every trainer's tokenizer loads in setup)
 
     work.mkdir(parents=True, exist_ok=True)
     data = work / "prompts.jsonl"
