@@ -11,7 +11,6 @@ This file is also prepended to sandbox_harness.py to make the program run inside
 import json
 import os
 import struct
-import sys
 
 MAX_DEPTH = 60              # nesting of a value; deeper is an error, not a RecursionError
 _FRAME_CAP = 64 << 20       # one message; a bigger one is a protocol error

@@ -21,7 +21,6 @@ import os
 import resource
 import signal
 import struct
-import sys
 import time
 
 libc = ctypes.CDLL(None, use_errno=True)

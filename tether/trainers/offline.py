@@ -29,7 +29,6 @@ from tether.config import flat_init
 from tether.errors import NonFiniteLossError
 from tether.objectives import (PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point, kto_loss,
                                orpo_loss, pairwise_preference_loss, simpo_loss)
-from tether.rollout.hf import generate
 from tether.trainers.common import Timer, guarded_step
 from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
 from tether.trainers.offline_reference import completion_logps, get_reference
@@ -271,24 +270,15 @@ def evaluate_preferences(cfg, model, examples: list[dict], paired: bool, referen
     return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in m.items()}}
 
 
-def sample_completions(model, tokenizer, examples: list[dict], count: int, max_new_tokens: int,
-                       seed: int, device) -> list[dict]:
-    """Completions for the first `count` distinct prompts of `examples`, sampled under their own
-    seeded RNG: forked, so sampling never shifts the training RNG stream (a resumed run must see
-    the same random numbers as an uninterrupted one)."""
+def distinct_prompts(examples: list[dict], count: int) -> list[list[int]]:
+    """The first `count` distinct prompts (token ids) of `examples`, to sample completions from."""
     prompts: list[list[int]] = []
     for ex in examples:
         if len(prompts) == count:
             break
         if ex["prompt_ids"] not in prompts:
             prompts.append(ex["prompt_ids"])
-    if not prompts:
-        return []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        completions = generate(model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=1.0)
-    return [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
-            for p, c in zip(prompts, completions)]
+    return prompts
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -317,8 +307,10 @@ def train_offline(cfg: OfflineConfig) -> dict:
         out = {}
         if t.data.eval:
             out = evaluate_preferences(cfg, model, t.data.eval, eval_paired, reference, pad_id, device, amp)
-        t.add_samples(sample_completions(model, tokenizer, t.data.eval or t.data.train, cfg.run.num_samples,
-                                         cfg.preference.sample_max_new_tokens, cfg.run.seed + t.step, device))
+        prompts = distinct_prompts(t.data.eval or t.data.train, cfg.run.num_samples)
+        completions = t.sample(prompts, cfg.preference.sample_max_new_tokens)
+        t.add_samples([{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
+                       for p, c in zip(prompts, completions)])
         return out
 
     timer, window, steps_since, tokens_since, last = Timer(), {}, 0, 0, {}

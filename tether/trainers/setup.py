@@ -29,6 +29,7 @@ from tether.models.load import compile_layers
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
+from tether.rollout.hf import generate
 from tether.run import RunDir, latest_checkpoint, seed_everything
 from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
                                     make_optimizer, make_scheduler, restore_training, save_training)
@@ -103,6 +104,17 @@ class Training:
 
     def add_samples(self, rows: list[dict]) -> None:
         self.run.add_samples(self.step, rows[:self.cfg.run.num_samples])
+
+    def sample(self, prompts: list, max_new_tokens: int) -> list[str]:
+        """Completions of `prompts` (texts or token ids) for samples.jsonl, sampled at temperature 1
+        under an RNG seeded by (seed, step) and forked, so sampling never shifts the training RNG
+        stream (a resumed run must see the same random numbers as an uninterrupted one)."""
+        if not prompts:
+            return []
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.cfg.run.seed + self.step)
+            return generate(self.model, self.tokenizer, prompts, max_new_tokens, do_sample=True,
+                            temperature=1.0)
 
     def checkpoint(self) -> Path:
         return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,

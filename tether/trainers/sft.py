@@ -16,7 +16,6 @@ import torch
 
 from tether.config import flat_init
 from tether.objectives import sft_loss
-from tether.rollout.hf import generate
 from tether.trainers.common import Timer
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
@@ -87,14 +86,8 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         if t.data.eval:
             out["eval/loss"] = evaluate_loss(model, t.data.eval, bs, tok.pad_token_id, device, amp)
         prompts = t.data.extra["prompts"][:cfg.run.num_samples]
-        if prompts:
-            # Sampling uses its own seeded RNG so evaluating never shifts the training RNG stream
-            # (a resumed run must see the same random numbers as an uninterrupted one).
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(cfg.run.seed + t.step)
-                comps = generate(model, tok, prompts, cfg.sft.sample_max_new_tokens,
-                                 do_sample=True, temperature=1.0)
-            t.add_samples([{"prompt": p, "completion": c} for p, c in zip(prompts, comps)])
+        completions = t.sample(prompts, cfg.sft.sample_max_new_tokens)
+        t.add_samples([{"prompt": p, "completion": c} for p, c in zip(prompts, completions)])
         if eval_hook is not None:
             out.update(eval_hook(model, tok, t.step))
         return out
