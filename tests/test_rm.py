@@ -214,3 +214,35 @@ def test_samples_are_held_out_pairs_with_their_rewards(tmp_path):
     got = rm([r["prompt"] for r in final] * 2, [r["chosen"] for r in final] + [r["rejected"] for r in final])
     want = [r["reward_chosen"] for r in final] + [r["reward_rejected"] for r in final]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_and_attention_kernel_give_the_same_run(tmp_path):
+    """Gradient checkpointing recomputes the body's activations in backward: the same losses,
+    accuracies and weights as the plain run (up to float rounding), with checkpointing really on;
+    attn_implementation reaches the body's loader. LoRA is refused in one line."""
+    model = _tiny_world_model(tmp_path / "m")
+    data = _writer_pairs(tmp_path / "pairs.jsonl", 64)
+    base = dict(model=model, data=data, eval_fraction=0.0, runs_dir=str(tmp_path), batch_size=16,
+                max_steps=4, log_every=1, lr=3e-3, device="cpu", progress=False, center=False)
+    train_rm(RMConfig(**base, name="plain"))
+    seen = []
+    real = ScalarHeadModel.gradient_checkpointing_enable
+
+    def spy(self, **kw):
+        real(self, **kw)
+        seen.append(self.body.is_gradient_checkpointing)
+    ScalarHeadModel.gradient_checkpointing_enable = spy
+    try:
+        out = train_rm(RMConfig(**base, name="ckpt", gradient_checkpointing=True, attn_implementation="eager"))
+    finally:
+        ScalarHeadModel.gradient_checkpointing_enable = real
+    assert seen == [True]
+    loaded = ScalarHeadModel.from_pretrained(out["checkpoint"], device="cpu", attn_implementation="eager")
+    assert loaded.body.config._attn_implementation == "eager"
+    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("plain", "ckpt")}
+    for a, b in zip(rows["plain"], rows["ckpt"]):
+        if "loss" in a:
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6) and a["accuracy"] == b["accuracy"]
+    assert rows["plain"][0]["loss"] != pytest.approx(rows["plain"][-2]["loss"], abs=1e-3)  # it trained
+    with pytest.raises(ValueError, match="lora_r is not supported"):
+        RMConfig(**base, lora_r=4)

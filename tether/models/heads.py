@@ -71,6 +71,10 @@ class ScalarHeadModel(nn.Module):
         base = getattr(self.body, "base_model", None)
         return base if base is not None and base is not self.body else self.body
 
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        """Recompute the body's activations in backward (the head is one matmul: nothing to save)."""
+        self.body.gradient_checkpointing_enable(**kwargs)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:
         if attention_mask is None:
@@ -104,7 +108,7 @@ class ScalarHeadModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, kind: str | None = None, dtype: str = "auto",
-                        device: str = "auto") -> "ScalarHeadModel":
+                        device: str = "auto", attn_implementation: str | None = None) -> "ScalarHeadModel":
         """Load a saved scalar-head model, a sequence-classification checkpoint, or a plain causal
         LM (then the head is fresh: how a reward/value model starts from the SFT policy)."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -114,7 +118,7 @@ class ScalarHeadModel(nn.Module):
         path = Path(path)
         if (path / HEAD_WEIGHTS).exists():
             meta = json.loads((path / HEAD_CONFIG).read_text()) if (path / HEAD_CONFIG).exists() else {}
-            body = load_model(str(path), dtype=dtype, device=device)
+            body = load_model(str(path), dtype=dtype, device=device, attn_implementation=attn_implementation)
             model = cls(body, kind=kind or meta.get("kind", "reward"), offset=meta.get("offset", 0.0))
             w = load_file(str(path / HEAD_WEIGHTS))
             with torch.no_grad():
@@ -127,8 +131,9 @@ class ScalarHeadModel(nn.Module):
             raise UserError(f"cannot load a reward/value model from '{path}': {str(e).splitlines()[0]}") from None
         if any(a.endswith("ForSequenceClassification") for a in archs):
             dev = resolve_device(device)
+            kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
             seq = AutoModelForSequenceClassification.from_pretrained(
-                str(path), dtype=resolve_dtype(dtype, dev)).to(dev)
+                str(path), dtype=resolve_dtype(dtype, dev), **kw).to(dev)
             if seq.config.num_labels != 1:
                 raise UserError(f"'{path}': a reward model needs num_labels=1, found {seq.config.num_labels}")
             score = seq.score
@@ -140,4 +145,5 @@ class ScalarHeadModel(nn.Module):
                 else:
                     head.bias.copy_(score.bias)
             return cls(seq, kind=kind or "reward", head=head)
-        return cls(load_model(str(path), dtype=dtype, device=device), kind=kind or "reward")
+        return cls(load_model(str(path), dtype=dtype, device=device, attn_implementation=attn_implementation),
+                   kind=kind or "reward")

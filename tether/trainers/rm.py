@@ -61,14 +61,10 @@ class RMConfig:
     "the Bradley–Terry loss and centering"
 
     def __post_init__(self):
-        # ScalarHeadModel wraps the body itself: no adapters, no HF checkpointing switch, and its
-        # loader picks the attention kernel. Refused here, before any work, rather than ignored.
-        unsupported = [k for k, on in (("lora_r", self.model.lora_r > 0),
-                                       ("gradient_checkpointing", self.model.gradient_checkpointing),
-                                       ("attn_implementation", self.model.attn_implementation))
-                       if on]
-        if unsupported:
-            raise ValueError(f"rm: {', '.join(unsupported)} not supported for reward models")
+        # ScalarHeadModel wraps the body itself and has no adapters yet: refused here, before any
+        # work, rather than ignored.
+        if self.model.lora_r > 0:
+            raise ValueError("rm: lora_r is not supported for reward models (full fine-tuning only)")
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -227,7 +223,8 @@ def load_reward_model(cfg: RMConfig, ckpt) -> ScalarHeadModel:
     """The model to train, from the checkpoint on resume. A fresh head's init draws from torch's
     RNG, seeded by setup_training just before: ensemble members differ by seed."""
     return ScalarHeadModel.from_pretrained(str(ckpt) if ckpt else cfg.model.path, kind="reward",
-                                           dtype=cfg.model.dtype, device=cfg.model.device)
+                                           dtype=cfg.model.dtype, device=cfg.model.device,
+                                           attn_implementation=cfg.model.attn_implementation)
 
 
 def train_rm(cfg: RMConfig) -> dict:
