@@ -180,3 +180,17 @@ def test_help_is_grouped_by_section(capsys):
     for section in ("model", "optim", "run", "data"):
         header = next(i for i, line in enumerate(lines) if line.startswith(f"{section}:"))
         assert lines[header + 1].strip().startswith(f"{section}.")
+
+
+def test_a_shared_key_a_trainer_does_not_use_is_hidden_and_refused(capsys):
+    from tether.trainers.online import GRPOConfig
+    assert main(["grpo", "--help"]) == 0
+    grpo_help = capsys.readouterr().out
+    assert main(["sft", "--help"]) == 0
+    assert "run.eval_every" in capsys.readouterr().out and "run.eval_every" not in grpo_help
+    with pytest.raises(ConfigError, match="run.eval_every is not used here") as e:
+        load_config(GRPOConfig, None, ["eval_every=2"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="not used here"):
+        GRPOConfig(model="m", data="d", eval_every=2)
+    assert GRPOConfig(model="m", data="d", eval_every=0).run.eval_every == 0  # the default is fine

@@ -264,9 +264,20 @@ def flat_init(cls: type) -> type:
             if isinstance(routed.get(name), dict):
                 routed[name] = dataclasses.replace(_default_of(cls, name), **routed[name])
         init(self, **routed)
+        _check_unused(self)
 
     cls.__init__ = __init__
     return cls
+
+
+def _check_unused(cfg: Any) -> None:
+    """A shared section can hold a key this trainer does not use (`UNUSED = {"run.eval_every":
+    why}` on the config class): it is left out of --help, and setting it is an error saying why,
+    not a silently ignored value."""
+    for dotted, why in getattr(type(cfg), "UNUSED", {}).items():
+        section, key = dotted.split(".")
+        if getattr(getattr(cfg, section), key) != getattr(_default_of(type(cfg), section), key):
+            raise ValueError(f"{dotted} is not used here: {why}")
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -350,7 +361,9 @@ def describe(cls: type, prefix: str = "", base: Any = None) -> list[tuple[str, s
         else:
             default = "(required)"
         if dataclasses.is_dataclass(tp):
-            rows.extend(describe(tp, prefix + f.name + ".", base=default))
+            hidden = {k.split(".", 1)[1] for k in getattr(cls, "UNUSED", {}) if k.startswith(f.name + ".")}
+            rows.extend(r for r in describe(tp, prefix + f.name + ".", base=default)
+                        if r[0].rsplit(".", 1)[1] not in hidden)
             continue
         rows.append((prefix + f.name, _type_name(tp), repr(default) if isinstance(default, str)
                      else str(default), docs.get(f.name, "")))

@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -166,11 +166,9 @@ class BoNConfig:
     bon: BoNSection = field(default_factory=BoNSection)
     "best-of-n and rejection-sampling fine-tuning"
 
-    def __post_init__(self):
-        if self.rollout.num_generations != 1:
-            raise ValueError("bon: set the samples per prompt with n (rollout.num_generations is not used)")
-        if self.reward.eval_reward_funcs:
-            raise ValueError("bon: the reward reported next to the proxy is gold_reward (eval_reward_funcs is not used)")
+    UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n",
+                              "reward.eval_reward_funcs": "the reward reported next to the proxy is bon.gold_reward",
+                              "run.eval_every": "best-of-n has no evaluation pass"}
 
 
 def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tuple[list, list | None]:

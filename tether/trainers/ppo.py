@@ -28,7 +28,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -109,6 +109,8 @@ class PPOConfig:
     "run directory, seed (prompt order, sampling, minibatch shuffling), logging, checkpoints"
     ppo: PPOSection = field(default_factory=PPOSection)
     "reward shaping, GAE, the PPO update, β"
+
+    UNUSED: ClassVar[dict] = {"run.eval_every": "ppo logs eval_reward_funcs on every step's samples instead"}
 
     def __post_init__(self):
         if self.ppo.num_minibatches > self.data.batch_size * self.rollout.num_generations:
