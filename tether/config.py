@@ -174,11 +174,17 @@ def _init_names(cls: type) -> list[str]:
 
 
 def flat_names(cls: type) -> list[str]:
-    """Every key `cls` accepts, sections' fields by their last name (for 'allowed: ...' lists)."""
+    """Every key `cls` accepts, as a user may write it (for 'allowed: ...' lists): a section's field
+    by its last name when no other section has it, else by its full name; sections that take a bare
+    value (PRIMARY) by their own name."""
     sections = _section_types(cls)
-    out = [n for n in _init_names(cls) if n not in sections]
-    for tp in sections.values():
-        out += [n for n in _init_names(tp) if n not in out]
+    out = [n for n in _init_names(cls) if n not in sections or getattr(sections[n], "PRIMARY", None)]
+    owners: dict[str, list[str]] = {}
+    for sec, tp in sections.items():
+        for n in _init_names(tp):
+            owners.setdefault(n, []).append(sec)
+    for n, secs in owners.items():
+        out += [n] if len(secs) == 1 else [f"{s}.{n}" for s in secs]
     return out
 
 
