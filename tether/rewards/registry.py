@@ -14,12 +14,18 @@ Functions may be `async def`; all async ones in a batch run concurrently on one 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
+import os
+import sys
 import threading
+import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tether.errors import UserError
@@ -50,7 +56,9 @@ def builtin_rewards() -> dict[str, Callable[..., RewardFn]]:
 
 
 def load_reward(spec: str | RewardFn, **options) -> RewardFn:
-    """A callable from a built-in name ('math', 'format', ...) or 'package.module:function'.
+    """A callable from a built-in name ('math', 'format', ...), 'package.module:function' (the
+    working directory is on the import path, as under `python -m`) or 'path/to/file.py:function'
+    (absolute, or relative to the working directory).
 
     `options` go to a built-in's factory (e.g. load_reward('format', pattern=r'...')).
     Errors are one line: the spec and why it cannot be used."""
@@ -69,15 +77,19 @@ def load_reward(spec: str | RewardFn, **options) -> RewardFn:
         return LearnedReward(paths, **{**opts, **options})
     if ":" not in spec:
         raise UserError(f"reward {spec!r} is neither a built-in ({', '.join(sorted(builtins))}) "
-                        f"nor 'module:function'")
+                        f"nor 'module:function' / 'path/to/file.py:function'")
     if options:
         raise UserError(f"reward {spec!r}: options are only accepted by built-in rewards")
-    module_name, _, attr = spec.partition(":")
+    # rpartition: a file path may hold a ':' of its own, a function name never does
+    module_name, _, attr = spec.rpartition(":")
+    is_file = _is_file_spec(module_name)
     try:
-        module = importlib.import_module(module_name)
+        module = _import_file(module_name) if is_file else _import_module(module_name)
+    except UserError as e:
+        raise UserError(f"reward {spec!r}: {e}") from None
     except Exception as e:  # ImportError, or the module itself raising on import
-        raise UserError(f"reward {spec!r}: cannot import module {module_name!r}: "
-                        f"{type(e).__name__}: {_one_line(e)}") from None
+        raise UserError(f"reward {spec!r}: cannot import {'file' if is_file else 'module'} "
+                        f"{module_name!r}: {type(e).__name__}: {_one_line(e)}") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -86,6 +98,47 @@ def load_reward(spec: str | RewardFn, **options) -> RewardFn:
     if not callable(obj):
         raise UserError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
+
+
+def _is_file_spec(module_name: str) -> bool:
+    """'./reward.py', 'rewards/exact.py', '/abs/r.py': a file; 'pkg.mod': a module name."""
+    return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+
+
+def _import_module(module_name: str) -> types.ModuleType:
+    """`importlib.import_module` with the working directory on the import path, as `python -m`
+    has it: the `tether` console script's sys.path[0] is its own bin directory, so a user's
+    `reward.py` next to their data would otherwise not be found. Added only here, where a user's
+    module is asked for, not when tether is imported."""
+    cwd = os.getcwd()
+    on_path = {os.path.abspath(p or os.curdir) for p in sys.path}
+    if cwd not in on_path:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+    return importlib.import_module(module_name)
+
+
+def _import_file(path: str) -> types.ModuleType:
+    """The Python file at `path` (relative to the working directory) as a module, under a name made
+    from its absolute path: two files both called reward.py never collide, and loading one file
+    twice (reward_funcs and eval_reward_funcs) gives the same functions."""
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise UserError(f"file {path!r} does not exist" if not file.exists() else f"{path!r} is not a file")
+    name = "tether_user_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise UserError(f"cannot load {path!r} as Python (is it a .py file?)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses and pickling look a module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _one_line(e: BaseException) -> str:
