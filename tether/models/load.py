@@ -7,6 +7,7 @@ tokenizer a pad token when it has none (most base models), and turn a missing pa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,6 +82,36 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto",
     if gguf_file and quantizer is not None:
         quantizer.remove_quantization_config(model)
     return model.to(dev)
+
+
+def quiet_hf_progress() -> Callable[[], None]:
+    """Silence the progress bars transformers and huggingface_hub draw themselves ("Loading
+    weights", "Writing model shards", downloads) and return a function that puts back the state
+    found here, so `run.progress=false` means no bars without changing a caller's own setting
+    for good. The state is transformers' flag plus the hub's table (which its
+    `disable_progress_bars` clears): both are restored as they were."""
+    import importlib
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    # the module, not the `tqdm` class huggingface_hub.utils exports under the same name
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hub_states = dict(hub_tqdm.progress_bar_states)
+    with warnings.catch_warnings():  # HF_HUB_DISABLE_PROGRESS_BARS=0 wins and says so: nothing to do
+        warnings.simplefilter("ignore")
+        hf_logging.disable_progress_bar()
+
+    def restore() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if was_on:
+                hf_logging.enable_progress_bar()
+        hub_tqdm.progress_bar_states.clear()
+        hub_tqdm.progress_bar_states.update(hub_states)
+    return restore
 
 
 def save_model(model, tokenizer, out_dir: str | Path) -> None:

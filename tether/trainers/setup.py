@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,7 +26,7 @@ import torch
 
 from tether.errors import NonFiniteLossError, UserError
 from tether.models import load_model, load_tokenizer
-from tether.models.load import compile_layers
+from tether.models.load import compile_layers, quiet_hf_progress
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
@@ -77,6 +78,8 @@ class Training:
     save_extra: Optional[Callable[[Path], None]] = None
     "writes a trainer's extra state into each checkpoint directory (PPO's critic and β)"
     bar: Any = None
+    restore_hf_progress: Callable[[], Any] = lambda: None
+    "puts Hugging Face's progress bars back as they were before the run (run.progress=false)"
 
     def optimizer_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss and gradient norm are finite (else the step is skipped and
@@ -139,6 +142,7 @@ class Training:
         if self.run.is_main:
             plot_metrics(self.run.path)
         self.run.close()
+        self.restore_hf_progress()
         return summary
 
 
@@ -152,7 +156,21 @@ def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Cal
     causal LM of `cfg.model` (+ LoRA). reference: also build the frozen reference policy.
     rows_per_step: training rows a step draws (default batch_size × grad_accum). updates_per_step:
     optimizer updates per step (GRPO's μ, PPO's epochs × minibatches), for the schedule's length.
+
+    `run.progress=false` also silences Hugging Face's own bars (loading weights, writing shards)
+    for the run: from here until `finish`, or until the Training is dropped when the loop raises.
     """
+    restore = (lambda: None) if cfg.run.progress else quiet_hf_progress()
+    try:
+        t = _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step)
+    except BaseException:
+        restore()
+        raise
+    t.restore_hf_progress = weakref.finalize(t, restore)  # runs once: in finish(), or when t is freed
+    return t
+
+
+def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) -> Training:
     command = cfg.run.name
     if not cfg.model.path:
         raise UserError(f"{command}: `model` is required (a local HF directory or hub id)")
