@@ -9,6 +9,13 @@ from tether.run import read_jsonl
 
 # Bookkeeping series: plotted nowhere (they are in metrics.jsonl for scripts).
 _SKIP = {"step", "time", "epoch"}
+# Series read together, also drawn on one figure each (plots/panel_<name>.png), with a dashed line
+# at `zero` where there is one: the offline trainers' log-probs, and the drift of the chosen
+# completions' log-probs from the start, the number that falls when DPO trades likelihood for margin.
+PANELS = {
+    "logps": (("logps/chosen", "logps/rejected", "eval/logps/chosen", "eval/logps/rejected"), None),
+    "chosen_drift": (("logps/chosen_drift", "eval/logps/chosen_drift"), 0.0),
+}
 
 
 def plot_metrics(run_path: str | Path, keys: list[str] | None = None) -> list[Path]:
@@ -50,6 +57,31 @@ def plot_metrics(run_path: str | Path, keys: list[str] | None = None) -> list[Pa
             path = out_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".png")
             fig.savefig(path)
             written.append(path)
+        if keys is None:
+            written += _panels(rows, ax, fig, out_dir)
     finally:
         plt.close(fig)
+    return written
+
+
+def _panels(rows: list[dict], ax, fig, out_dir: Path) -> list[Path]:
+    written = []
+    for panel, (names, zero) in PANELS.items():
+        series = {n: [(r["step"], r[n]) for r in rows if isinstance(r.get(n), (int, float))] for n in names}
+        series = {n: pts for n, pts in series.items() if pts}
+        if not series:
+            continue
+        ax.clear()
+        for name, pts in series.items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="." if len(pts) < 30 else None, linewidth=1.2, label=name)
+        if zero is not None:
+            ax.axhline(zero, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("step")
+        ax.set_title(panel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        path = out_dir / f"panel_{panel}.png"
+        fig.savefig(path)
+        written.append(path)
     return written

@@ -37,6 +37,7 @@ from .preference import (
     PREFERENCE_LOSSES,
     PairLogps,
     bradley_terry_loss,
+    chosen_nll,
     kto_kl_reference_point,
     kto_loss,
     log1mexp,
@@ -54,6 +55,6 @@ __all__ = [
     "entropy_from_logits", "sequence_logps", "sft_loss", "token_entropy", "token_logps",
     "KL_ESTIMATORS", "SURROGATES", "Surrogate", "AdaptiveKLController", "FixedKLController", "best_of_n_kl", "kl_k1", "kl_k2",
     "kl_k3", "kl_penalized_rewards", "last_token_index", "policy_loss", "value_loss",
-    "PREFERENCE_LOSSES", "PairLogps", "bradley_terry_loss", "kto_kl_reference_point", "kto_loss", "log1mexp",
+    "PREFERENCE_LOSSES", "PairLogps", "bradley_terry_loss", "chosen_nll", "kto_kl_reference_point", "kto_loss", "log1mexp",
     "log_odds", "orpo_loss", "pairwise_preference_loss", "preference_loss", "simpo_loss",
 ]

@@ -114,18 +114,36 @@ PREFERENCE_LOSSES = {"sigmoid": _sigmoid, "robust": _robust, "hinge": _hinge, "i
 LENGTH_AVERAGED = {"ipo"}  # their log-probs are length-averaged before the loss and its metrics
 
 
+def chosen_nll(x: PairLogps) -> Tensor:
+    """Per pair, the chosen completion's negative log-likelihood per token, −log π(y_w|x) / |y_w|:
+    RPO's NLL term (Pang et al. 2024, "Iterative Reasoning Preference Optimization", eq. 1 divides
+    by the length of the chosen completion). TRL's `rpo_alpha` takes the token mean over all of a
+    batch's chosen tokens instead; the two agree when the chosen completions are equally long. Per
+    pair, so it is a batch mean like every loss here and gradient accumulation equals a big batch."""
+    if x.chosen_len is None:
+        raise ValueError("rpo_alpha needs the chosen completions' lengths (PairLogps.chosen_len)")
+    return -x.chosen / x.chosen_len.clamp(min=1)
+
+
 def pairwise_preference_loss(x: PairLogps, loss_type: str, params):
-    """Batch mean of ``PREFERENCE_LOSSES[loss_type](x, params)``; metrics (TRL names) with the
-    implicit reward r = β(log π − log π_ref): ``rewards/chosen``, ``rewards/rejected``,
-    ``rewards/margins`` (means), ``rewards/accuracies`` (fraction r_w > r_l), ``logps/chosen``,
-    ``logps/rejected`` — all on the log-probs the loss saw (length-averaged for LENGTH_AVERAGED)."""
+    """Batch mean of ``PREFERENCE_LOSSES[loss_type](x, params)``, plus α · mean NLL of the chosen
+    completions when ``params.rpo_alpha`` = α > 0 (RPO, Pang et al. 2024; :func:`chosen_nll`: an
+    additive term on any loss here, which holds the chosen completions' likelihood up while the
+    loss widens the margin). Metrics (TRL names) with the implicit reward r = β(log π − log π_ref):
+    ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (means), ``rewards/accuracies``
+    (fraction r_w > r_l), ``logps/chosen``, ``logps/rejected`` — all on the log-probs the loss saw
+    (length-averaged for LENGTH_AVERAGED) — and ``nll_loss`` (the unweighted NLL term) when α > 0."""
     if loss_type not in PREFERENCE_LOSSES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {sorted(PREFERENCE_LOSSES)}")
+    alpha = getattr(params, "rpo_alpha", 0.0)
+    nll = chosen_nll(x).mean() if alpha else None  # on the summed log-probs, before any averaging
     if loss_type in LENGTH_AVERAGED and x.chosen_len is not None:
         x = x.length_averaged()
     loss = PREFERENCE_LOSSES[loss_type](x, params).mean()
+    if nll is not None:  # α = 0 adds nothing at all: the loss stays bit-identical
+        loss = loss + alpha * nll
     rc, rr = params.beta * x.chosen_logratio.detach(), params.beta * x.rejected_logratio.detach()
-    return loss, {
+    metrics = {
         "rewards/chosen": rc.mean(),
         "rewards/rejected": rr.mean(),
         "rewards/margins": (rc - rr).mean(),
@@ -133,6 +151,9 @@ def pairwise_preference_loss(x: PairLogps, loss_type: str, params):
         "logps/chosen": x.chosen.detach().mean(),
         "logps/rejected": x.rejected.detach().mean(),
     }
+    if nll is not None:
+        metrics["nll_loss"] = nll.detach()
+    return loss, metrics
 
 
 def preference_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
@@ -150,7 +171,8 @@ def preference_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
     - ``"ipo"`` (Azar et al. 2023, eq. 17):  (h − 1/(2β))²
 
     Loss = batch mean. Shapes: four [N] tensors → scalar. ``numbers``: further numbers a loss reads
-    (e.g. ``dpop_lambda``). Metrics: see :func:`pairwise_preference_loss`.
+    (e.g. ``dpop_lambda``; ``rpo_alpha`` needs the lengths: call :func:`pairwise_preference_loss`
+    with a :class:`PairLogps` that has them). Metrics: see :func:`pairwise_preference_loss`.
     """
     params = SimpleNamespace(beta=beta, label_smoothing=label_smoothing, **numbers)
     pair = PairLogps(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)

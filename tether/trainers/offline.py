@@ -55,6 +55,10 @@ class PreferenceSection:
     "kto only: λ_U, weight of undesirable examples"
     dpop_lambda: float = 50.0
     "loss=dpop only: λ, weight of the penalty on log π(y_w) falling below log π_ref(y_w) (Pal et al. 2024: 50)"
+    rpo_alpha: float = 0.0
+    "dpo only: α, weight of the chosen completion's per-token NLL added to the loss (RPO, Pang et al. 2024; TRL's rpo_alpha; the paper uses 1.0): holds the chosen log-probs up while the margin widens"
+    chosen_drift_warn: float = 4.6
+    "warn once when logps/chosen_drift (train or held-out) falls below minus this many nats (4.6: the chosen completions 100x less likely than at the start); 0 = never"
     ref_model: Optional[str] = None
     "reference model (default: the initial policy); only read when its log-probs are not cached"
     sample_max_new_tokens: int = 64
@@ -63,6 +67,11 @@ class PreferenceSection:
     def __post_init__(self):
         if self.method not in PAIR_OBJECTIVES:
             raise ValueError(f"method must be one of {', '.join(PAIR_OBJECTIVES)}; got {self.method!r}")
+        if self.rpo_alpha < 0 or self.chosen_drift_warn < 0:
+            raise ValueError("rpo_alpha and chosen_drift_warn must be >= 0")
+        if self.rpo_alpha and self.method != "dpo":
+            raise ValueError(f"rpo_alpha is added to the dpo losses only; method={self.method!r} "
+                             f"(orpo has its own NLL term)")
         if self.beta <= 0:
             raise ValueError("beta must be > 0")
         if not 0.0 <= self.label_smoothing < 0.5:
@@ -172,13 +181,29 @@ def kto_objective(x: UnpairedLogps, s, z0):
                        s.undesirable_weight)
     desirable, logps = x.label, x.completion.detach()
     m = {**m, "logps/chosen": logps[desirable].mean(), "logps/rejected": logps[~desirable].mean(),
-         "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
+         "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"],
+         "logps/chosen_drift": chosen_drift(x.completion[desirable], x.ref_completion[desirable])}
     # a group absent from the batch has no mean: drop it rather than log a fake 0
     for side in ("chosen", "rejected"):
         if int(m[f"count/{side}"]) == 0:
-            for k in (f"rewards/{side}", f"logps/{side}", "rewards/margins"):
+            for k in (f"rewards/{side}", f"logps/{side}", "rewards/margins", f"logps/{side}_drift"):
                 m.pop(k, None)
     return loss, m
+
+
+def chosen_drift(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """`logps/chosen_drift`: mean over the chosen completions of log π(y_w|x) − log π_ref(y_w|x),
+    summed over tokens (nats), i.e. how far their log-probs moved since training started (the
+    reference is the initial policy unless ref_model is set): exactly 0 at step 1, and free of the
+    batch-to-batch spread of `logps/chosen` itself. A DPO-family loss can widen the margin while
+    this falls; far below 0, held-out quality tends to go with it (preference.chosen_drift_warn)."""
+    return (logps - ref_logps).detach().mean()
+
+
+DRIFT_WARNING = ("step {step}: {key} = {value:.2f} nats (below {floor:g}): the chosen completions are "
+                 "now far less likely than at the start, however healthy rewards/accuracies looks; "
+                 "held-out quality may be collapsing. Counter it with preference.rpo_alpha=1 (NLL on "
+                 "the chosen completions), loss=dpop, or a lower lr")
 
 
 def objective(cfg, x: PairLogps | UnpairedLogps, z0=None):
@@ -188,6 +213,8 @@ def objective(cfg, x: PairLogps | UnpairedLogps, z0=None):
     loss, m = PAIR_OBJECTIVES[cfg.preference.method](x, cfg.preference)
     m.setdefault("logps/chosen", x.chosen.detach().mean())
     m.setdefault("logps/rejected", x.rejected.detach().mean())
+    if x.ref_chosen is not None:  # reference-free methods (simpo, orpo) have no starting point
+        m["logps/chosen_drift"] = chosen_drift(x.chosen, x.ref_chosen)
     return loss, m
 
 
@@ -302,6 +329,9 @@ def train_offline(cfg: OfflineConfig) -> dict:
             cfg, t.run.path, model, t.ckpt is None, {"train": t.data.train, "eval": t.data.eval},
             {"train": paired, "eval": eval_paired}, pad_id, device, amp)
     partners = kl_partners(len(t.data.train)) if method == "kto" else None
+    if reference is not None and cfg.preference.chosen_drift_warn > 0:
+        t.watch("chosen_drift", ("logps/chosen_drift", "eval/logps/chosen_drift"),
+                -cfg.preference.chosen_drift_warn, DRIFT_WARNING)
 
     def evaluate() -> dict:
         out = {}
@@ -339,7 +369,8 @@ def train_offline(cfg: OfflineConfig) -> dict:
             t.log(evaluate())
         if t.due(cfg.run.save_every):
             t.checkpoint()
-        t.bar.update({"loss": out["loss"], "acc": out.get("rewards/accuracies", math.nan)})
+        t.bar.update({"loss": out["loss"], "acc": out.get("rewards/accuracies", math.nan),
+                      **({"drift": out["logps/chosen_drift"]} if "logps/chosen_drift" in out else {})})
 
     final_eval = evaluate()
     t.log(final_eval)

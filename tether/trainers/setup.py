@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,10 @@ class Training:
     bar: Any = None
     restore_hf_progress: Callable[[], Any] = lambda: None
     "puts Hugging Face's progress bars back as they were before the run (run.progress=false)"
+    watches: list = field(default_factory=list)
+    "(name, metric keys, floor, message) checked on every logged row (see watch)"
+    warnings: dict = field(default_factory=dict)
+    "warnings given so far, by name (each once); summary.json lists them"
 
     def optimizer_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss and gradient norm are finite (else the step is skipped and
@@ -104,6 +109,26 @@ class Training:
 
     def log(self, metrics: dict) -> None:
         self.run.log(self.step, metrics, time_offset=self.time_offset)
+        for name, keys, floor, message in self.watches:
+            for key in keys:
+                value = metrics.get(key)
+                if isinstance(value, (int, float)) and value < floor:  # NaN never warns
+                    self.warn(name, message.format(key=key, value=value, step=self.step, floor=floor))
+
+    def watch(self, name: str, keys: tuple, floor: float, message: str) -> None:
+        """Warn (once, see `warn`) when a logged metric of `keys` falls below `floor`; `message` is
+        formatted with key, value, step and floor. A trainer's early alarm on a number that looks
+        fine to the loss (the offline trainer's chosen log-prob drift)."""
+        self.watches.append((name, tuple(keys), floor, message))
+
+    def warn(self, name: str, text: str) -> None:
+        """Say `text` once per run and `name`: on stderr at once (above the progress bar), and in
+        summary.json's `warnings` at the end."""
+        if name in self.warnings or not self.run.is_main:
+            return
+        self.warnings[name] = text
+        from tqdm import tqdm  # tqdm.write clears and redraws a live bar around the line
+        tqdm.write(f"{self.cfg.run.name}: warning: {text}", file=sys.stderr)
 
     def add_samples(self, rows: list[dict]) -> None:
         self.run.add_samples(self.step, rows[:self.cfg.run.num_samples])
@@ -138,6 +163,8 @@ class Training:
         path = self.checkpoint()
         summary = {"steps": self.step, "skipped_steps": self.skipped, **summary,
                    "checkpoint": str(path)}
+        if self.warnings:
+            summary["warnings"] = list(self.warnings.values())
         self.run.write_summary(summary)
         if self.run.is_main:
             plot_metrics(self.run.path)
