@@ -16,7 +16,7 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 # own package (tether.<name>). Keep in step with docs/architecture.md, "Layers".
 LAYERS = [
     ["cli", "__main__"],
-    ["quickstart", "studies"],
+    ["quickstart", "studies", "init_model"],
     ["trainers"],
     ["rollout", "rewards"],
     ["tasks"],

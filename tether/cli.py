@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
            "reward model: Bradley-Terry on preference pairs (margin, centering; ensembles = runs by seed)"),
     "bon": ("tether.trainers.best_of_n", "BoNConfig", "run_bon",
             "best-of-n sampling with any reward (gold vs proxy vs KL_BoN); rft=true fine-tunes on the best"),
+    "init-model": ("tether.init_model", "InitModelConfig", "init_model", "a small random-init model + character tokenizer from your data's characters, to train from scratch"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",
                "estimate GPU memory per component for an algorithm and model size"),
 }

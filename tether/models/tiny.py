@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
@@ -28,9 +29,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: a BPE model with no merges splits text into characters."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+def char_tokenizer(chars: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: a BPE model with no merges splits text into characters.
+
+    `chars`: the vocabulary's characters, one token each in the order given (repeats dropped);
+    default CHARS. A character outside them encodes as <unk>."""
+    chars = CHARS if chars is None else unique_chars(chars)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()  # join characters back without inserting spaces
     tok.add_special_tokens(SPECIAL_TOKENS)
@@ -39,6 +44,17 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 1024
     return fast
+
+
+def unique_chars(chars: Iterable[str]) -> list[str]:
+    """`chars` as a list of distinct single characters in first-seen order; ValueError otherwise."""
+    out = list(dict.fromkeys(chars))
+    bad = [c for c in out if not isinstance(c, str) or len(c) != 1]
+    if bad:
+        raise ValueError(f"chars must be single characters; got {bad[0]!r}")
+    if not out:
+        raise ValueError("chars is empty: the tokenizer needs at least one character")
+    return out
 
 
 def tiny_config(vocab_size: int, family: str = "llama", hidden_size: int = 128,
@@ -59,11 +75,13 @@ def tiny_config(vocab_size: int, family: str = "llama", hidden_size: int = 128,
 
 
 def make_tiny_model(out_dir: str | Path | None = None, family: str = "llama", seed: int = 0,
-                    **shape):
-    """Random-init tiny model + char tokenizer; saved to `out_dir` in HF format when given."""
+                    chars: Iterable[str] | None = None, **shape):
+    """Random-init tiny model + char tokenizer over `chars` (default CHARS, see char_tokenizer);
+    saved to `out_dir` in HF format when given. `shape`: tiny_config's sizes. From the command
+    line, with the characters read from your data: `tether init-model` (tether/init_model.py)."""
     import torch
 
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer(chars)
     cfg = tiny_config(len(tokenizer), family=family, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                       **shape)
