@@ -182,7 +182,7 @@ class RolloutSection:
 @dataclass
 class RewardSection:
     reward_funcs: list[str] = field(default_factory=list)
-    "reward functions: built-in names (math, arithmetic, format, length_penalty, code), 'module:function', or a reward model 'rm:<dir>'"
+    "reward functions: built-in names (math, arithmetic, format, length_penalty, code), 'module:function' (the working directory is importable), a file 'path/to/file.py:function', or a reward model 'rm:<dir>'"
     reward_weights: list[float] = field(default_factory=list)
     "weight of each reward function (default: all 1.0)"
     eval_reward_funcs: list[str] = field(default_factory=list)
