@@ -25,6 +25,7 @@ LAYERS = [
     ["plots", "memory"],
     ["run", "model_shape"],
     ["config", "errors"],
+    ["constraints"],  # the allowed ranges of config values (config.py reads them)
 ]
 LAYER_OF = {pkg: i + 1 for i, names in enumerate(LAYERS) for pkg in names}
 # tether/__init__.py re-exports and may import anything: neither checked nor a target.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
+from pathlib import Path
 
 # Before torch is imported: CUDA memory in segments that grow in place instead of fixed blocks, so
 # the mix of sizes an RL step allocates (sampler cache, chunked logits, activations) fragments
@@ -72,8 +74,63 @@ def _command_help(name: str) -> str:
                       COMMANDS[name][3], "", "options:", format_help(cfg_cls)])
 
 
+def _studies() -> dict[str, str]:
+    return {n.split(" ", 1)[1]: doc for n, (_, _, _, doc) in COMMANDS.items() if n.startswith("study ")}
+
+
+def _studies_help() -> str:
+    studies = _studies()
+    width = max(len(n) for n in studies)
+    return "\n".join(["usage: tether study <name> [--config file.yaml] [key=value ...]", "", "studies:"]
+                     + [f"  {n:<{width}}  {doc}" for n, doc in studies.items()]
+                     + ["", "options of a study: tether study <name> --help"])
+
+
+def _where(e: BaseException) -> str:
+    """Where an unexpected exception was raised, as file:line in function: the innermost frame in
+    code the user can act on (tether's, or their own reward function's), not in a library."""
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
+    f = (ours or frames or [None])[-1]
+    if f is None:
+        return ""
+    path = Path(f.filename)
+    parts = path.parts
+    short = "/".join(parts[len(parts) - 1 - parts[::-1].index("tether"):]) if "tether" in parts else path.name
+    return f" at {short}:{f.lineno} in {f.name}()"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; every error is one line on stderr (config errors exit 2, others 1), and the
+    traceback is printed only with --debug or TETHER_DEBUG=1."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("TETHER_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    name = argv[0] if argv else ""
+    if name == "study" and len(argv) > 1 and not argv[1].startswith("-") and "=" not in argv[1]:
+        name = f"study {argv[1]}"
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(f"tether {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, never a bare traceback
+        from tether.errors import UserError
+        if debug:
+            traceback.print_exc()
+        text = " ".join(str(e).split()) or "(no message)"
+        if isinstance(e, ConfigError):
+            print(f"tether {name}: error: {text}", file=sys.stderr)
+            return 2
+        if isinstance(e, UserError):  # data/model/reward errors: the message names file, row, field
+            print(f"tether {name}: error: {text}", file=sys.stderr)
+            return 1
+        hint = "" if debug else " (--debug or TETHER_DEBUG=1 for the traceback)"
+        print(f"tether {name}: error: {type(e).__name__}{_where(e)}: {text}{hint}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -84,8 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name == "study" and rest and not rest[0].startswith("-") and "=" not in rest[0]:
         name, rest = f"study {rest[0]}", rest[1:]  # studies are two-word commands
+    if name == "study":  # `tether study --help`: what studies there are
+        if not any(a in ("-h", "--help") for a in rest):
+            raise ConfigError(f"name a study: {', '.join(_studies())} (tether study --help)")
+        print(_studies_help())
+        return 0
     if name not in COMMANDS:
-        print(f"tether: unknown command '{name}'; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        known = f"studies: {', '.join(_studies())}" if name.startswith("study ") else f"commands: {', '.join(COMMANDS)}"
+        print(f"tether: error: unknown command '{name}'; {known}", file=sys.stderr)
         return 2
     if any(a in ("-h", "--help") for a in rest):
         print(_command_help(name))
@@ -96,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         arg = rest[i]
         if arg == "--config":
             if i + 1 >= len(rest):
-                print("tether: --config needs a file path", file=sys.stderr)
-                return 2
+                raise ConfigError("--config needs a file path")
             config_file = rest[i + 1]
             i += 2
             continue
@@ -111,20 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(arg[2:] if arg.startswith("--") else arg)
         i += 1
     cfg_cls, fn = _load(name)
-    try:
-        cfg = load_config(cfg_cls, config_file, overrides)
-    except ConfigError as e:
-        print(f"tether {name}: {e}", file=sys.stderr)
-        return 2
-    from tether.errors import UserError  # data/model errors are one line, not a traceback
-    try:
-        fn(cfg)
-    except UserError as e:
-        print(f"tether {name}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"tether {name}: interrupted", file=sys.stderr)
-        return 130
+    fn(load_config(cfg_cls, config_file, overrides))  # errors: one line, in main()
     return 0
 
 

@@ -21,7 +21,8 @@ names), so old flat YAML files and flat keyword arguments (`GRPOConfig(model="x"
 :func:`flat_init`) keep working. A section that declares `PRIMARY` takes a bare value as that field
 (`model=path` is `model.path=path`). A trainer sets its own defaults for a section with
 `field(default_factory=lambda: OptimSection(lr=1e-6))`; a partial section in YAML or on the command
-line changes only the keys it names, on top of those defaults.
+line changes only the keys it names, on top of those defaults. A number's allowed range is part of
+its annotation (`lr: Positive`, tether.constraints): checked here, shown in --help.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key or value; its message is one line naming the key."""
+# ConfigError lives with the constraints (the layer below) and is re-exported from here
+from tether.constraints import (ConfigError, check, check_values, constraint_text,  # noqa: F401
+                                number_problem, read_config_file)
 
 
 _DOC_CACHE: dict[type, dict[str, str]] = {}
@@ -70,11 +71,14 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)  # keep Annotated constraints
 
 
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *meta = get_args(tp)
+        return f"{_type_name(base)} {constraint_text(tuple(meta))}".rstrip()
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if origin in (typing.Union, types.UnionType):
@@ -89,11 +93,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against annotation `tp`; return the (lightly converted) value or raise."""
-    origin = get_origin(tp)
-    bad = ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+def _coerce(value: Any, tp: Any, key: str, checked: bool = False) -> Any:
+    """Check `value` against annotation `tp`; return the (lightly converted) value or raise.
+    Floats must be finite (`checked`: the caller's Range says so, with its interval)."""
+    origin, bad = get_origin(tp), ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
     if tp is Any:
+        return value
+    if origin is Annotated:  # a constrained type (tether.constraints): the value, then its range
+        base, *meta = get_args(tp)
+        value = _coerce(value, base, key, checked=True)
+        problem = check(value, tuple(meta), key)
+        if problem:
+            raise ConfigError(problem)
         return value
     if origin is Literal:
         if value in get_args(tp):
@@ -104,9 +115,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:  # Optional[X]: X's own message (its range, say)
+            return _coerce(value, rest[0], key)
+        for arg in rest:
             try:
                 return _coerce(value, arg, key)
             except ConfigError:
@@ -115,6 +127,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         if isinstance(value, str):  # `key=a,b` on the command line
             value = [v for v in value.split(",") if v]
+        if isinstance(value, (int, float)):  # `betas=0.5`: a list of one (YAML read a number)
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise bad
         (elem,) = get_args(tp)[:1] or (Any,)
@@ -134,14 +148,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return int(value)
         raise bad
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string; accept what float() does
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad
+        value = float(value)
+        if not checked and number_problem(value, None):  # NaN / inf: never a setting
+            raise ConfigError(f"config key '{key}' {number_problem(value, None)}; got {value!r}")
+        return value
     if tp is str:
         if isinstance(value, str):
             return value
@@ -191,6 +208,9 @@ def flat_names(cls: type) -> list[str]:
 def _put(out: dict, section: str, value: Any) -> None:
     """Merge `value` (a dict of keys, or a section instance) into out[section]."""
     have = out.get(section)
+    if isinstance(have, dict) and isinstance(value, dict) and have.keys() & value.keys():
+        raise ConfigError(f"config key '{section}.{min(have.keys() & value.keys())}' is given "
+                          "twice (by its full and its short name)")
     if have is None:
         out[section] = value
     elif dataclasses.is_dataclass(value):  # an instance, with keys given beside it on top
@@ -235,9 +255,7 @@ def route(cls: type, tree: dict, prefix: str = "") -> dict:
 
 def _build(cls: type, values: dict, prefix: str = "", base: Any = None) -> Any:
     """`cls` from routed `values`, every value type-checked; on top of `base` when given."""
-    hints = _hints(cls)
-    names = _init_names(cls)
-    sections = _section_types(cls)
+    hints, names, sections = _hints(cls), _init_names(cls), _section_types(cls)
     kwargs = {}
     for key, value in values.items():
         if key not in names:
@@ -253,14 +271,14 @@ def _build(cls: type, values: dict, prefix: str = "", base: Any = None) -> Any:
     try:
         return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except (TypeError, ValueError) as e:  # __post_init__ checks raise ValueError with the key
-        raise ConfigError(f"{cls.__name__}: {e}") from None
+        raise e if isinstance(e, ConfigError) else ConfigError(f"{cls.__name__}: {e}") from None
 
 
 def flat_init(cls: type) -> type:
     """Let a sectioned config dataclass be built from flat keyword arguments, as a flat YAML file:
     `SFTConfig(model="m", data="d.jsonl", lr=1e-4)` = `SFTConfig(model=ModelSection(path="m"),
-    data=..., optim=replace(<SFT's optim defaults>, lr=1e-4))`. Values are not type-checked here
-    (Python callers get Python's rules); the sections' `__post_init__` checks still run."""
+    data=..., optim=replace(<SFT's optim defaults>, lr=1e-4))`. Types are not checked here (Python
+    callers get Python's rules); ranges (check_values) and the `__post_init__` checks are."""
     init = cls.__init__
 
     @functools.wraps(init)
@@ -270,6 +288,7 @@ def flat_init(cls: type) -> type:
             if isinstance(routed.get(name), dict):
                 routed[name] = dataclasses.replace(_default_of(cls, name), **routed[name])
         init(self, **routed)
+        check_values(self)
         _check_unused(self)
 
     cls.__init__ = __init__
@@ -322,18 +341,7 @@ def load_config(cls: type, config_file: str | None = None, overrides: list[str] 
     """Build `cls` from defaults <- YAML file <- overrides, with strict checking."""
     values: dict = {}
     if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file '{config_file}' does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            where = f":{line + 1}" if line is not None else ""
-            raise ConfigError(f"{config_file}{where}: invalid YAML") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{config_file}: top level must be a mapping of key: value")
-        values = route(cls, loaded)
+        values = route(cls, read_config_file(config_file))
     if overrides:
         over = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         values = _merge(values, route(cls, over))
@@ -351,9 +359,7 @@ def save_config(cfg: Any, path: str | Path) -> None:
 def describe(cls: type, prefix: str = "", base: Any = None) -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) for every field, sections flattened with dots; a section's
     defaults are the ones `cls` gives it (its default_factory), not the section class's."""
-    rows = []
-    docs = field_docs(cls)
-    hints = _hints(cls)
+    rows, docs, hints = [], field_docs(cls), _hints(cls)
     for f in dataclasses.fields(cls):
         if not f.init:
             continue

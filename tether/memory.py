@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 # Shape, guess_shape, parse_count and resolve_model stay importable from here (tests, scripts)
+from tether.constraints import NonNegative, PositiveInt, check_values
 from tether.model_shape import Shape, fmt_count, guess_shape, parse_count, resolve_model  # noqa: F401
 
 GB = 1e9
@@ -41,7 +42,7 @@ class MemoryConfig:
     "keep an fp32 master copy of the trained weights for the optimizer step (+4 B/param when weights are 16-bit)"
     lora: bool = False
     "train LoRA adapters instead of all weights; the reference is the base with adapters off (no copy)"
-    lora_rank: int = 16
+    lora_rank: PositiveInt = 16
     "LoRA rank r; each targeted linear gets r*(d_in+d_out) fp32 parameters"
     lora_targets: list[str] = field(default_factory=lambda: list(LINEARS))
     "linear layers that get adapters (Llama names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)"
@@ -51,17 +52,17 @@ class MemoryConfig:
     "sdpa/flash never materialise the s x s attention matrix; eager keeps the probabilities for backward"
     offload: bool = False
     "move optimizer state (and fp32 master weights) to CPU memory: listed, but not counted on the GPU"
-    batch_size: int = 4
+    batch_size: PositiveInt = 4
     "training micro-batch: sequences per forward/backward (pairs for rm/dpo/simpo/orpo, i.e. 2x sequences)"
-    seq_len: int = 1024
+    seq_len: PositiveInt = 1024
     "tokens per sequence, prompt + completion (training activations and the rollout KV cache)"
-    rollout_batch: int = 8
+    rollout_batch: PositiveInt = 8
     "ppo/grpo/rloo: prompts generated at once; the KV cache holds rollout_batch*num_generations sequences"
-    num_generations: int = 8
+    num_generations: PositiveInt = 8
     "grpo/rloo: completions sampled per prompt (ppo samples one)"
     reward: Literal["model", "verifier"] = "model"
     "ppo/grpo/rloo: reward from a frozen reward model held on the GPU, or from a verifier function (no model)"
-    beta: float = 0.04
+    beta: NonNegative = 0.04
     "ppo/grpo/rloo KL coefficient; only whether it is 0 matters here: beta=0 needs no reference model"
     precompute_ref: bool = False
     "dpo/kto: cache the reference log-probs before training, so the reference is not held"
@@ -71,9 +72,7 @@ class MemoryConfig:
     "print a table, or a JSON dict of components and totals for scripts"
 
     def __post_init__(self):
-        for key in ("batch_size", "seq_len", "rollout_batch", "num_generations", "lora_rank"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"config key '{key}' must be >= 1; got {getattr(self, key)}")
+        check_values(self)  # the ranges above, for Python callers too (the CLI checks them as it reads)
         bad = [t for t in self.lora_targets if t not in LINEARS]
         if bad:
             raise ValueError(f"config key 'lora_targets': unknown {', '.join(bad)}; allowed: {', '.join(LINEARS)}")

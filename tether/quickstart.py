@@ -17,9 +17,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 
+from tether.config import ConfigError, check_values
+from tether.constraints import DirPath, NonNegative, NonNegativeInt, Positive, PositiveInt, Range, Seed
 from tether.models import load_model, load_tokenizer, make_tiny_model
 from tether.rollout.hf import generate
 from tether.run import RunDir
@@ -31,56 +34,67 @@ from tether.trainers.sft import SFTConfig, train_sft
 class QuickstartConfig:
     name: str = "quickstart"
     "run name: stages are written to <runs_dir>/<name>/{pretrain,sft,rl}"
-    runs_dir: str = "runs"
+    runs_dir: DirPath = "runs"
     "parent directory of run directories"
-    level: int = arithmetic.DEFAULT_LEVEL
+    level: Literal[tuple(sorted(arithmetic.LEVELS))] = arithmetic.DEFAULT_LEVEL
     "arithmetic difficulty: 1 one-digit ±; 2 two-digit ± one-digit; 3 adds two-digit ± two-digit, × one-digit; 4, 5 harder"
-    n_train: int = 20000
+    n_train: PositiveInt = 20000
     "training problems generated (pretraining text and SFT pairs are drawn from them)"
-    n_test: int = 200
+    n_test: PositiveInt = 200
     "held-out problems for exact-match accuracy (never seen in training)"
-    seed: int = 0
+    seed: Seed = 0
     "seed for problems, model init and data order"
-    hidden_size: int = 128
-    "tiny model width"
-    num_layers: int = 4
+    hidden_size: PositiveInt = 128
+    "tiny model width: 32 or a multiple of 64 (32-wide attention heads, two per KV head)"
+    num_layers: PositiveInt = 4
     "tiny model depth"
-    pretrain_steps: int = 1000
+    pretrain_steps: PositiveInt = 1000
     "stage 1 optimizer steps"
-    pretrain_lr: float = 3e-3
+    pretrain_lr: Positive = 3e-3
     "stage 1 peak learning rate"
-    sft_steps: int = 200
+    sft_steps: PositiveInt = 200
     "stage 2 optimizer steps"
-    sft_eval_every: int = 50
+    sft_eval_every: NonNegativeInt = 50
     "score held-out accuracy every N SFT steps (metrics.jsonl: eval/accuracy; 0 = off)"
-    sft_lr: float = 5e-4
+    sft_lr: Positive = 5e-4
     "stage 2 peak learning rate"
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     "examples per step in both stages"
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     "generation budget when scoring"
-    threads: int = 0
+    threads: NonNegativeInt = 0
     "torch CPU threads (0 = leave torch's default)"
     rl: bool = True
     "run stage 3 (GRPO with the verifier reward: ~2 min on 2 CPU cores, 0.480 -> 0.685 held-out; rl=false stops after SFT)"
-    rl_steps: int = 900
+    rl_steps: PositiveInt = 900
     "stage 3 GRPO steps (each samples rl_batch_size x rl_generations completions); many small steps beat few big ones here (docs/grpo.md)"
-    rl_lr: float = 5e-5
+    rl_lr: Positive = 5e-5
     "stage 3 peak learning rate (warmup, then cosine)"
-    rl_warmup_steps: int = 10
+    rl_warmup_steps: NonNegativeInt = 10
     "stage 3 linear warmup steps (Adam's first steps are sign steps: without warmup they wreck a tiny model)"
-    rl_batch_size: int = 4
+    rl_batch_size: PositiveInt = 4
     "stage 3 prompts per step"
-    rl_generations: int = 8
+    rl_generations: Annotated[int, Range(ge=2)] = 8
     "stage 3 completions per prompt (the GRPO group)"
-    rl_temperature: float = 0.5
+    rl_temperature: Positive = 0.5
     "stage 3 sampling temperature (hotter samples slip in the worked solution, and those failures teach the answer line not to copy it)"
-    rl_beta: float = 0.0
+    rl_beta: NonNegative = 0.0
     "stage 3 KL-to-SFT coefficient (0 = no reference model)"
-    rl_prompts: int = 2000
+    rl_prompts: PositiveInt = 2000
     "stage 3 training prompts, taken from the training problems (never the held-out ones)"
     progress: bool = True
     "show progress bars"
+
+    def __post_init__(self):
+        check_values(self)  # the ranges above, for Python callers too (the CLI checks them as it reads)
+        if self.level not in arithmetic.LEVELS:
+            raise ConfigError(f"config key 'level' must be one of {sorted(arithmetic.LEVELS)}; got {self.level!r}")
+        if not (self.hidden_size == 32 or self.hidden_size % 64 == 0):
+            raise ConfigError(f"config key 'hidden_size' must be 32 or a multiple of 64; got {self.hidden_size}")
+        space = arithmetic.problem_space_size(self.level)
+        if self.n_test > space // 2:  # the held-out set must leave problems to train on
+            raise ConfigError(f"config key 'n_test' must be at most {space // 2} at level {self.level} "
+                             f"(half its {space} distinct problems); got {self.n_test}")
 
 
 def accuracy(model, tokenizer, problems, max_new_tokens: int) -> tuple[float, list[str]]:

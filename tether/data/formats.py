@@ -20,6 +20,7 @@ problem.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -192,6 +193,7 @@ class RowChecker:
         self.style: str | None = None
         self.columns = list(columns)
         self.count = 0
+        self.identical = 0  # preference pairs whose chosen equals rejected (no preference to learn)
 
     def fields(self, row: dict[str, Any]) -> tuple[str, ...]:
         if self.fmt == "language-modeling":
@@ -247,6 +249,11 @@ class RowChecker:
             for f in ("completion", "chosen", "rejected"):
                 if f in fields and not any(m.get("role") == "assistant" for m in row[f]):
                     raise DataError(src, n, f, "has no assistant message to train on")
+        if self.fmt == "preference":
+            self.identical += row["chosen"] == row["rejected"]
+            m = row.get("margin")  # optional (Llama 2's reward-model margin); NaN would poison the loss
+            if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
+                raise DataError(src, n, "margin", f"must be a finite number, got {show(m)}")
         self.count += 1
         return row
 

@@ -8,6 +8,7 @@ is loaded.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from .prompts import hh_to_conversational, to_explicit_prompt
 from .rows import Rows, StreamingRows, as_rows
 
 __all__ = ["load_data", "prepare"]
+log = logging.getLogger(__name__)
 
 # Streams are validated lazily as they are read; this many rows are checked up front so that
 # an obviously wrong file fails before training starts.
@@ -74,6 +76,9 @@ def prepare(rows: Any, expect: str | Sequence[str] | None = None, *, source: str
             checker(row, n)
         if checker.count == 0:
             raise DataError(src, None, None, "dataset is empty (0 rows)")
+        if checker.identical:  # legal, but such a pair teaches nothing (its loss gradient is ~0)
+            log.warning("%s: %d of %d pairs have chosen identical to rejected", src, checker.identical,
+                        checker.count)
     else:
         pre = RowChecker(fmt, src)
         for i, (n, row) in enumerate(rows.numbered()):

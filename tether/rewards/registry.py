@@ -282,7 +282,8 @@ def _validate(name: str, out: Any, n: int) -> list[float | None]:
         except (TypeError, ValueError):
             raise RewardError(f"reward function {name!r} returned {v!r} at row {i}, "
                               f"not a number or None") from None
-        if math.isnan(f):  # NaN would silently poison the advantages of the whole group
-            raise RewardError(f"reward function {name!r} returned NaN at row {i}")
+        if not math.isfinite(f):  # NaN / inf would silently poison the advantages of the whole group
+            raise RewardError(f"reward function {name!r} returned {'NaN' if math.isnan(f) else f} at row {i} "
+                              "(return None to skip a row)")
         vals.append(f)
     return vals

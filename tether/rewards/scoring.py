@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from tether.errors import UserError
-from tether.rewards.registry import load_reward
+from tether.rewards.registry import _validate, load_reward
 
 RewardFn = Callable[..., list]
 
@@ -42,10 +42,10 @@ def score(funcs: list[RewardFn], weights: list[float], rows: list[dict], texts: 
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""
             raise UserError(f"reward function {fn_name(fn)!r} failed: {type(e).__name__}: {first}") from e
-        if len(out) != len(rows):
-            raise UserError(f"reward function {fn_name(fn)!r} returned {len(out)} rewards "
-                            f"for {len(rows)} completions")
-        per_fn[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in out])
+        # The same checks as best-of-n's (RewardSet): a list of numbers or None, one per completion;
+        # NaN / inf are errors naming the function (they would silently zero a group's advantages).
+        vals = _validate(fn_name(fn), out, len(rows))
+        per_fn[:, j] = torch.tensor([float("nan") if v is None else v for v in vals])
     w = torch.tensor(weights, dtype=per_fn.dtype)
     scored = ~per_fn.isnan()
     total = torch.where(scored, per_fn * w, 0.0).sum(1)

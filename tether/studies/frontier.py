@@ -17,9 +17,12 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
+from tether.config import ConfigError, check_values
+from tether.constraints import DirPath, Positive, PositiveInt, Seed
 from tether.run import RunDir
 from tether.studies.lab import evaluate_policy, prepare_world
 
@@ -40,34 +43,47 @@ METHODS: dict[str, dict] = {
 class FrontierConfig:
     name: str = "frontier"
     "run name: everything is written to <runs_dir>/<name>/"
-    runs_dir: str = "runs"
+    runs_dir: DirPath = "runs"
     "parent directory of run directories"
     overoptimization: str = "overoptimization"
     "run name of the over-optimization study whose world, pairs and PPO checkpoints are reused"
-    seed: int = 0
+    seed: Seed = 0
     "seed of the world and of every training run"
-    n_pairs: int = 4000
+    n_pairs: PositiveInt = 4000
     "preference pairs (the same as the over-optimization study's, so the data are shared)"
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[Literal[tuple(METHODS)]] = field(default_factory=lambda: list(METHODS))
     "methods to train (DPO, cDPO, rDPO, IPO, hinge, KTO, SimPO, ORPO)"
-    betas: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0])
+    betas: list[Positive] = field(default_factory=lambda: [0.1, 0.3, 1.0])
     "β sweep for the reference-based methods (DPO family, KTO)"
-    simpo_betas: list[float] = field(default_factory=lambda: [2.5, 5.0, 10.0])
+    simpo_betas: list[Positive] = field(default_factory=lambda: [2.5, 5.0, 10.0])
     "β sweep for SimPO (its reward scale; γ = 0.5 β)"
-    orpo_lambdas: list[float] = field(default_factory=lambda: [0.1, 0.5, 2.0])
+    orpo_lambdas: list[Positive] = field(default_factory=lambda: [0.1, 0.5, 2.0])
     "λ sweep for ORPO (weight of the odds-ratio term)"
-    epochs: float = 1.0
+    epochs: Positive = 1.0
     "passes over the pairs per run"
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     "pairs per step"
-    lr: float = 1e-4
+    lr: Positive = 1e-4
     "learning rate of every offline run (tiny model: above the 1e-6 used for real models; 1e-3 diverges)"
-    eval_samples: int = 16
+    eval_samples: PositiveInt = 16
     "completions sampled per held-out prompt to measure gold reward and KL"
     publish_dir: str = ""
     "also copy the figure and report here (e.g. benchmarks/frontier)"
     progress: bool = False
     "progress bars of the inner trainers"
+
+    def __post_init__(self):
+        # Checked here, before the over-optimization study (an hour on CPU) runs as a prerequisite.
+        check_values(self)
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"config key 'methods': unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+        if not self.methods:
+            raise ConfigError("config key 'methods' must name at least one method")
+        for label in self.methods:
+            key = {"SimPO": "simpo_betas", "ORPO": "orpo_lambdas"}.get(label, "betas")
+            if not getattr(self, key):
+                raise ConfigError(f"config key '{key}' is empty, but method {label} sweeps it")
 
 
 def _sweep(cfg: FrontierConfig, label: str) -> list[float]:
@@ -126,10 +142,7 @@ def run_frontier(cfg: FrontierConfig) -> dict:
 
     sft = evaluate_policy(policy, policy, world, prompts, n=cfg.eval_samples, seed=cfg.seed + 11)
     points = [{"method": "SFT", "beta": None, **{k: v for k, v in sft.items() if k != "samples"}}]
-    for label in cfg.methods:
-        if label not in METHODS:
-            from tether.errors import UserError
-            raise UserError(f"study frontier: unknown method {label!r}; choose from {', '.join(METHODS)}")
+    for label in cfg.methods:  # names checked by FrontierConfig, before anything ran
         for beta in _sweep(cfg, label):
             name = f"{label}_b{beta:g}"
             out = train_offline(OfflineConfig(

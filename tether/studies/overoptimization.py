@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tether.config import ConfigError, check_values
+from tether.constraints import DirPath, NonNegative, Positive, PositiveInt, Seed
 from tether.run import RunDir, read_jsonl
 from tether.studies.lab import best_of_n_curve, fit_bon, fit_rl, plot_gold_proxy, prepare_world
 
@@ -31,32 +33,37 @@ from tether.studies.lab import best_of_n_curve, fit_bon, fit_rl, plot_gold_proxy
 class OveroptimizationConfig:
     name: str = "overoptimization"
     "run name: everything is written to <runs_dir>/<name>/"
-    runs_dir: str = "runs"
+    runs_dir: DirPath = "runs"
     "parent directory of run directories"
-    seed: int = 0
+    seed: Seed = 0
     "seed of the world, the SFT policy, the pairs, the RM and PPO"
-    label_temperature: float = 1.0
+    label_temperature: Positive = 1.0
     "τ of the Bradley–Terry labels drawn from the gold reward"
-    n_pairs: int = 4000
+    n_pairs: PositiveInt = 4000
     "preference pairs the proxy reward model is trained on"
-    rm_epochs: float = 2.0
+    rm_epochs: Positive = 2.0
     "reward-model training epochs over the pairs"
-    rm_lr: float = 1e-3
+    rm_lr: Positive = 1e-3
     "reward-model learning rate (tiny model: far above the 1e-5 used for real models)"
-    betas: list[float] = field(default_factory=lambda: [0.001, 0.02, 0.05, 0.1, 0.5])
+    betas: list[NonNegative] = field(default_factory=lambda: [0.001, 0.02, 0.05, 0.1, 0.5])
     "PPO KL coefficients to sweep (the first should be very low)"
-    ppo_steps: int = 60
+    ppo_steps: PositiveInt = 60
     "PPO steps per β"
-    ppo_batch_size: int = 64
+    ppo_batch_size: PositiveInt = 64
     "prompts per PPO step"
-    ppo_lr: float = 1e-3
+    ppo_lr: Positive = 1e-3
     "PPO learning rate (policy and value)"
-    bon_max_n: int = 256
+    bon_max_n: PositiveInt = 256
     "largest n of best-of-n (samples drawn per held-out prompt)"
     publish_dir: str = ""
     "also copy the figures and report.md here (e.g. benchmarks/overoptimization)"
     progress: bool = False
     "progress bars of the inner trainers"
+
+    def __post_init__(self):
+        check_values(self)  # the ranges above, for Python callers too (the CLI checks them as it reads)
+        if not self.betas:
+            raise ConfigError("config key 'betas' must list at least one β")
 
 
 def _smooth(x: np.ndarray, w: int = 5) -> np.ndarray:

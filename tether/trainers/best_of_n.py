@@ -33,6 +33,7 @@ from typing import ClassVar, Optional
 import numpy as np
 
 from tether.config import flat_init
+from tether.constraints import NonNegativeInt, Positive, PositiveInt
 from tether.errors import UserError
 from tether.objectives.policy import best_of_n_kl
 from tether.trainers.sections import (DataSection, ModelSection, PromptSection, RewardSection,
@@ -124,29 +125,25 @@ def select_best(rewards, n: int) -> list[int]:
 
 @dataclass
 class BoNSection:
-    n: int = 16
+    n: PositiveInt = 16
     "samples per prompt; the proxy-best one is kept"
-    max_prompts: int = 0
+    max_prompts: NonNegativeInt = 0
     "use only the first N prompts (0 = all)"
     gold_reward: Optional[str] = None
     "optional gold reward (same spec forms) reported next to the proxy, e.g. tether.tasks.preference_world:gold_reward"
     rft: bool = False
     "rejection-sampling fine-tuning: SFT the policy on the kept completions (run <name>/rft)"
-    rft_lr: float = 1e-5
+    rft_lr: Positive = 1e-5
     "RFT learning rate"
-    rft_epochs: float = 1.0
+    rft_epochs: Positive = 1.0
     "RFT passes over the kept rows"
-    rft_batch_size: int = 8
+    rft_batch_size: PositiveInt = 8
     "RFT examples per step"
-
-    def __post_init__(self):
-        if self.n < 1:
-            raise ValueError("n must be >= 1")
 
 
 @dataclass
 class BoNPrompts(PromptSection):
-    batch_size: int = 256
+    batch_size: PositiveInt = 256
     "sequences sampled at once (the n completions of every prompt are decoded in waves of this many)"
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 from torch import Tensor
 
 from tether.config import flat_init
+from tether.constraints import NonNegative, Positive, PositiveInt, Range
 from tether.errors import NonFiniteLossError
 from tether.objectives import (PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point, kto_loss,
                                orpo_loss, pairwise_preference_loss, simpo_loss)
@@ -43,45 +44,39 @@ class PreferenceSection:
     "dpo (pairs, reference) | kto (unpaired labels, reference) | simpo, orpo (pairs, no reference)"
     loss: Literal[tuple(PREFERENCE_LOSSES)] = "sigmoid"
     "dpo only: which DPO-family loss (tether.objectives.PREFERENCE_LOSSES); sigmoid with label_smoothing > 0 = cDPO"
-    beta: float = 0.1
+    beta: Positive = 0.1
     "β: DPO/IPO/hinge/KTO temperature, SimPO's reward scale, ORPO's λ (weight of the odds-ratio term)"
-    label_smoothing: float = 0.0
+    label_smoothing: Annotated[float, Range(ge=0, lt=0.5)] = 0.0
     "ε: assumed label-flip rate for sigmoid (cDPO), robust (rDPO, < 0.5) and simpo"
-    gamma_beta_ratio: float = 0.5
+    gamma_beta_ratio: NonNegative = 0.5
     "simpo only: target margin as γ/β (the paper's γ = gamma_beta_ratio · beta)"
-    desirable_weight: float = 1.0
+    desirable_weight: Positive = 1.0
     "kto only: λ_D, weight of desirable examples"
-    undesirable_weight: float = 1.0
+    undesirable_weight: Positive = 1.0
     "kto only: λ_U, weight of undesirable examples"
-    dpop_lambda: float = 50.0
+    dpop_lambda: NonNegative = 50.0
     "loss=dpop only: λ, weight of the penalty on log π(y_w) falling below log π_ref(y_w) (Pal et al. 2024: 50)"
-    rpo_alpha: float = 0.0
+    rpo_alpha: NonNegative = 0.0
     "dpo only: α, weight of the chosen completion's per-token NLL added to the loss (RPO, Pang et al. 2024; TRL's rpo_alpha; the paper uses 1.0): holds the chosen log-probs up while the margin widens"
-    chosen_drift_warn: float = 4.6
+    chosen_drift_warn: NonNegative = 4.6
     "warn once when logps/chosen_drift (train or held-out) falls below minus this many nats (4.6: the chosen completions 100x less likely than at the start); 0 = never"
     ref_model: Optional[str] = None
     "reference model (default: the initial policy); only read when its log-probs are not cached"
-    sample_max_new_tokens: int = 64
+    sample_max_new_tokens: PositiveInt = 64
     "tokens per completion sampled from held-out (else training) prompts (run.num_samples of them)"
 
     def __post_init__(self):
         if self.method not in PAIR_OBJECTIVES:
             raise ValueError(f"method must be one of {', '.join(PAIR_OBJECTIVES)}; got {self.method!r}")
-        if self.rpo_alpha < 0 or self.chosen_drift_warn < 0:
-            raise ValueError("rpo_alpha and chosen_drift_warn must be >= 0")
         if self.rpo_alpha and self.method != "dpo":
             raise ValueError(f"rpo_alpha is added to the dpo losses only; method={self.method!r} "
                              f"(orpo has its own NLL term)")
-        if self.beta <= 0:
-            raise ValueError("beta must be > 0")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError("label_smoothing must be in [0, 0.5)")
 
 
 @dataclass
 class PreferenceDataSection(DataSection):
     """Preference pairs (prompt, chosen, rejected); kto also takes unpaired (prompt, completion, label)."""
-    max_prompt_length: Optional[int] = None
+    max_prompt_length: Optional[PositiveInt] = None
     "longest prompt in tokens (longer ones keep their end); null = only max_length applies"
 
 

@@ -27,7 +27,8 @@ from typing import ClassVar, Literal, Optional, Sequence
 
 import torch
 
-from tether.config import flat_init
+from tether.config import ConfigError, flat_init
+from tether.constraints import NonNegative, NonNegativeInt, Positive, PositiveInt
 from tether.data import encode_prompts, load_data
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps
@@ -55,38 +56,36 @@ class GRPOSection:
     "grpo only: divide by the group std, the batch std, or nothing (= dr_grpo)"
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     "loss aggregation: DAPO token-mean, GRPO seq-mean-token-mean, Dr.GRPO seq-mean-token-sum-norm (/max_new_tokens)"
-    clip_low: float = 0.2
+    clip_low: Positive = 0.2
     "ε_low of the clipped ratio"
-    clip_high: Optional[float] = None
+    clip_high: Optional[Positive] = None
     "ε_high (default ε_low; DAPO clip-higher uses 0.28)"
     importance_level: ImportanceLevel = "token"
     "ratio + clip (objectives.SURROGATES): per token (PPO/GRPO), one sequence ratio (GSPO: use clip 3e-4/4e-4), or gmpo (geometric mean of token ratios clipped in log space: clip 0.4)"
-    beta: float = 0.0
+    beta: NonNegative = 0.0
     "KL-to-reference coefficient (0 = no reference model is loaded); where it goes: kl_in"
     kl_in: Literal["loss", "reward"] = "loss"
     "'loss': + β·k3 per token in the loss (GRPO); 'reward': − β·k1 per token in the reward (PPO, RLOO, REINFORCE++)"
-    num_iterations: int = 1
+    num_iterations: PositiveInt = 1
     "μ: optimizer updates per sampled batch (>1 recomputes old log-probs once per batch)"
-    micro_batch_size: int = 0
+    micro_batch_size: NonNegativeInt = 0
     "sequences per forward/backward (0 = the whole batch at once)"
     mask_truncated_completions: bool = False
     "exclude completions cut at max_new_tokens from the loss (DAPO)"
     skip_zero_advantage: bool = True
     "leave completions whose advantage is 0 at every token out of the forward/backward: their gradient is exactly 0 (not with a KL term in the loss), the update is the same, the step cheaper"
-    overlong_buffer: int = 0
+    overlong_buffer: NonNegativeInt = 0
     "DAPO soft overlong punishment: the reward ramps down over the last N tokens before max_new_tokens (0 = off)"
-    overlong_penalty: float = 1.0
+    overlong_penalty: NonNegative = 1.0
     "the overlong punishment at max_new_tokens (it is 0 at max_new_tokens − overlong_buffer)"
     dynamic_sampling: bool = False
     "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill the batch"
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: PositiveInt = 3
     "dynamic sampling: most rounds of batch_size prompts per step (then the step trains on what it has)"
     log_entropy: bool = True
     "log the policy's mean token entropy over completions (one extra pass over the logits)"
 
     def __post_init__(self):
-        if self.num_iterations < 1:
-            raise ValueError("num_iterations must be >= 1")
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
         if self.importance_level not in SURROGATES:
@@ -118,8 +117,13 @@ class GRPOConfig:
     def __post_init__(self):
         if not 0 <= self.grpo.overlong_buffer < self.rollout.max_new_tokens:
             raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
-        if self.grpo.dynamic_sampling and (self.rollout.num_generations < 2 or self.grpo.max_sampling_rounds < 1):
-            raise ValueError("dynamic_sampling needs num_generations >= 2 and max_sampling_rounds >= 1")
+        if self.grpo.dynamic_sampling and self.rollout.num_generations < 2:
+            raise ValueError("dynamic_sampling needs num_generations >= 2")
+        if ADVANTAGE_ESTIMATORS[self.grpo.advantage].grouped and self.rollout.num_generations < 2:
+            # A lone completion is its own group baseline: every advantage is 0, so is the loss.
+            raise ConfigError(f"config key 'rollout.num_generations' must be >= 2 for advantage="
+                             f"{self.grpo.advantage!r} (a group of one has advantage 0: nothing "
+                             f"would be learned); use advantage=reinforce_pp or remax for one sample")
 
 
 @flat_init

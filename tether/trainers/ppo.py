@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tether.config import flat_init
+from tether.constraints import Fraction, NonNegative, Positive, PositiveInt
 from tether.data import encode_prompts, load_data
 from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
@@ -54,42 +55,38 @@ from tether.trainers.setup import Data, load_policy, setup_training
 class PPOSection:
     value_model: str = ""
     "value init: a reward-model dir, 'policy' (fresh head on the policy), or '' = first rm:<dir> else policy"
-    kl_coef: float = 0.05
+    kl_coef: NonNegative = 0.05
     "β: per-token KL penalty in the reward, r̃_t = −β·KL_t (+ the score at the last token)"
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     "KL estimator in the reward: k1 = log π − log π_ref (classic RLHF), k3 = non-negative, low variance"
     adaptive_kl: bool = False
     "adapt β toward kl_target (Ziegler et al. 2019) instead of keeping it fixed"
-    kl_target: float = 6.0
+    kl_target: Positive = 6.0
     "adaptive β: target mean sequence KL (nats)"
-    kl_horizon: float = 10000.0
+    kl_horizon: Positive = 10000.0
     "adaptive β: horizon in samples"
-    kl_budget: float = 0.0
+    kl_budget: NonNegative = 0.0
     "stop the run early once the mean sequence KL to the reference exceeds this (nats; 0 = no budget)"
     length_penalty: float = 0.0
     "subtract this × completion length (tokens) from each score"
-    gamma: float = 1.0
+    gamma: Fraction = 1.0
     "GAE discount γ"
-    lam: float = 0.95
+    lam: Fraction = 0.95
     "GAE λ"
     whiten_advantages: bool = True
     "normalize advantages to mean 0, std 1 over the batch's completion tokens"
-    ppo_epochs: int = 4
+    ppo_epochs: PositiveInt = 4
     "passes over each rollout batch"
-    num_minibatches: int = 4
+    num_minibatches: PositiveInt = 4
     "minibatches per pass (one optimizer step each)"
-    cliprange: float = 0.2
+    cliprange: Positive = 0.2
     "ε of the clipped policy ratio"
-    cliprange_value: float = 0.2
+    cliprange_value: Positive = 0.2
     "clip of the value update around V_old"
-    vf_coef: float = 0.1
+    vf_coef: NonNegative = 0.1
     "weight of the value loss"
-    ent_coef: float = 0.0
+    ent_coef: NonNegative = 0.0
     "entropy bonus weight (loss −= ent_coef · mean token entropy)"
-
-    def __post_init__(self):
-        if min(self.ppo_epochs, self.num_minibatches) < 1:
-            raise ValueError("ppo_epochs and num_minibatches must be >= 1")
 
 
 @flat_init

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tether.config import flat_init
+from tether.constraints import NonNegative, Seed
 from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
 from tether.objectives import bradley_terry_loss
@@ -38,11 +39,11 @@ from tether.trainers.setup import Data, setup_training
 class RMSection:
     use_margin: bool = True
     "subtract the `margin` column (Llama-2) inside the sigmoid when the data has one"
-    center_rewards_coefficient: float = 0.0
+    center_rewards_coefficient: NonNegative = 0.0
     "λ of the auxiliary loss λ·mean((r_c + r_r)²) that keeps rewards near 0 (Eisenstein et al.)"
     center: bool = True
     "after training, set the head's offset so the mean reward over the training responses is 0"
-    eval_seed: int = 0
+    eval_seed: Seed = 0
     "seed of the eval_fraction split (kept apart from `seed` so ensemble members share held-out pairs)"
 
 

@@ -10,9 +10,13 @@ YAML file and `SFTConfig(lr=1e-5)` in Python all still work (tether.config.route
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
+from tether.constraints import (DirPath, Fraction, NonNegative, NonNegativeInt, Positive,
+                                PositiveInt, Range, Seed)
 from tether.rollout.sampling import SamplingConfig
+
+Beta = Annotated[float, Range(ge=0, lt=1)]  # an AdamW β: 1 would never forget, > 1 diverges
 
 
 @dataclass
@@ -33,41 +37,37 @@ class ModelSection:
     "recompute activations in backward to save memory"
     compile: bool = False
     "torch.compile each decoder layer of the trained and frozen models (H100, Qwen2.5-0.5B shape: forward+backward -30 %; the first step pays 5-15 s of compilation)"
-    lora_r: int = 0
+    lora_r: NonNegativeInt = 0
     "LoRA rank (0 = full fine-tuning); checkpoints then hold the adapter only, and the reference is the base with adapters disabled (no copy)"
-    lora_alpha: int = 16
+    lora_alpha: PositiveInt = 16
     "LoRA scaling numerator (the update is scaled by alpha / r)"
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     "dropout on the LoRA input"
     lora_targets: str = "all-linear"
     "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
 
-    def __post_init__(self):
-        if self.lora_r < 0:
-            raise ValueError("lora_r must be >= 0")
-
 
 @dataclass
 class OptimSection:
-    lr: float = 2e-5
+    lr: Positive = 2e-5
     "peak learning rate (AdamW)"
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     "AdamW weight decay (never applied to norms and biases)"
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_betas: list[Beta] = field(default_factory=lambda: [0.9, 0.999])
     "AdamW (beta1, beta2)"
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     "learning-rate shape after warmup"
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     "linear warmup, in optimizer updates (0 = use warmup_ratio)"
-    warmup_ratio: float = 0.0
+    warmup_ratio: Fraction = 0.0
     "warmup as a fraction of all optimizer updates when warmup_steps is 0"
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Fraction = 0.0
     "final learning rate as a fraction of the peak"
-    max_grad_norm: float = 1.0
+    max_grad_norm: NonNegative = 1.0
     "gradient clipping by global norm (0 = off)"
     max_steps: int = -1
     "steps to run (a step = one batch); -1 = derive from epochs"
-    epochs: float = 1.0
+    epochs: Positive = 1.0
     "passes over the data when max_steps is -1"
 
     def __post_init__(self):
@@ -79,20 +79,20 @@ class OptimSection:
 class RunSection:
     name: str = "run"
     "run name: everything is written to <runs_dir>/<name>/"
-    runs_dir: str = "runs"
+    runs_dir: DirPath = "runs"
     "parent directory of run directories"
-    seed: int = 0
+    seed: Seed = 0
     "seed for data order, initialization of new heads and sampling"
-    log_every: int = 10
+    log_every: PositiveInt = 10
     "write metrics every N steps"
-    eval_every: int = 0
+    eval_every: NonNegativeInt = 0
     "evaluate every N steps (0 = only at the end)"
-    num_samples: int = 4
+    num_samples: NonNegativeInt = 4
     "completions written to samples.jsonl at each log / eval point"
-    save_every: int = 0
+    save_every: NonNegativeInt = 0
     "checkpoint every N steps (0 = only at the end)"
-    keep_last: int = 2
-    "checkpoints to keep (older ones are deleted)"
+    keep_last: NonNegativeInt = 2
+    "checkpoints to keep (older ones are deleted; 0 = keep all)"
     resume: bool = False
     "continue from the latest checkpoint in the run directory"
     log_with: Literal["none", "tensorboard"] = "none"
@@ -112,22 +112,16 @@ class DataSection:
     "split to read when `data` is a dataset directory or hub name"
     eval_data: Optional[str] = None
     "held-out data in the same format (default: carve eval_fraction out of `data`)"
-    eval_fraction: float = 0.0
+    eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.0
     "fraction of `data` held out for eval when eval_data is not given"
-    max_length: int = 1024
+    max_length: PositiveInt = 1024
     "longest tokenized example (prompt + completion)"
     truncation: Literal["truncate", "drop"] = "truncate"
     "what to do with an example over max_length: cut its end, or drop it (both are counted)"
-    batch_size: int = 8
+    batch_size: PositiveInt = 8
     "examples per micro-batch"
-    grad_accum: int = 1
+    grad_accum: PositiveInt = 1
     "micro-batches per optimizer step (effective batch = batch_size * grad_accum)"
-
-    def __post_init__(self):
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("batch_size and grad_accum must be >= 1")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError("eval_fraction must be in [0, 1)")
 
 
 @dataclass
@@ -139,39 +133,29 @@ class PromptSection:
     "prompt-only data: a `prompt` column (+ extra columns, passed to reward functions by name)"
     split: str = "train"
     "split to read when `data` is a dataset directory or hub name"
-    max_prompt_length: int = 512
+    max_prompt_length: PositiveInt = 512
     "longest prompt in tokens (longer ones keep their end, or are dropped per `truncation`)"
     truncation: Literal["truncate", "drop"] = "truncate"
     "what to do with a prompt over max_prompt_length"
-    batch_size: int = 8
+    batch_size: PositiveInt = 8
     "prompts per step (each gets num_generations completions)"
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
 
 
 @dataclass
 class RolloutSection:
     """How completions are sampled (tether.rollout): the same knobs for every sampling trainer."""
-    num_generations: int = 8
+    num_generations: PositiveInt = 8
     "completions sampled per prompt"
-    max_new_tokens: int = 256
+    max_new_tokens: PositiveInt = 256
     "most tokens generated per completion"
-    temperature: float = 1.0
+    temperature: Positive = 1.0
     "sampling temperature; log-probs (sampler and trainer) are taken at this temperature"
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     "nucleus sampling (1 = off); note the trained log-probs are then over the full vocabulary"
-    top_k: int = 0
+    top_k: NonNegativeInt = 0
     "top-k sampling (0 = off)"
     stop: list[str] = field(default_factory=list)
     "stop strings ending a completion (besides EOS)"
-
-    def __post_init__(self):
-        if self.num_generations < 1:
-            raise ValueError("num_generations must be >= 1")
-        if not self.temperature > 0:
-            raise ValueError("temperature must be > 0 (RL needs sampled completions)")
 
     def sampling(self):
         """The sampler's config for these knobs (the engine's other settings keep their defaults)."""

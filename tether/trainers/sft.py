@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from tether.config import flat_init
+from tether.constraints import PositiveInt
 from tether.objectives import sft_loss
 from tether.trainers.common import Timer
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
@@ -26,7 +27,7 @@ from tether.trainers.sft_data import load_sft_data, pad_batch
 class SFTSection:
     completion_only: bool = True
     "train only on completion / assistant tokens (prompt tokens are masked out of the loss)"
-    sample_max_new_tokens: int = 128
+    sample_max_new_tokens: PositiveInt = 128
     "generation length of the completions sampled from eval prompts (run.num_samples of them)"
 
 
