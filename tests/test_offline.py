@@ -178,7 +178,8 @@ def test_truncation_is_counted_and_reported(root):
     s = train_offline(cfg_for(root, name="trunc", data=data, max_length=8, max_steps=1))
     assert (s["data"]["truncated"], s["data"]["dropped"], s["train_examples"]) == (2, 0, 8)
     assert "2 truncated" in s["data"]["train"]
-    s = train_offline(cfg_for(root, name="trunc", data=data, max_length=8, max_steps=1, truncation="drop"))
+    s = train_offline(cfg_for(root, name="trunc", data=data, max_length=8, max_steps=1, truncation="drop",
+                              overwrite=True))
     assert (s["data"]["truncated"], s["data"]["dropped"], s["train_examples"]) == (0, 2, 6)
 
 
@@ -250,9 +251,9 @@ def test_stale_cache_is_recomputed(root):
     train_offline(cfg_for(root, name="stale", max_steps=1))
     meta = root / "runs" / "stale" / CACHE_META
     fp = json.loads(meta.read_text())["fingerprint"]
-    s = train_offline(cfg_for(root, name="stale", max_steps=1))
+    s = train_offline(cfg_for(root, name="stale", max_steps=1, overwrite=True))  # the cache survives
     assert s["reference"] == "cache"
-    s = train_offline(cfg_for(root, name="stale", max_steps=1, max_length=12))  # other token ids
+    s = train_offline(cfg_for(root, name="stale", max_steps=1, max_length=12, overwrite=True))  # other token ids
     assert s["reference"] == "policy at step 0" and json.loads(meta.read_text())["fingerprint"] != fp
 
 

@@ -8,3 +8,8 @@ class UserError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """A loss or gradient went NaN/inf; the step was skipped and no weights were changed."""
+
+
+class TrainingDiverged(UserError):
+    """A run stopped because its updates kept being refused (non-finite loss, gradients or weights)
+    or its weights went non-finite: one line, and no checkpoint of non-finite weights is written."""

@@ -135,7 +135,7 @@ def _rl_stage(cfg: QuickstartConfig, model_path: str, root: Path) -> dict:
                     max_steps=cfg.rl_steps, lr=cfg.rl_lr, beta=cfg.rl_beta, advantage="grpo",
                     warmup_steps=cfg.rl_warmup_steps, schedule="cosine",
                     loss_agg="token-mean", device="cpu", seed=cfg.seed, log_every=5,
-                    adam_betas=[0.9, 0.99], progress=cfg.progress, log_entropy=False)
+                    adam_betas=[0.9, 0.99], progress=cfg.progress, log_entropy=False, overwrite=True)
     out = train_grpo(rl, reward_funcs=[verifier])
     model, tok = load_model(out["checkpoint"], device="cpu"), load_tokenizer(out["checkpoint"])
     acc, _ = accuracy(model, tok, test, cfg.max_new_tokens)
@@ -147,7 +147,9 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     root = Path(cfg.runs_dir) / cfg.name
-    run = RunDir(root)
+    # The quickstart is a demo regenerated from its seed: running it again replaces the last one
+    # (its stages too, overwrite=True below); config validation has already passed by now.
+    run = RunDir(root, overwrite=True)
     run.write_config(cfg)
     train, test = arithmetic.make_splits(cfg.n_train, cfg.n_test, cfg.level, cfg.seed)
     data = root / "data"
@@ -173,7 +175,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
 
     common = dict(runs_dir=cfg.runs_dir, batch_size=cfg.batch_size, seed=cfg.seed, device="cpu",
                   max_length=256, log_every=25, num_samples=4, sample_max_new_tokens=cfg.max_new_tokens,
-                  progress=cfg.progress, adam_betas=[0.9, 0.95], warmup_steps=30, weight_decay=0.0)
+                  progress=cfg.progress, adam_betas=[0.9, 0.95], warmup_steps=30, weight_decay=0.0,
+                  overwrite=True)
     # Stage 1: raw worked equations, loss on every token.
     t0 = time.time()
     pre = train_sft(SFTConfig(model=str(root / "init"), data=str(data / "pretrain.jsonl"),

@@ -10,15 +10,23 @@
 
 Rank-aware: only rank 0 writes, so the same trainer code runs under torchrun. Files that must
 never be seen half-written (summary, checkpoints) are written to a temporary name and renamed.
+
+One run at a time: rank 0 holds an exclusive lock on `<run>/.lock` (flock; pid and host written in
+it) from opening the directory to `close()`, so a second run into the same directory is refused
+with one line instead of interleaving its metrics and checkpoints with the first one's. A fresh
+run never deletes a previous run's files unless asked (`overwrite=True`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
 import random
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +35,12 @@ import numpy as np
 import torch
 
 from tether.config import save_config
+from tether.errors import UserError
 
 TRAINER_STATE = "trainer_state.pt"
+LOCK = ".lock"
+# What a run leaves in its directory: a fresh run with overwrite=True removes exactly these.
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints", "plots", "tensorboard")
 
 
 def dist_rank() -> int:
@@ -51,27 +63,140 @@ def _to_float(v: Any):
     return v
 
 
+def previous_run(path: str | Path) -> list[str]:
+    """The files of a previous run in `path` (metrics, samples, summary, checkpoints...), if any."""
+    path = Path(path)
+    found = [n for n in RUN_FILES if n != "checkpoints" and (path / n).exists()]
+    if any((path / "checkpoints").glob("step-*")):
+        found.append("checkpoints")
+    return found
+
+
+def refuse_previous_run(path: str | Path, overwrite: bool) -> None:
+    """A fresh run into a directory holding a previous run is an error unless `overwrite`: re-running
+    a finished run by mistake (or with a typo that fails later) must not cost its results."""
+    found = previous_run(path)
+    if found and not overwrite:
+        raise UserError(f"run directory {path} already holds a run ({', '.join(found)}): continue it "
+                        f"with resume=true, choose another name=, or replace it with overwrite=true")
+
+
+class RunLock:
+    """An exclusive flock on `<dir>/.lock` with the holder's pid and host written in it.
+
+    The kernel drops a flock when its holder dies (kill -9 included), so a lock left by a dead run
+    never blocks; the pid and host are for the message, and for telling a dead holder from a live
+    one where the filesystem has no flock (some network filesystems): there a lock file naming a
+    live pid on this host, or any other host, blocks, and one naming a dead pid here is stale.
+    Within one process the lock is not re-entrant across RunDirs: a later RunDir of the same path
+    takes it over from an earlier one (a run that raised keeps its RunDir alive in the traceback;
+    the next run of the same process must not be refused by it)."""
+
+    _held: dict[str, "RunLock"] = {}
+
+    def __init__(self, directory: Path):
+        self.file = directory / LOCK
+        self.key = os.path.realpath(self.file)
+        self.fd: int | None = None
+        previous = RunLock._held.get(self.key)
+        if previous is not None and previous.fd is not None:
+            self.fd, previous.fd = previous.fd, None  # take it over (same process, see above)
+        else:
+            self.fd = _take_lock(self.file)
+        RunLock._held[self.key] = self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if RunLock._held.get(self.key) is self:
+            del RunLock._held[self.key]
+        os.close(self.fd)  # closing the descriptor drops the flock
+        self.fd = None
+
+
+def _holder(fd: int) -> tuple[int, str]:
+    try:
+        pid, host = os.pread(fd, 4096, 0).decode("utf-8", "replace").split()[:2]
+        return int(pid), host
+    except (ValueError, OSError):
+        return 0, "?"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _take_lock(file: Path) -> int:
+    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    host = socket.gethostname()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, where = _holder(fd)
+        os.close(fd)
+        gone = " (that process is gone; one it started still holds the lock)" \
+            if where == host and pid and not _pid_alive(pid) else ""
+        raise UserError(f"run directory {file.parent} is in use by another run (pid {pid} on {where}"
+                        f"{gone}); wait for it to finish, or choose another name=") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.close(fd)
+            raise
+        pid, where = _holder(fd)  # no flock here: trust the pid file, stale only if provably dead
+        if pid and pid != os.getpid() and (where != host or _pid_alive(pid)):
+            os.close(fd)
+            raise UserError(f"run directory {file.parent} is in use by another run (pid {pid} on "
+                            f"{where}; this filesystem has no flock: delete {file} if that run is "
+                            f"gone), or choose another name=") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {host}\n".encode(), 0)
+    return fd
+
+
+def check_lock(path: str | Path) -> None:
+    """Fail early (before loading anything) when another run holds `path`; takes nothing."""
+    file = Path(path) / LOCK
+    if not file.exists() or os.path.realpath(file) in RunLock._held:
+        return
+    RunLock(Path(path)).release()
+
+
 class RunDir:
-    """Writes one run's files. `resume=True` keeps what is there up to the last checkpoint."""
+    """Writes one run's files. Takes the run directory's lock (released by `close()` or at exit).
+    `resume=True` keeps what is there (the caller drops the rows after the checkpoint); a fresh
+    run into a directory with a previous run is an error unless `overwrite=True`, which removes
+    that run's files — only now, after the lock is held and everything before was validated."""
 
     def __init__(self, path: str | Path, resume: bool = False, log_with: str = "none",
-                 overwrite: bool = True):
+                 overwrite: bool = False):
         self.path = Path(path)
         self.rank = dist_rank()
         self.is_main = self.rank == 0
         self.t0 = time.time()
         self._tb = None
+        self._lock = None
         if self.is_main:
-            if self.path.exists() and not resume and overwrite:
-                # A fresh run must not inherit another run's metrics or checkpoints.
-                for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints",
-                             "plots", "tensorboard"):
-                    p = self.path / name
-                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
-            if log_with == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-                self._tb = SummaryWriter(str(self.path / "tensorboard"))
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = RunLock(self.path)
+            try:
+                if not resume:
+                    refuse_previous_run(self.path, overwrite)  # again, now under the lock
+                    for name in RUN_FILES:  # a fresh run must not inherit another run's files
+                        p = self.path / name
+                        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+                (self.path / "checkpoints").mkdir(exist_ok=True)
+                if log_with == "tensorboard":
+                    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+                    self._tb = SummaryWriter(str(self.path / "tensorboard"))
+            except BaseException:
+                self._lock.release()
+                raise
 
     # --- config / summary ------------------------------------------------------------------
     def write_config(self, cfg) -> None:
@@ -122,8 +247,11 @@ class RunDir:
                 _atomic_write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
     def close(self) -> None:
+        """Flush TensorBoard and release the run directory's lock."""
         if self._tb is not None:
             self._tb.close()
+        if self._lock is not None:
+            self._lock.release()
 
     # --- checkpoints -----------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:

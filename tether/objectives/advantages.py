@@ -11,6 +11,11 @@ without saying which, and the population form gives a two-member group exactly �
 A group whose rewards are all equal — including every singleton group — carries no learning
 signal: its advantages are exactly 0 (never NaN), whatever ``eps`` is.
 
+Headroom: rewards so large that float32 statistics of them could overflow (a reward of 1e38 made
+a group's sum, and so its std, inf: every advantage silently 0) are computed in float64 and the
+result handed back in the rewards' dtype (:func:`_with_headroom`). The bound is far above any
+sensible reward, so ordinary rewards are computed exactly as before, bit for bit.
+
 Registry: :data:`ADVANTAGE_ESTIMATORS` maps a name to an :class:`Estimator`: the function, with the
 uniform signature ``fn(rewards [N], group_ids [N], mask [N, T], **kwargs) -> [N] or [N, T]``
 (per-sequence advantages broadcast over tokens in :func:`tether.objectives.policy_loss`), and what a
@@ -29,6 +34,18 @@ from torch import Tensor
 from ._masks import as_bool, masked_whiten
 
 
+def _with_headroom(values: Tensor, count: int | None = None) -> Tensor:
+    """``values`` as float64 when sums of squares of ``count`` (default: all) deviations of them
+    could overflow their dtype, else unchanged. |x − mean| ≤ 2·max|x|, so the sum stays finite
+    while 4·count·max|x|² ≤ the dtype's max; float32 holds that to |x| ≈ 1e18 for 64 values."""
+    if values.dtype == torch.float64 or not values.is_floating_point() or values.numel() == 0:
+        return values
+    count = max(count or values.numel(), 1)
+    limit = (torch.finfo(values.dtype).max / (4 * count)) ** 0.5
+    largest = float(torch.nan_to_num(values.detach(), nan=0.0, posinf=0.0, neginf=0.0).abs().max())
+    return values.double() if largest > limit else values
+
+
 def _groups(rewards: Tensor, group_ids) -> tuple[Tensor, int]:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [N] (one scalar per sequence), got {tuple(rewards.shape)}")
@@ -42,10 +59,12 @@ def _groups(rewards: Tensor, group_ids) -> tuple[Tensor, int]:
 def group_stats(values: Tensor, group_ids) -> dict[str, Tensor]:
     """Per-row group statistics of ``values`` [N]: ``count``, ``sum``, ``mean``, population ``std``,
     and ``constant`` (bool: every member of the row's group has the same value). All [N].
-    Half-precision values are accumulated in float32 (the statistics come back in float32)."""
+    Half-precision values are accumulated in float32 (the statistics come back in float32);
+    values beyond float32's headroom in float64 (the statistics come back in float64)."""
     inv, g = _groups(values, group_ids)
     if values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
+    values = _with_headroom(values)
     zeros = values.new_zeros(g)
     count = zeros.index_add(0, inv, torch.ones_like(values))
     total = zeros.index_add(0, inv, values)
@@ -70,6 +89,7 @@ def grpo_advantages(rewards: Tensor, group_ids, scale: str = "group", eps: float
     Constant groups (incl. singletons) get exactly 0. Shapes: rewards, group_ids [N] → [N].
     Example: one group with rewards (1, 0, 0, 1) → mean 0.5, σ 0.5 → (1, −1, −1, 1) (up to eps).
     """
+    dtype, rewards = rewards.dtype, _with_headroom(rewards)
     s = group_stats(rewards, group_ids)
     centered = rewards - s["mean"]
     if scale == "group":
@@ -80,7 +100,7 @@ def grpo_advantages(rewards: Tensor, group_ids, scale: str = "group", eps: float
         adv = centered
     else:
         raise ValueError(f"unknown scale {scale!r}; expected 'group', 'batch' or 'none'")
-    return torch.where(s["constant"], 0.0, adv).to(rewards.dtype)
+    return torch.where(s["constant"], 0.0, adv).to(dtype)
 
 
 def rloo_advantages(rewards: Tensor, group_ids) -> Tensor:
@@ -90,10 +110,11 @@ def rloo_advantages(rewards: Tensor, group_ids) -> Tensor:
     Singleton groups have no leave-one-out baseline: their advantage is 0 (as for constant groups).
     Shapes: rewards, group_ids [N] → [N].
     """
+    dtype, rewards = rewards.dtype, _with_headroom(rewards)
     s = group_stats(rewards, group_ids)
     n = s["count"]
     baseline = (s["sum"] - rewards) / (n - 1).clamp(min=1)
-    return torch.where(s["constant"] | (n < 2), 0.0, rewards - baseline).to(rewards.dtype)
+    return torch.where(s["constant"] | (n < 2), 0.0, rewards - baseline).to(dtype)
 
 
 def remax_advantages(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
@@ -132,6 +153,9 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_ids=None, gamma
     Padding returns 0. Shapes: mask [N, T] → [N, T].
     """
     m = as_bool(mask)
+    # returns sum up to T token rewards, and are whitened over up to N·T tokens
+    dtype = rewards.dtype
+    rewards = _with_headroom(rewards, rewards.shape[0] * m.shape[1] * (m.shape[1] if rewards.dim() == 2 else 1))
     if rewards.dim() == 1:
         seq = rewards
         returns = rewards.unsqueeze(1).expand(m.shape)
@@ -142,7 +166,7 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_ids=None, gamma
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [N] or match mask {tuple(m.shape)}")
     if group_ids is not None:
         returns = returns - group_stats(seq, group_ids)["mean"].unsqueeze(1)
-    return masked_whiten(returns, m, eps=eps)
+    return masked_whiten(returns, m, eps=eps).to(dtype)
 
 
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95):

@@ -133,7 +133,7 @@ def run_frontier(cfg: FrontierConfig) -> dict:
     if not (over_root / "summary.json").exists():
         run_overoptimization(OveroptimizationConfig(name=cfg.overoptimization, runs_dir=cfg.runs_dir,
                                                     seed=cfg.seed, n_pairs=cfg.n_pairs, progress=cfg.progress))
-    run = RunDir(root)
+    run = RunDir(root, overwrite=True)  # regenerated from its seed, sub-runs too (as overoptimization)
     run.write_config(cfg)
     world = PreferenceWorld(seed=cfg.seed)
     lab = prepare_world(over_root, world, cfg.seed, cfg.n_pairs)
@@ -149,7 +149,7 @@ def run_frontier(cfg: FrontierConfig) -> dict:
                 **METHODS[label], beta=beta, model=str(policy), data=str(lab["train_pairs"]),
                 eval_data=str(lab["test_pairs"]), name=name, runs_dir=str(root), max_length=64,
                 batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, warmup_ratio=0.1,
-                device="cpu", seed=cfg.seed, log_every=20, progress=cfg.progress))
+                device="cpu", seed=cfg.seed, log_every=20, progress=cfg.progress, overwrite=True))
             ev = evaluate_policy(out["model"], policy, world, prompts, n=cfg.eval_samples, seed=cfg.seed + 11)
             points.append({"method": label, "beta": beta,
                            "implicit_accuracy": out.get("eval/rewards/accuracies"),

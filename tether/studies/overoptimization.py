@@ -109,7 +109,9 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
 
     t0 = time.time()
     root = Path(cfg.runs_dir) / cfg.name
-    run = RunDir(root)
+    # A study is regenerated from its seed: running it again replaces it, its sub-runs included
+    # (overwrite=True below); its config has been validated by now.
+    run = RunDir(root, overwrite=True)
     run.write_config(cfg)
     world = PreferenceWorld(seed=cfg.seed, temperature=cfg.label_temperature)
     timings = {}
@@ -126,7 +128,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     rm = train_rm(RMConfig(model=str(policy), data=str(train_pairs), eval_fraction=0.1,
                            name="rm", runs_dir=str(root), epochs=cfg.rm_epochs, lr=cfg.rm_lr,
                            batch_size=32, device="cpu", seed=cfg.seed,
-                           progress=cfg.progress))
+                           progress=cfg.progress, overwrite=True))
     timings["rm"] = time.time() - t
     rm_dir = rm["checkpoint"]
     proxy = LearnedReward(rm_dir, device="cpu")
@@ -148,7 +150,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
                             max_steps=cfg.ppo_steps, lr=cfg.ppo_lr, kl_coef=beta, ppo_epochs=2,
                             num_minibatches=2, vf_coef=0.5, device="cpu", seed=cfg.seed,
                             value_model=str(rm_dir), progress=cfg.progress,
-                            save_every=max(1, cfg.ppo_steps // 4), keep_last=0),
+                            save_every=max(1, cfg.ppo_steps // 4), keep_last=0, overwrite=True),
                   reward_funcs=[proxy], eval_reward_funcs=[gold_reward])
         ppo[f"{beta:g}"] = _ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
     timings["ppo"] = time.time() - t

@@ -54,7 +54,7 @@ def build_sft_policy(out_dir, seed: int = 0, world: PreferenceWorld | None = Non
         model=str(init), data=str(data), name="sft", runs_dir=str(out_dir), max_length=48,
         batch_size=batch_size, max_steps=steps, lr=lr, warmup_steps=30, weight_decay=0.0,
         log_every=50, num_samples=4, sample_max_new_tokens=world.max_new_tokens, seed=seed,
-        progress=False))
+        progress=False, overwrite=True))  # only reached when the world is (re)built
     tmp = final.with_name("policy.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(summary["checkpoint"], tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
@@ -117,4 +117,4 @@ def build_proxy_rm(out_dir, policy_path, world: PreferenceWorld | None = None, n
     return train_rm(RMConfig(**{"model": str(policy_path), "data": str(data), "runs_dir": str(out_dir),
                                 "name": name, "epochs": epochs, "lr": lr, "batch_size": batch_size,
                                 "eval_fraction": 0.1, "seed": seed, "device": "cpu", "progress": False,
-                                **rm_overrides}))
+                                "overwrite": True, **rm_overrides}))

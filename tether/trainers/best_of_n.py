@@ -215,7 +215,7 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     from tether.models import load_model, load_tokenizer
     from tether.rewards import RewardSet, load_reward
     from tether.rollout import Sampler
-    from tether.run import RunDir, seed_everything
+    from tether.run import RunDir, check_lock, refuse_previous_run, seed_everything
 
     if not cfg.model.path:
         raise UserError("bon: `model` is required")
@@ -227,6 +227,9 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     proxy = RewardSet(funcs, cfg.reward.reward_weights or None)
     gold_spec = gold_reward if gold_reward is not None else cfg.bon.gold_reward
     gold = RewardSet([load_reward(gold_spec)]) if gold_spec else None
+    run_path = Path(cfg.run.runs_dir) / cfg.run.name
+    check_lock(run_path)  # refused before any model loads; RunDir checks again under the lock
+    refuse_previous_run(run_path, cfg.run.overwrite)
     seed_everything(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     rows, _ = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split), tokenizer,
@@ -234,7 +237,7 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     rows = rows[:cfg.bon.max_prompts or None]
     model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
                        attn_implementation=cfg.model.attn_implementation)
-    run = RunDir(Path(cfg.run.runs_dir) / cfg.run.name, log_with=cfg.run.log_with)
+    run = RunDir(run_path, log_with=cfg.run.log_with, overwrite=cfg.run.overwrite)
     run.write_config(cfg)
 
     n, started = cfg.bon.n, time.time()

@@ -6,6 +6,7 @@ algorithm and can be changed without reading a hierarchy.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
@@ -101,10 +102,15 @@ def make_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int
 
 def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: float,
                  keep_grads: bool = False) -> float:
-    """Clip and step only if the loss and gradient norm are finite.
+    """Clip and step only if the loss and gradient norm are finite, and only keep a step that
+    leaves every weight finite.
 
     A NaN that reaches AdamW's moments poisons every later step, so we refuse it here: the
     gradients are dropped and NonFiniteLossError is raised for the caller to count or abort.
+    Finite gradients can still make non-finite weights (lr=inf, or an update past the dtype's
+    range); :func:`update_is_bounded` proves most steps safe from numbers already at hand, and a
+    step it cannot vouch for is taken on a snapshot: weights non-finite afterwards -> weights and
+    optimizer state put back exactly, NonFiniteLossError. Normal steps run exactly as before.
     `keep_grads`: zero the gradients instead of freeing them (they are views of a flat buffer,
     :func:`flat_grad_buffer`).
     """
@@ -114,10 +120,92 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
     if not (math.isfinite(loss_value) and math.isfinite(norm)):
         optimizer.zero_grad(set_to_none=not keep_grads)
         raise NonFiniteLossError(f"non-finite loss ({loss_value}) or grad norm ({norm}); step skipped")
-    optimizer.step()
+    if update_is_bounded(optimizer):
+        optimizer.step()
+    else:
+        saved = _snapshot(optimizer)
+        try:
+            optimizer.step()
+            broken = not all_finite(p for g in optimizer.param_groups for p in g["params"])
+        except RuntimeError as e:  # torch refuses a step size past float32 ("... without overflow")
+            if "overflow" not in str(e):
+                raise
+            broken = True
+        if broken:
+            _restore(optimizer, saved)
+            optimizer.zero_grad(set_to_none=not keep_grads)
+            lr = optimizer.param_groups[0]["lr"]
+            raise NonFiniteLossError(f"the update made weights non-finite (lr {lr:g}); step rolled back")
     scheduler.step()
     optimizer.zero_grad(set_to_none=not keep_grads)
     return norm
+
+
+def _max_abs(tensors) -> float:
+    """max |x| over every element of every tensor (NaN if any is NaN): one fused reduction and
+    one sync per device."""
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.detach())
+    out = 0.0
+    for ts in by_device.values():
+        m = float(torch.stack(torch._foreach_norm(ts, math.inf)).max())
+        out = m if math.isnan(m) else max(out, m)
+        if math.isnan(out):
+            break
+    return out
+
+
+def all_finite(tensors) -> bool:
+    """Every element of every tensor finite."""
+    return math.isfinite(_max_abs(tensors))
+
+
+def update_is_bounded(optimizer) -> bool:
+    """True when this Adam/AdamW step provably leaves every parameter finite.
+
+    Adam's per-element step is lr·m̂/(√v̂+ε) with m, v running averages of g and g² from zero, so
+    by Cauchy–Schwarz |m̂|/√v̂ ≤ √(Σ_{k<t} q^k)/√(1−β2) with q = β1²/β2 whatever the gradients were
+    (the bias corrections only shrink it, since 1−β1^t ≥ 1−β1). So |p_new| ≤ max|p|·|1−lr·wd| +
+    lr·that bound; below half the dtype's range, no element can overflow. It fails only for a
+    non-finite lr or weights/lr within a few orders of the dtype's limit (lr=inf; lr=1e37): those
+    steps take the snapshot path. Costs one fused max-abs of the parameters; any other optimizer
+    always takes the snapshot path."""
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    if not (decoupled or type(optimizer) is torch.optim.Adam):
+        return False
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        lr, wd, (b1, b2) = abs(group["lr"]), group["weight_decay"], group["betas"]
+        steps = [optimizer.state[p]["step"] for p in params if "step" in optimizer.state[p]]
+        t = 1 + (_max_abs(steps) if steps else 0.0)  # the step about to be taken (the longest-stepped)
+        q = b1 * b1 / b2
+        try:
+            ratio = math.sqrt((t if q == 1 else (1 - q ** t) / (1 - q)) / (1 - b2))
+            limit = min(torch.finfo(p.dtype).max for p in params) / 2
+            largest = _max_abs(params)
+            decay = abs(1 - lr * wd) if decoupled else 1.0
+            if not math.isfinite(lr) or not largest * decay + lr * ratio <= limit:
+                return False
+        except (OverflowError, ZeroDivisionError, ValueError):  # q**t too large, β2 = 1: no bound
+            return False
+    return True
+
+
+def _snapshot(optimizer) -> tuple[list[torch.Tensor], dict]:
+    """What undoing one step needs: the parameters and the optimizer state, copied."""
+    params = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+    return params, copy.deepcopy(optimizer.state_dict())
+
+
+def _restore(optimizer, saved) -> None:
+    params, state = saved
+    with torch.no_grad():
+        for p, old in zip((p for g in optimizer.param_groups for p in g["params"]), params):
+            p.copy_(old)
+    optimizer.load_state_dict(state)
 
 
 def flat_grad_buffer(model, at_least: int = 0) -> torch.Tensor | None:
@@ -199,22 +287,52 @@ class Timer:
         return dt
 
 
-def restore_training(ckpt, run, optimizer, scheduler, data_order) -> tuple[int, float, int]:
+class Window:
+    """Per-step metrics summed since the last logged row, for a trainer that logs their means.
+    Part of the checkpoint (`state_dict`), so a resume from a checkpoint inside a log window logs
+    the same means as an uninterrupted run, whatever log_every and save_every are."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, metrics: dict) -> None:
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.steps += 1
+
+    def means(self) -> dict:
+        return {k: v / self.steps for k, v in self.sums.items()}
+
+    def reset(self) -> None:
+        self.sums, self.steps = {}, 0
+
+    def state_dict(self) -> dict:
+        return {"sums": dict(self.sums), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums, self.steps = dict(state["sums"]), state["steps"]
+
+
+def restore_training(ckpt, run, optimizer, scheduler, data_order) -> tuple[int, float, int, dict]:
     """Put optimizer, scheduler, data position and RNG back as checkpoint `ckpt` left them and
-    drop the run's log rows after it. Returns (step, elapsed seconds, skipped steps)."""
+    drop the run's log rows after it. Returns (step, elapsed seconds, skipped steps, the loop's
+    carried state: see `save_training`)."""
     state = load_trainer_state(ckpt)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     data_order.position = state["data_position"]
     set_rng_state(state["rng"])
     run.truncate_after(state["step"])
-    return state["step"], state.get("time", 0.0), state.get("skipped_steps", 0)
+    return state["step"], state.get("time", 0.0), state.get("skipped_steps", 0), state.get("carry", {})
 
 
 def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_order,
-                  skipped: int, time_offset: float, keep_last: int, extra=None):
-    """Checkpoint everything `restore_training` needs for an exact resume."""
+                  skipped: int, time_offset: float, keep_last: int, extra=None, carry=None):
+    """Checkpoint everything `restore_training` needs for an exact resume. `carry`: plain Python
+    state of the loop that logged numbers depend on (a metrics window, a history for the summary)."""
     return run.save_checkpoint(step, model, tokenizer, {
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "data_position": data_order.position, "step": step, "skipped_steps": skipped,
-        "time": time_offset + (time.time() - run.t0)}, keep_last=keep_last, extra=extra)
+        "time": time_offset + (time.time() - run.t0), "carry": carry or {}},
+        keep_last=keep_last, extra=extra)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -242,9 +242,12 @@ def _concat(parts: list):
 
 def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired: bool,
                reference: Optional[dict], pad_id: int, device, amp,
-               kl_pool: Optional[list[dict]] = None, partners: Optional[list[int]] = None) -> dict:
-    """Forward/backward every micro-batch, then one guarded optimizer step. Returns the metrics
-    (loss, method metrics, grad_norm, tokens) or raises NonFiniteLossError (step skipped)."""
+               kl_pool: Optional[list[dict]] = None, partners: Optional[list[int]] = None,
+               step: Optional[Callable[[float], float]] = None) -> dict:
+    """Forward/backward every micro-batch, then one guarded optimizer step (`step(loss)`, default
+    common.guarded_step on `optimizer`; the trainer passes Training.guarded_step, which counts
+    refusals). Returns the metrics (loss, method metrics, grad_norm, tokens) or raises
+    NonFiniteLossError (step skipped)."""
     n_total = sum(len(rows) for rows in micro)
     z0 = None
     if cfg.preference.method == "kto":
@@ -267,7 +270,8 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
         inputs.append(dataclasses.replace(x, **{k: v.detach() for k, v in _tensors(x).items()}))
     loss, metrics = objective(cfg, _concat(inputs), z0)
     loss = float(loss)
-    grad_norm = guarded_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, loss)
+    grad_norm = step(loss) if step is not None else \
+        guarded_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, loss)
     return {"loss": loss, **{k: float(v) for k, v in metrics.items()}, "grad_norm": grad_norm,
             "tokens": tokens}
 
@@ -338,28 +342,30 @@ def train_offline(cfg: OfflineConfig) -> dict:
                        for p, c in zip(prompts, completions)])
         return out
 
-    timer, window, steps_since, tokens_since, last = Timer(), {}, 0, 0, {}
+    # Logged metrics are means over the steps since the last row: t.window, which the checkpoint
+    # keeps, so a resume inside a window logs what an uninterrupted run logs. steps_since and
+    # tokens_since only time the window (throughput is wall-clock, never resume-exact).
+    timer, steps_since, tokens_since, last = Timer(), 0, 0, {}
     while t.step < t.total_steps:
         rows = [t.data.train[j] for j in t.order.next()]
         micro = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
         try:
             out = train_step(cfg, model, t.optimizer, t.scheduler, micro, paired, reference, pad_id,
-                             device, amp, kl_pool=t.data.train, partners=partners)
-        except NonFiniteLossError:  # refused by guarded_step: nothing reached the weights
-            t.skipped += 1
+                             device, amp, kl_pool=t.data.train, partners=partners, step=t.guarded_step)
+        except NonFiniteLossError:  # refused by guarded_step (and counted): nothing reached the weights
             out = {"loss": math.nan, "grad_norm": math.nan, "tokens": 0}
         t.step += 1
         tokens_since += out.pop("tokens")
         steps_since += 1
-        for k, v in out.items():  # logged metrics are means over the steps since the last write
-            window[k] = window.get(k, 0.0) + v
+        t.window.add(out)
         last = out
         if t.log_due():
             dt = timer.lap()
-            t.log({**{k: v / steps_since for k, v in window.items()}, "lr": t.lr,
+            t.log({**t.window.means(), "lr": t.lr,
                    "epoch": t.order.epoch, "skipped_steps": t.skipped,
                    "step_time": dt / steps_since, "tokens_per_second": tokens_since / dt})
-            window, steps_since, tokens_since = {}, 0, 0
+            t.window.reset()
+            steps_since, tokens_since = 0, 0
         if t.due(cfg.run.eval_every):
             t.log(evaluate())
         if t.due(cfg.run.save_every):

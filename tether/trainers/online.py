@@ -300,7 +300,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     def next_prompts():
         return [prompts[i] for i in t.order.next()]
 
-    history: list[float] = []
+    history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
     last: dict = {}
     while t.step < t.total_steps:
         started = time.perf_counter()

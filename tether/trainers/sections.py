@@ -69,6 +69,12 @@ class OptimSection:
     "steps to run (a step = one batch); -1 = derive from epochs"
     epochs: Positive = 1.0
     "passes over the data when max_steps is -1"
+    max_skipped_steps: int = 10
+    "stop the run with an error after this many consecutive skipped steps (non-finite loss, gradient or update; 0 = never)"
+
+    # Fields a resumed run may change (the rest must equal the checkpointed run's config.yaml):
+    # the run's length. The schedule follows the new length from the step it resumes at.
+    RESUMABLE: ClassVar[tuple[str, ...]] = ("max_steps", "epochs", "max_skipped_steps")
 
     def __post_init__(self):
         if len(self.adam_betas) != 2:
@@ -99,6 +105,14 @@ class RunSection:
     "also write TensorBoard event files to <run>/tensorboard"
     progress: bool = True
     "show a progress bar with ETA and live metrics"
+    overwrite: bool = False
+    "a fresh run into a directory that holds a previous run replaces it (default: refused, to keep its results)"
+
+    # Fields a resumed run may change: where and how often it logs, evaluates and saves, and
+    # how it shows progress; none of them changes what is trained.
+    RESUMABLE: ClassVar[tuple[str, ...]] = ("name", "runs_dir", "log_every", "eval_every", "num_samples",
+                                            "save_every", "keep_last", "resume", "log_with",
+                                            "progress", "overwrite")
 
 
 @dataclass

@@ -6,16 +6,20 @@ The order is part of the contract:
     seed -> tokenizer -> data (read, validated, tokenized: bad input fails before a model loads)
     -> trained model (+ LoRA adapters, from the checkpoint on resume) -> frozen reference (the
        *initial* policy, also on resume; under LoRA the same module with adapters disabled)
-    -> gradient checkpointing, compile -> the run directory (touched only now)
-    -> optimizer, schedule, data order -> on resume: their state, the RNG, the log rows after the
-       checkpoint -> config.yaml.
-Every trainer thereby gets LoRA, compile, gradient checkpointing, exact resume, TensorBoard,
-samples, plots and the non-finite guard from this one place.
+    -> gradient checkpointing, compile -> the run directory (touched only now: locked, and a
+       previous run's files removed only with run.overwrite=true)
+    -> optimizer, schedule, data order -> on resume: their state, the RNG, the loop's carried
+       state (metrics window, histories), the log rows after the checkpoint -> config.yaml.
+Before any of it, the cheap refusals: another run holding the directory, a previous run there
+(without resume or overwrite), a resume whose config differs from the checkpointed run's in a
+field its section does not declare RESUMABLE. Every trainer thereby gets LoRA, compile, gradient
+checkpointing, exact resume, TensorBoard, samples, plots and the non-finite guard from this one place.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
 import weakref
@@ -25,16 +29,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tether.errors import NonFiniteLossError, UserError
+from tether.config import ConfigError, load_config, to_dict
+from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
 from tether.models.load import compile_layers, quiet_hf_progress
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
 from tether.rollout.hf import generate
-from tether.run import RunDir, latest_checkpoint, seed_everything
-from tether.trainers.common import (EpochSampler, Progress, autocast_context, guarded_step,
-                                    make_optimizer, make_scheduler, restore_training, save_training)
+from tether.run import RunDir, check_lock, latest_checkpoint, refuse_previous_run, seed_everything
+from tether.trainers.common import (EpochSampler, Progress, Window, all_finite, autocast_context,
+                                    guarded_step, make_optimizer, make_scheduler, restore_training,
+                                    save_training)
 
 
 @dataclass
@@ -85,15 +91,40 @@ class Training:
     "(name, metric keys, floor, message) checked on every logged row (see watch)"
     warnings: dict = field(default_factory=dict)
     "warnings given so far, by name (each once); summary.json lists them"
+    window: Window = field(default_factory=Window)
+    "metrics summed over the current log window (for loops that log means); checkpointed"
+    history: dict = field(default_factory=dict)
+    "per-step values a summary reports (GRPO's reward_history); checkpointed"
+    skipped_in_a_row: int = 0
+
+    def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
+        """Clip and step when loss, gradient norm and the updated weights are finite (else the
+        step is undone, counted and NonFiniteLossError raised: a NaN never reaches the weights or
+        AdamW's moments). `optim.max_skipped_steps` refusals in a row stop the run with
+        TrainingDiverged: every update refused means nothing is learnt, and such a run must not
+        end as a success. Returns the gradient norm."""
+        try:
+            norm = guarded_step(self.trainable, self.optimizer, self.scheduler,
+                                self.cfg.optim.max_grad_norm, loss_value, keep_grads=keep_grads)
+        except NonFiniteLossError as e:
+            self.skipped += 1
+            self.skipped_in_a_row += 1
+            limit = self.cfg.optim.max_skipped_steps
+            if 0 < limit <= self.skipped_in_a_row:
+                raise TrainingDiverged(
+                    f"{self.cfg.run.name}: stopped at step {self.step + 1}: {self.skipped_in_a_row} "
+                    f"updates in a row were refused (last: {e}); the weights or the loss diverged. "
+                    f"Checkpoints hold only finite weights; lower optim.lr (now {self.cfg.optim.lr:g}) "
+                    f"or set optim.max_grad_norm, then rerun or resume") from None
+            raise
+        self.skipped_in_a_row = 0
+        return norm
 
     def optimizer_step(self, loss_value: float, keep_grads: bool = False) -> float:
-        """Clip and step when loss and gradient norm are finite (else the step is skipped and
-        counted: a NaN never reaches the weights or AdamW's moments). Returns the gradient norm."""
+        """`guarded_step`, a refused step returning a NaN gradient norm instead of raising."""
         try:
-            return guarded_step(self.trainable, self.optimizer, self.scheduler,
-                                self.cfg.optim.max_grad_norm, loss_value, keep_grads=keep_grads)
+            return self.guarded_step(loss_value, keep_grads)
         except NonFiniteLossError:
-            self.skipped += 1
             return float("nan")
 
     @property
@@ -145,9 +176,17 @@ class Training:
                             temperature=1.0)
 
     def checkpoint(self) -> Path:
+        # The step guard keeps weights finite; this is the last line, for anything that changes
+        # them outside it (a trainer's own edit, a broken load): never write a poisoned checkpoint.
+        if not all_finite(self.trainable.parameters()):
+            bad = next(n for n, p in self.trainable.named_parameters() if not all_finite([p]))
+            raise TrainingDiverged(f"{self.cfg.run.name}: step {self.step}: parameter {bad} is not "
+                                   f"finite; checkpoint not written")
+        carry = {"window": self.window.state_dict(), "history": self.history,
+                 "skipped_in_a_row": self.skipped_in_a_row}
         return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
                              self.scheduler, self.order, self.skipped, self.time_offset,
-                             self.cfg.run.keep_last, extra=self.save_extra)
+                             self.cfg.run.keep_last, extra=self.save_extra, carry=carry)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict, temperature: float) -> torch.Tensor:
@@ -205,6 +244,17 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) ->
         raise UserError(f"{command}: `data` is required (a file, a saved dataset directory, or a hub name)")
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
+    check_lock(run_path)  # another run holds the directory: refused before anything loads
+    if ckpt is not None:
+        check_resumable(cfg, run_path)
+    elif cfg.run.resume:
+        # Resuming what never saved a checkpoint is starting it (a requeued job passes resume=true
+        # every time, its first start included); rows a run killed before its first checkpoint
+        # left are dropped and produced again, as on any resume.
+        print(f"{command}: resume=true but {run_path} has no checkpoint: starting from step 0",
+              file=sys.stderr)
+    else:
+        refuse_previous_run(run_path, cfg.run.overwrite)
     seed_everything(cfg.run.seed)
 
     tokenizer = load_tokenizer(str(ckpt) if ckpt else cfg.model.path)
@@ -230,8 +280,19 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) ->
             if m is not None:
                 compile_layers(m)
     trainable.train()
-    run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with)
+    run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with,
+                 overwrite=cfg.run.overwrite or cfg.run.resume)
+    try:
+        return _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
+                      rows_per_step, updates_per_step)
+    except BaseException:
+        run.close()  # the lock goes with a start that failed
+        raise
 
+
+def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_per_step,
+           updates_per_step) -> Training:
+    """Optimizer, schedule and data order, their state on resume, config.yaml: the Training."""
     per_step = rows_per_step or cfg.data.batch_size * getattr(cfg.data, "grad_accum", 1)
     o = cfg.optim
     total = o.max_steps if o.max_steps > 0 else max(1, math.ceil(o.epochs * len(data.train) / per_step))
@@ -244,7 +305,44 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) ->
                  optimizer=optimizer, scheduler=scheduler,
                  order=EpochSampler(len(data.train), per_step, cfg.run.seed), total_steps=total, ckpt=ckpt)
     if ckpt:
-        t.step, t.time_offset, t.skipped = restore_training(ckpt, run, optimizer, scheduler, t.order)
+        t.step, t.time_offset, t.skipped, carry = restore_training(ckpt, run, optimizer, scheduler, t.order)
+        if "window" in carry:  # checkpoints older than the carried state have none
+            t.window.load_state_dict(carry["window"])
+        t.history, t.skipped_in_a_row = carry.get("history", {}), carry.get("skipped_in_a_row", 0)
     run.write_config(cfg)
     t.bar = Progress(total, t.step, cfg.run.name, enabled=cfg.run.progress and run.is_main)
     return t
+
+
+def check_resumable(cfg, run_path: Path) -> None:
+    """A resume continues the checkpointed run, so its config must be that run's, except the
+    fields a section declares RESUMABLE (length, logging, saving). Else one line listing every
+    difference. The saved config.yaml may be an old flat one: load_config routes its keys."""
+    saved_file = run_path / "config.yaml"
+    if not saved_file.exists():
+        return
+    try:
+        saved = load_config(type(cfg), str(saved_file))
+    except (ConfigError, UserError, ValueError) as e:
+        raise UserError(f"{cfg.run.name}: cannot check the resume against {saved_file}: {e}") from None
+    resumable, now, then = set(), _flat(cfg), _flat(saved)
+    for f in dataclasses.fields(cfg):
+        resumable |= {f"{f.name}.{k}" for k in getattr(getattr(cfg, f.name), "RESUMABLE", ())}
+    changed = [f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(then))
+               if k not in resumable and now.get(k) != then.get(k)]
+    if changed:
+        raise UserError(f"{cfg.run.name}: resume=true with a config that differs from {saved_file}: "
+                        f"{'; '.join(changed)}. Resume with the run's settings (only "
+                        f"{', '.join(sorted(resumable))} may change), or start a new run (another "
+                        f"name=, or overwrite=true)")
+
+
+def _flat(cfg) -> dict:
+    """{"section.key": value} (top-level non-section fields by their own name)."""
+    out = {}
+    for key, value in to_dict(cfg).items():
+        if dataclasses.is_dataclass(getattr(cfg, key)):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
