@@ -108,6 +108,17 @@ def test_fresh_start_into_a_previous_run_is_refused_and_deletes_nothing(root):
     assert snapshot(run) == before
 
 
+def test_the_cli_refuses_a_rerun_with_one_line(root, capsys):
+    from tether.cli import main
+    args = ["sft", f"model={root / 'model'}", f"data={root / 'sft.jsonl'}", f"runs_dir={root / 'runs'}",
+            "name=cli-rerun", "max_steps=1", "batch_size=4", "device=cpu", "progress=false", "num_samples=0"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already holds a run" in err and "overwrite=true" in err
+
+
 def test_overwrite_replaces_the_previous_run(root):
     train_sft(sft_cfg(root, "replaced", max_steps=4))
     summary = train_sft(sft_cfg(root, "replaced", max_steps=2, overwrite=True))
