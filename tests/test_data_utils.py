@@ -34,7 +34,9 @@ def make_tokenizer(template: str | None = CHATML, bos: bool = True) -> PreTraine
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIALS)
-    kwargs = {"bos_token": "<s>"} if bos else {}
+    # bos=True: Llama-like, the post-processor starts every text with <s> (tether prepends BOS to
+    # plain text only when the tokenizer itself would); bos=False: no BOS token at all (Qwen-like)
+    kwargs = {"bos_token": "<s>", "add_bos_token": True} if bos else {}
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>",
                                   unk_token="<unk>", extra_special_tokens=["<|im_start|>", "<|im_end|>"],
                                   **kwargs)

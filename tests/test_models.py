@@ -23,8 +23,9 @@ def test_tiny_model_round_trips_in_hf_format(tmp_path, family):
 def test_char_tokenizer_is_lossless_and_has_a_chat_template():
     tok = char_tokenizer()
     text = "Question: What is 23 × 17?\nAnswer: 23 × 17 = 391\n#### 391"
-    ids = tok(text).input_ids
+    ids = tok(text, add_special_tokens=False).input_ids
     assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok(text).input_ids == [tok.bos_token_id] + ids  # it adds BOS itself, as Llama's does
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True)
     assert chat == "<|user|>hi<|end|><|assistant|>"

@@ -218,7 +218,8 @@ class RunDir:
             v = _to_float(v)
             if isinstance(v, (int, float)):
                 row[k] = v if math.isfinite(v) else None
-        if self.is_main:
+        # A row with no metric (e.g. a final evaluation with no eval set) says nothing: not written.
+        if self.is_main and len(row) > 2:
             with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
             if self._tb is not None:
@@ -261,16 +262,17 @@ class RunDir:
         return latest_checkpoint(self.path)
 
     def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2,
-                        extra=None) -> Path:
+                        extra=None, dtype: torch.dtype | None = None) -> Path:
         """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all.
-        `extra(dir)` writes a trainer's other state (e.g. PPO's critic) inside the same atomic write."""
+        `extra(dir)` writes a trainer's other state (e.g. PPO's critic) inside the same atomic write.
+        `dtype`: write the model's weights in this dtype (see :func:`save_model_as`)."""
         final = self.checkpoint_dir(step)
         if not self.is_main:
             return final
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_model_as(model, tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra is not None:
@@ -284,6 +286,47 @@ class RunDir:
             for old in ckpts[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+MASTER_WEIGHTS = "master_weights.safetensors"
+
+
+def save_model_as(model, out: Path, dtype: torch.dtype | None) -> None:
+    """`model.save_pretrained(out)` with the weights in `dtype` (None: as they are), config.json
+    saying so. A model trained in fp32 from a bf16 checkpoint is thereby saved as bf16 (half the
+    size, what it was published as). When the cast loses bits (to bf16 / fp16), the exact weights
+    also go to `master_weights.safetensors`, which a resume loads over the cast ones
+    (:func:`load_master_weights`): resume stays exact, the shipped model is the small one."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    live = params[0].dtype if params else None
+    if dtype is None or live is None or dtype == live:
+        model.save_pretrained(out, safe_serialization=True)
+        return
+    cast, shared = {}, {}
+    for k, v in model.state_dict().items():
+        if v.is_floating_point():
+            # tied weights (embeddings = LM head) stay one tensor, so they are written once
+            ident = (v.data_ptr(), tuple(v.shape))
+            v = shared.setdefault(ident, v.detach().to(dtype))
+        cast[k] = v
+    model.save_pretrained(out, safe_serialization=True, state_dict=cast)
+    cfg_file = out / "config.json"  # save_pretrained records the live weights' dtype
+    cfg = json.loads(cfg_file.read_text())
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if dtype != torch.float32:  # fp32 holds bf16 / fp16 weights exactly: nothing to keep
+        from safetensors.torch import save_model
+        save_model(model, str(out / MASTER_WEIGHTS))
+
+
+def load_master_weights(model, ckpt: Path) -> bool:
+    """Put a checkpoint's exact weights (:func:`save_model_as`) into `model`; False if it has none."""
+    path = Path(ckpt) / MASTER_WEIGHTS
+    if not path.exists():
+        return False
+    from safetensors.torch import load_model
+    load_model(model, str(path), device=str(next(model.parameters()).device))
+    return True
 
 
 def latest_checkpoint(run_path: str | Path) -> Path | None:

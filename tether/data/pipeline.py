@@ -50,6 +50,15 @@ def prepare(rows: Any, expect: str | Sequence[str] | None = None, *, source: str
     src = rows.source
     if rename:
         mapping = dict(rename)
+        have = rows.columns
+        missing = [k for k in mapping if k not in have] if have else []
+        if missing:
+            raise DataError(src, None, missing[0], f"column mapping names a column the data does not "
+                            f"have (columns: {', '.join(have)})")
+        clash = [v for v in mapping.values() if v in have and v not in mapping]
+        if clash:  # renaming onto a column that stays would silently drop one of the two
+            raise DataError(src, None, clash[0], "column mapping renames another column onto this "
+                            "one, which the data already has (map it away too, or drop it)")
         rows = rows.map(lambda r, n: {mapping.get(k, k): v for k, v in r.items()})
     columns = rows.columns
     if not columns:

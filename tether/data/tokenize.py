@@ -6,8 +6,8 @@ Conventions (see docs/data.md):
   ``t`` is a training target, i.e. the loss includes ``-log p(input_ids[t] | input_ids[:t])``.
   A trainer computing logits for every position uses ``logits[:, :-1]`` against
   ``input_ids[:, 1:]`` weighted by ``completion_mask[:, 1:]``.
-* Standard (string) text: ``tokenizer.bos_token`` is prepended when the tokenizer has one (unless
-  the text already starts with it); ``eos_token`` is appended to every completion/response and to
+* Standard (string) text: ``tokenizer.bos_token`` is prepended when the tokenizer itself would
+  prepend it (:func:`bos_ids`; unless the text already starts with it); ``eos_token`` is appended to every completion/response and to
   language-modelling text, so models learn to stop. Prompt and completion are tokenized
   separately — the completion tokens are exactly what the model would generate after the prompt.
 * Conversational data goes through the tokenizer's chat template (see :mod:`tether.data.chat`).
@@ -98,9 +98,16 @@ class EncodeReport:
 # ------------------------------------------------------------------ standard-text conventions
 
 def bos_ids(tokenizer) -> list[int]:
-    """``[bos_token_id]`` if the tokenizer has a BOS token, else ``[]`` (e.g. Qwen)."""
+    """``[bos_token_id]`` when the tokenizer itself starts an encoded text with BOS (its
+    post-processor, or ``add_bos_token``: what ``tokenizer(text)`` does, as HF and TRL encode),
+    else ``[]``. Having a BOS token is not enough: ChatML tokenizers (SmolLM2) name
+    ``<|im_start|>`` as BOS but never prepend it, and prepending it to plain text gave a broken
+    chat header (``<|im_start|>\\n\\nHuman: ...``). Qwen has no BOS token at all."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    return [bos] if bos is not None else []
+    if bos is None:
+        return []
+    probe = list(tokenizer("a", add_special_tokens=True)["input_ids"])  # any non-empty text
+    return [bos] if probe[:1] == [bos] else []
 
 
 def _eos(tokenizer) -> list[int]:

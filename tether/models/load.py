@@ -114,6 +114,21 @@ def quiet_hf_progress() -> Callable[[], None]:
     return restore
 
 
+def stored_dtype(path: str) -> torch.dtype | None:
+    """The dtype a checkpoint's weights are stored in, per its config.json (`dtype`, or
+    `torch_dtype` in older files); None when it does not say."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - unknown means "do not convert", never an error here
+        return None
+    value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(value, str):
+        value = DTYPES.get(value)
+    return value if isinstance(value, torch.dtype) else None
+
+
 def save_model(model, tokenizer, out_dir: str | Path) -> None:
     """HF format (config.json, model.safetensors, tokenizer files): loadable by anyone."""
     out_dir = Path(out_dir)

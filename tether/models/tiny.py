@@ -39,8 +39,10 @@ def char_tokenizer(chars: Iterable[str] | None = None) -> PreTrainedTokenizerFas
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()  # join characters back without inserting spaces
     tok.add_special_tokens(SPECIAL_TOKENS)
+    # add_bos_token: its post-processor starts every encoded text with <bos>, as Llama's does; tether
+    # prepends BOS to plain text only when the tokenizer itself would (tether.data.bos_ids)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
+                                   pad_token="<pad>", unk_token="<unk>", add_bos_token=True)
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 1024
     return fast

@@ -5,7 +5,10 @@ unchanged::
 
     fn(prompts, completions, completion_ids, **columns) -> list[float | None]
 
-`columns` are the dataset's extra columns (e.g. `answer`, `tests`), one list entry per row.
+`columns` are the dataset's extra columns (e.g. `answer`, `tests`), one list entry per row. For a
+conversational prompt (a list of messages) `prompts[i]` is that list and `completions[i]` is
+`[{"role": "assistant", "content": text}]` (as in TRL); for plain-text prompts both are strings
+(:func:`as_completions`).
 `None` means "not applicable to this row" (e.g. a code reward on a math row): it is skipped in the
 weighted sum and in that function's mean, instead of being counted as a 0 that drags it down.
 Functions may be `async def`; all async ones in a batch run concurrently on one event loop.
@@ -45,6 +48,15 @@ def reward_name(fn: RewardFn) -> str:
     if name is None and hasattr(fn, "func"):  # functools.partial
         name = getattr(fn.func, "__name__", None)
     return name or type(fn).__name__
+
+
+def as_completions(prompts: Sequence, texts: Sequence[str]) -> list:
+    """Completions as reward functions receive them, TRL's convention: for a conversational prompt
+    (a list of messages) the completion is a list of one assistant message,
+    `[{"role": "assistant", "content": text}]`, so `completion[0]["content"]` works; for a
+    plain-text prompt, the text itself."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts)]
 
 
 def builtin_rewards() -> dict[str, Callable[..., RewardFn]]:

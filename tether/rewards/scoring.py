@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from tether.errors import UserError
-from tether.rewards.registry import _validate, load_reward
+from tether.rewards.registry import _validate, as_completions, load_reward
 
 RewardFn = Callable[..., list]
 
@@ -34,11 +34,12 @@ def score(funcs: list[RewardFn], weights: list[float], rows: list[dict], texts: 
     """Every function on every completion → (per-function rewards [N, F] with NaN for None,
     weighted reward [N] = Σ_f w_f r_f over the functions that scored it; NaN if none did)."""
     prompts = [r["prompt"] for r in rows]
+    completions = as_completions(prompts, texts)  # chat prompts: message lists, as TRL passes them
     columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
     per_fn = torch.full((len(rows), len(funcs)), float("nan"))
     for j, fn in enumerate(funcs):
         try:
-            out = fn(prompts=prompts, completions=texts, completion_ids=completion_ids, **columns)
+            out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""
             raise UserError(f"reward function {fn_name(fn)!r} failed: {type(e).__name__}: {first}") from e

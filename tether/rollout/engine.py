@@ -25,6 +25,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from tether.data.tokenize import bos_ids
+
 from .finish import StopChecker, assemble
 from .graphs import State, bucket, capture, round_up
 from .native import HFBackend, NativeBackend, native_support, unwrap
@@ -140,9 +142,9 @@ class Sampler:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token ids instead")
             ids = list(self.tokenizer(p, add_special_tokens=False)["input_ids"])
-            bos = getattr(self.tokenizer, "bos_token_id", None)
-            if cfg.add_bos and bos is not None and ids[:1] != [bos]:
-                ids = [bos] + ids
+            bos = bos_ids(self.tokenizer)  # only a BOS the tokenizer itself would prepend
+            if cfg.add_bos and bos and ids[:1] != bos:
+                ids = bos + ids
         else:
             ids = [int(t) for t in p]
         if not ids:

@@ -45,7 +45,7 @@ class SamplingConfig:
     ignore_eos: bool = False
     "keep generating past EOS (benchmarks: every sequence gets max_new_tokens)"
     add_bos: bool = True
-    "string prompts: prepend the tokenizer's BOS token (tether's convention; skipped if present)"
+    "string prompts: prepend BOS when the tokenizer itself would (tether.data.bos_ids; skipped if present)"
     max_batch_size: int = 0
     "sequences decoded at once; more are run in consecutive waves (0 = all at once)"
     backend: str = "auto"

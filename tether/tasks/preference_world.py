@@ -115,8 +115,9 @@ class PreferenceWorld:
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decode() joins words with spaces
         tok.add_special_tokens(SPECIALS)
+        # add_bos_token: encoded texts start with <bos> (tether prepends it only when the tokenizer would)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                       pad_token="<pad>", unk_token="<unk>")
+                                       pad_token="<pad>", unk_token="<unk>", add_bos_token=True)
         fast.model_max_length = 64
         return fast
 

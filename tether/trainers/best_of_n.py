@@ -36,6 +36,7 @@ from tether.config import flat_init
 from tether.constraints import NonNegativeInt, Positive, PositiveInt
 from tether.errors import UserError
 from tether.objectives.policy import best_of_n_kl
+from tether.rewards.registry import as_completions
 from tether.trainers.sections import (DataSection, ModelSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
 
@@ -174,8 +175,9 @@ def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tup
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
     ids = [rollout.completion_ids[i][rollout.completion_mask[i]].tolist() for i in range(len(rollout))]
-    proxies = proxy.score(prompts, rollout.texts, ids, columns).total
-    golds = gold.score(prompts, rollout.texts, ids, columns).total if gold else None
+    completions = as_completions(prompts, rollout.texts)  # chat prompts: message lists, as TRL passes them
+    proxies = proxy.score(prompts, completions, ids, columns).total
+    golds = gold.score(prompts, completions, ids, columns).total if gold else None
     return proxies, golds
 
 
@@ -197,7 +199,9 @@ def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict]
     from tether.trainers.sft import SFTConfig, train_sft
     data = run_dir / "rft.jsonl"
     if is_main:
-        data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]},
+        # a chat prompt's completion is an assistant message, so the SFT data is conversational too
+        data.write_text("".join(json.dumps({"prompt": r["prompt"],
+                                            "completion": as_completions([r["prompt"]], [r["completion"]])[0]},
                                            ensure_ascii=False) + "\n" for r in kept))
     summary = train_sft(SFTConfig(
         model=cfg.model, run=replace(cfg.run, name="rft", runs_dir=str(run_dir)),
@@ -232,7 +236,8 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     refuse_previous_run(run_path, cfg.run.overwrite)
     seed_everything(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
-    rows, _ = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split), tokenizer,
+    rows, _ = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
+                                       rename=cfg.data.columns), tokenizer,
                              cfg.data.max_prompt_length, cfg.data.truncation, source=cfg.data.path)
     rows = rows[:cfg.bon.max_prompts or None]
     model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,

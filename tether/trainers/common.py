@@ -328,11 +328,13 @@ def restore_training(ckpt, run, optimizer, scheduler, data_order) -> tuple[int, 
 
 
 def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_order,
-                  skipped: int, time_offset: float, keep_last: int, extra=None, carry=None):
+                  skipped: int, time_offset: float, keep_last: int, extra=None, carry=None,
+                  dtype=None):
     """Checkpoint everything `restore_training` needs for an exact resume. `carry`: plain Python
-    state of the loop that logged numbers depend on (a metrics window, a history for the summary)."""
+    state of the loop that logged numbers depend on (a metrics window, a history for the summary).
+    `dtype`: the model's weights are written in it (RunDir.save_checkpoint; None = as trained)."""
     return run.save_checkpoint(step, model, tokenizer, {
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "data_position": data_order.position, "step": step, "skipped_steps": skipped,
         "time": time_offset + (time.time() - run.t0), "carry": carry or {}},
-        keep_last=keep_last, extra=extra)
+        keep_last=keep_last, extra=extra, dtype=dtype)

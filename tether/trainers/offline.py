@@ -32,7 +32,7 @@ from tether.objectives import (PREFERENCE_LOSSES, PairLogps, kto_kl_reference_po
                                orpo_loss, pairwise_preference_loss, simpo_loss)
 from tether.trainers.common import Timer, guarded_step
 from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
-from tether.trainers.offline_reference import completion_logps, get_reference
+from tether.trainers.offline_reference import completion_logps, get_reference, training_forwards
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
 
@@ -326,7 +326,8 @@ def train_offline(cfg: OfflineConfig) -> dict:
     if method not in REFERENCE_FREE:
         reference, reference_from = get_reference(
             cfg, t.run.path, model, t.ckpt is None, {"train": t.data.train, "eval": t.data.eval},
-            {"train": paired, "eval": eval_paired}, pad_id, device, amp)
+            {"train": paired, "eval": eval_paired}, pad_id, device, amp,
+            forwards={"train": training_forwards(t.order, len(t.data.train), batch_size)})
     partners = kl_partners(len(t.data.train)) if method == "kto" else None
     if reference is not None and cfg.preference.chosen_drift_warn > 0:
         t.watch("chosen_drift", ("logps/chosen_drift", "eval/logps/chosen_drift"),

@@ -31,7 +31,7 @@ def to_unpaired(pairs: list[dict]) -> list[dict]:
 
 def _encode(data, source: str, split: str | None, unpaired_ok: bool, tokenizer):
     expect = ("preference", "unpaired-preference") if unpaired_ok else "preference"
-    rows = load_data(source, expect=expect, split=split)
+    rows = load_data(source, expect=expect, split=split, rename=data.columns)
     enc = encode_unpaired if rows.format == "unpaired-preference" else encode_preference
     examples, rep = enc(rows, tokenizer, data.max_length, data.truncation,
                         max_prompt_length=data.max_prompt_length, source=source)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -39,9 +40,29 @@ def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, tor
     return logps.sum(-1).float(), on["completion_mask"][:, 1:].sum(-1).float()
 
 
+def training_forwards(order, n: int, batch_size: int) -> list[list[int]]:
+    """Row indices of every training forward of the first epoch, in order: each step's rows
+    (`order.batch_at`) cut into micro-batches of `batch_size`, as `offline.train_step` cuts them.
+
+    Why: the reference pass runs these very batches, so at step 1 (before any update) the policy's
+    forward sees the same tensors as the reference's did — same rows, same padding, same matmul
+    shapes — and its log-ratios are exactly 0 (margins 0, accuracy 0: ties count as wrong). Batched
+    in file order instead, a row's log-prob differed by ~1e-7 through padding and kernel shapes,
+    which made step 1's accuracy a coin toss (0.25 on SmolLM2)."""
+    forwards = []
+    for position in range(math.ceil(n / order.batch_size)):
+        rows = order.batch_at(position)
+        forwards += [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+    return forwards
+
+
 @torch.no_grad()
-def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, amp) -> dict:
-    """Summed completion log-probs of every example of every split under `net` (eval mode)."""
+def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, amp,
+                    forwards: dict | None = None) -> dict:
+    """Summed completion log-probs of every example of every split under `net` (eval mode).
+    `forwards[split]`: the batches (row indices) to run, as the trainer will (:func:`training_forwards`);
+    a row in several keeps its first; rows in none, or a split without an entry (held-out data,
+    batched as the evaluation batches it), go in consecutive chunks of `cfg.data.batch_size`."""
     was = net.training
     net.eval()
     out = {}
@@ -49,31 +70,42 @@ def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, a
     for name, examples in splits.items():
         if not examples:
             continue
-        parts: dict[str, list] = {}
-        partners = None if paired[name] else kl_partners(len(examples))
-        for i in range(0, len(examples), batch_size):
-            chunk = examples[i:i + batch_size]
+        n = len(examples)
+        partners = None if paired[name] else kl_partners(n)
+        keys = ("chosen", "rejected") if paired[name] else ("completion", "kl")
+        values = {k: torch.zeros(n) for k in keys}
+        done = torch.zeros(n, dtype=torch.bool)
+        listed = (forwards or {}).get(name, [])
+        covered = {i for rows in listed for i in rows}
+        left = [i for i in range(n) if i not in covered]
+        for rows in listed + [left[i:i + batch_size] for i in range(0, len(left), batch_size)]:
+            if not rows:
+                continue
+            chunk = [examples[i] for i in rows]
             logps, _ = completion_logps(net, collate(chunk, paired[name], pad_id), device, amp)
             if paired[name]:
-                parts.setdefault("chosen", []).append(logps[:len(chunk)])
-                parts.setdefault("rejected", []).append(logps[len(chunk):])
+                got = {"chosen": logps[:len(chunk)], "rejected": logps[len(chunk):]}
             else:
-                parts.setdefault("completion", []).append(logps)
                 kl = collate_mismatched(chunk, examples, partners, pad_id, cfg.data.max_length)
-                parts.setdefault("kl", []).append(completion_logps(net, kl, device, amp)[0])
-        out.update({f"{name}.{k}": torch.cat(v).cpu() for k, v in parts.items()})
+                got = {"completion": logps, "kl": completion_logps(net, kl, device, amp)[0]}
+            for pos, i in enumerate(rows):
+                if not done[i]:
+                    done[i] = True
+                    for k in keys:
+                        values[k][i] = got[k][pos].cpu()
+        out.update({f"{name}.{k}": v for k, v in values.items()})
     net.train(was)
     return out
 
 
 def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired: dict, pad_id,
-                  device, amp) -> tuple[dict, str]:
-    """The cached reference log-probs, computing (and caching) them if needed. Returns (tensors,
-    where they came from)."""
+                  device, amp, forwards: dict | None = None) -> tuple[dict, str]:
+    """The cached reference log-probs, computing (and caching) them if needed, batched as
+    `forwards` says (:func:`reference_logps`). Returns (tensors, where they came from)."""
     ref_model, spec = cfg.preference.ref_model, cfg.model
     ref_source = ref_model or spec.path
     precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
-    fingerprint = cache_fingerprint(ref_source, splits, precision)
+    fingerprint = cache_fingerprint(ref_source, splits, precision, forwards)
     cached = load_cache(run_path, fingerprint)
     if cached is not None:
         return cached, "cache"
@@ -81,16 +113,17 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if fresh and not ref_model:
             # Step 0: the policy is the initial model, i.e. the reference (LoRA: B = 0, adapters are a no-op).
-            tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp)
+            tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp, forwards)
             how = "policy at step 0"
         elif spec.lora_r > 0 and not ref_model:
             with model.disable_adapter():
-                tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp)
+                tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp, forwards)
             how = "base with adapters disabled"
         else:
             net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
                              attn_implementation=spec.attn_implementation)
-            tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp), "reference model"
+            tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp, forwards), \
+                "reference model"
             del net  # not held during training
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -123,9 +156,13 @@ def data_fingerprint(splits: dict[str, list[dict]]) -> str:
     return h.hexdigest()
 
 
-def cache_fingerprint(ref_source: str, splits: dict, precision: str) -> str:
+def cache_fingerprint(ref_source: str, splits: dict, precision: str, forwards: dict | None = None) -> str:
+    # the batching is in it too: another one (seed, batch size) moves the numbers by ~1e-7, enough
+    # to break step 1's exact zero margins
+    batching = hashlib.sha256(json.dumps(forwards or {}, sort_keys=True).encode()).hexdigest()
     blob = json.dumps({"model": model_fingerprint(ref_source), "data": data_fingerprint(splits),
-                       "precision": precision, "kl_pairing_seed": KL_PAIRING_SEED}, sort_keys=True)
+                       "precision": precision, "kl_pairing_seed": KL_PAIRING_SEED,
+                       "batching": batching}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

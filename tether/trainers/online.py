@@ -273,7 +273,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     funcs, weights, names = reward_functions(cfg, reward_funcs, reward_weights)
 
     def load(tokenizer):
-        rows, report = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split),
+        rows, report = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
+                                                rename=cfg.data.columns),
                                       tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
                                       source=cfg.data.path)
         return Data(rows, report=report)

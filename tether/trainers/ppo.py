@@ -155,7 +155,7 @@ def build_policy_and_critic(cfg: PPOConfig, ckpt: Path | None):
 def load_prompts(cfg: PPOConfig, tokenizer) -> Data:
     """Prompt rows with their token ids (+ every extra column, for the reward functions)."""
     data = cfg.data
-    rows, report = encode_prompts(load_data(data.path, expect="prompt-only", split=data.split),
+    rows, report = encode_prompts(load_data(data.path, expect="prompt-only", split=data.split, rename=data.columns),
                                   tokenizer, data.max_prompt_length, data.truncation, source=data.path)
     if not rows:
         raise UserError(f"ppo: no prompts left in {data.path} after encoding")

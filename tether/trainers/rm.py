@@ -71,12 +71,12 @@ class RMConfig:
 # -- data ----------------------------------------------------------------------------------------
 
 def load_pairs(source: str, tokenizer, max_length: int, split: str | None = None,
-               truncation: str = "truncate") -> tuple[list[dict], dict]:
+               truncation: str = "truncate", columns: dict | None = None) -> tuple[list[dict], dict]:
     """Validated preference rows -> [{chosen_ids, rejected_ids, margin, gold..., texts}] + report."""
     from tether.data.errors import DataError
     from tether.data.pipeline import load_data
 
-    rows = load_data(source, expect="preference", split=split)
+    rows = load_data(source, expect="preference", split=split, rename=columns)
     out, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         ex = {f"{side}_ids": encode_scored(tokenizer, row["prompt"], row[side])
@@ -103,9 +103,11 @@ def load_rm_data(cfg: RMConfig, tokenizer) -> Data:
     """Training and held-out pairs: `eval_data`, else `eval_fraction` of `data` carved out with
     `eval_seed` (not `seed`, so the members of an ensemble share their held-out pairs)."""
     spec = cfg.data
-    train, report = load_pairs(spec.path, tokenizer, spec.max_length, spec.split, spec.truncation)
+    train, report = load_pairs(spec.path, tokenizer, spec.max_length, spec.split, spec.truncation,
+                               spec.columns)
     if spec.eval_data:
-        held_out, _ = load_pairs(spec.eval_data, tokenizer, spec.max_length, truncation=spec.truncation)
+        held_out, _ = load_pairs(spec.eval_data, tokenizer, spec.max_length, truncation=spec.truncation,
+                                 columns=spec.columns)
     elif spec.eval_fraction > 0:
         order = list(range(len(train)))
         random.Random(cfg.rm.eval_seed).shuffle(order)

@@ -66,7 +66,7 @@ class OptimSection:
     max_grad_norm: NonNegative = 1.0
     "gradient clipping by global norm (0 = off)"
     max_steps: int = -1
-    "steps to run (a step = one batch); -1 = derive from epochs"
+    "steps to run (a step = one batch), >= 1; -1 = derive from epochs"
     epochs: Positive = 1.0
     "passes over the data when max_steps is -1"
     max_skipped_steps: int = 10
@@ -79,6 +79,8 @@ class OptimSection:
     def __post_init__(self):
         if len(self.adam_betas) != 2:
             raise ValueError("adam_betas must be two numbers")
+        if self.max_steps == 0 or self.max_steps < -1:  # 0 used to mean "a full epoch", silently
+            raise ValueError(f"max_steps must be >= 1, or -1 to derive it from epochs; got {self.max_steps}")
 
 
 @dataclass
@@ -107,12 +109,24 @@ class RunSection:
     "show a progress bar with ETA and live metrics"
     overwrite: bool = False
     "a fresh run into a directory that holds a previous run replaces it (default: refused, to keep its results)"
+    save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    "dtype of the model weights in checkpoints: auto = the dtype model.path is stored in (a bf16 model trained with fp32 master weights is saved as bf16; exact weights for resume go to master_weights.safetensors); LoRA adapters and reward models are saved as trained"
 
     # Fields a resumed run may change: where and how often it logs, evaluates and saves, and
     # how it shows progress; none of them changes what is trained.
     RESUMABLE: ClassVar[tuple[str, ...]] = ("name", "runs_dir", "log_every", "eval_every", "num_samples",
                                             "save_every", "keep_last", "resume", "log_with",
-                                            "progress", "overwrite")
+                                            "progress", "overwrite", "save_dtype")
+
+
+def check_columns(columns: dict) -> None:
+    """`data.columns` is a mapping of column names to column names, no two onto the same one."""
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
+        raise ValueError(f"columns must map column names to column names, e.g. {{question: prompt}}; got {columns!r}")
+    targets = list(columns.values())
+    if len(set(targets)) < len(targets):
+        twice = next(t for t in targets if targets.count(t) > 1)
+        raise ValueError(f"columns maps two columns onto {twice!r}")
 
 
 @dataclass
@@ -136,6 +150,11 @@ class DataSection:
     "examples per micro-batch"
     grad_accum: PositiveInt = 1
     "micro-batches per optimizer step (effective batch = batch_size * grad_accum)"
+    columns: dict[str, str] = field(default_factory=dict)
+    "rename the data's columns to the format's, e.g. columns='{question: prompt, answer: completion}' (GSM8K); applies to eval_data too"
+
+    def __post_init__(self):
+        check_columns(self.columns)
 
 
 @dataclass
@@ -153,6 +172,11 @@ class PromptSection:
     "what to do with a prompt over max_prompt_length"
     batch_size: PositiveInt = 8
     "prompts per step (each gets num_generations completions)"
+    columns: dict[str, str] = field(default_factory=dict)
+    "rename the data's columns, e.g. columns='{question: prompt}' (GSM8K; its `answer` column then reaches the reward functions as is)"
+
+    def __post_init__(self):
+        check_columns(self.columns)
 
 
 @dataclass

@@ -32,12 +32,13 @@ import torch
 from tether.config import ConfigError, load_config, to_dict
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
-from tether.models.load import compile_layers, quiet_hf_progress
+from tether.models.load import DTYPES, compile_layers, quiet_hf_progress, stored_dtype
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
 from tether.rollout.hf import generate
-from tether.run import RunDir, check_lock, latest_checkpoint, refuse_previous_run, seed_everything
+from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weights, refuse_previous_run,
+                        seed_everything)
 from tether.trainers.common import (EpochSampler, Progress, Window, all_finite, autocast_context,
                                     guarded_step, make_optimizer, make_scheduler, restore_training,
                                     save_training)
@@ -62,6 +63,23 @@ def load_policy(spec, ckpt: Optional[Path]):
     return load_model(str(ckpt) if ckpt else spec.path, **kw)
 
 
+def checkpoint_dtype(cfg, model) -> Optional[torch.dtype]:
+    """The dtype checkpoints write the model's weights in (`run.save_dtype`; None = as they are).
+    'auto': the dtype `model.path` is stored in when the weights are wider (fp32 master weights of
+    a bf16 model are saved as bf16, as it was published: half the size), else as they are (an fp32
+    model stays fp32, a model trained in bf16 is not widened). LoRA adapters and reward models
+    (not a plain HF model) are saved as trained."""
+    from transformers import PreTrainedModel
+
+    if cfg.model.lora_r > 0 or not isinstance(model, PreTrainedModel):
+        return None
+    if cfg.run.save_dtype != "auto":
+        return DTYPES[cfg.run.save_dtype]
+    live, stored = model.dtype, stored_dtype(cfg.model.path)
+    wider = stored is not None and torch.finfo(live).bits > torch.finfo(stored).bits
+    return stored if wider else None
+
+
 @dataclass
 class Training:
     """The handles a training loop needs, and the few things every loop does the same way."""
@@ -84,6 +102,8 @@ class Training:
     time_offset: float = 0.0
     save_extra: Optional[Callable[[Path], None]] = None
     "writes a trainer's extra state into each checkpoint directory (PPO's critic and β)"
+    save_dtype: Optional[torch.dtype] = None
+    "dtype of the model's weights in checkpoints (checkpoint_dtype; None = as trained)"
     bar: Any = None
     restore_hf_progress: Callable[[], Any] = lambda: None
     "puts Hugging Face's progress bars back as they were before the run (run.progress=false)"
@@ -186,7 +206,8 @@ class Training:
                  "skipped_in_a_row": self.skipped_in_a_row}
         return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
                              self.scheduler, self.order, self.skipped, self.time_offset,
-                             self.cfg.run.keep_last, extra=self.save_extra, carry=carry)
+                             self.cfg.run.keep_last, extra=self.save_extra, carry=carry,
+                             dtype=self.save_dtype)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict, temperature: float) -> torch.Tensor:
@@ -263,6 +284,8 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) ->
         raise UserError(f"{command}: no training rows left in {cfg.data.path}")
     built = (build or (lambda c, k: load_policy(c.model, k)))(cfg, ckpt)
     model, trainable = built if isinstance(built, tuple) else (built, built)
+    if ckpt:  # a checkpoint saved in a narrower dtype than trained in keeps the exact weights beside
+        load_master_weights(model, ckpt)
     device = next(model.parameters()).device
     ref = None
     if reference and cfg.model.lora_r == 0:
@@ -303,7 +326,8 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
     t = Training(cfg=cfg, run=run, tokenizer=tokenizer, data=data, model=model, trainable=trainable,
                  reference=ref, device=device, amp=autocast_context(device, cfg.model.mixed_precision),
                  optimizer=optimizer, scheduler=scheduler,
-                 order=EpochSampler(len(data.train), per_step, cfg.run.seed), total_steps=total, ckpt=ckpt)
+                 order=EpochSampler(len(data.train), per_step, cfg.run.seed), total_steps=total, ckpt=ckpt,
+                 save_dtype=checkpoint_dtype(cfg, model))
     if ckpt:
         t.step, t.time_offset, t.skipped, carry = restore_training(ckpt, run, optimizer, scheduler, t.order)
         if "window" in carry:  # checkpoints older than the carried state have none

@@ -34,8 +34,8 @@ def load_sft_data(cfg, tokenizer):
     """Returns (train_examples, eval_examples, eval_prompts, report_dict); raises DataError.
     `cfg`: the SFT config (its `data` section, `sft.completion_only` and `run.seed`)."""
     d, completion_only, seed = cfg.data, cfg.sft.completion_only, cfg.run.seed
-    rows = load_data(d.path, expect=SFT_FORMATS, split=d.split)
-    eval_rows = load_data(d.eval_data, expect=SFT_FORMATS) if d.eval_data else None
+    rows = load_data(d.path, expect=SFT_FORMATS, split=d.split, rename=d.columns)
+    eval_rows = load_data(d.eval_data, expect=SFT_FORMATS, rename=d.columns) if d.eval_data else None
     train_ex, rep = encode_sft(rows, tokenizer, d.max_length, d.truncation,
                                completion_only_loss=completion_only)
     report = {"train": rep.summary(), "train_rows": rep.total, "truncated": rep.truncated,
