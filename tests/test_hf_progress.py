@@ -63,3 +63,16 @@ def test_a_run_that_fails_in_setup_restores_the_bars(tiny):
         train_sft(SFTConfig(model=str(tiny / "no-such-model"), data=str(tiny / "d.jsonl"),
                             runs_dir=str(tiny / "runs"), device="cpu", progress=False))
     assert hf_logging.is_progress_bar_enabled() and not hub_tqdm.are_progress_bars_disabled()
+
+
+def test_a_run_that_raises_mid_loop_leaves_the_bars_as_they_were(tiny):
+    """The silencing is scoped to the calls that draw bars (loading, writing shards): an error in
+    the loop, with its traceback (and the run's objects) still alive, changes nothing outside."""
+    def broken_hook(model, tokenizer, step):
+        raise RuntimeError("eval hook broke")
+    with pytest.raises(RuntimeError, match="eval hook broke"):
+        train_sft(SFTConfig(model=str(tiny / "model"), data=str(tiny / "d.jsonl"),
+                            runs_dir=str(tiny / "runs"), name="raises", max_steps=2, batch_size=4,
+                            device="cpu", progress=False, num_samples=0, eval_every=1),
+                  eval_hook=broken_hook)
+    assert hf_logging.is_progress_bar_enabled() and not hub_tqdm.are_progress_bars_disabled()

@@ -6,6 +6,8 @@ tokenizer a pad token when it has none (most base models), and turn a missing pa
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 from typing import Callable
 
@@ -112,6 +114,18 @@ def quiet_hf_progress() -> Callable[[], None]:
         hub_tqdm.progress_bar_states.clear()
         hub_tqdm.progress_bar_states.update(hub_states)
     return restore
+
+
+@contextlib.contextmanager
+def hf_progress(enabled: bool):
+    """Hugging Face's own bars on (as the caller has them) or off (:func:`quiet_hf_progress`) for
+    the `with` block, put back when it ends, by an exception too: trainers wrap the calls that
+    draw them (loading weights, writing shards), so a run that fails leaves nothing changed."""
+    restore = (lambda: None) if enabled else quiet_hf_progress()
+    try:
+        yield
+    finally:
+        restore()
 
 
 def stored_dtype(path: str) -> torch.dtype | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tether.models import load_model
+from tether.models.load import hf_progress
 from tether.models.logprobs import completion_token_logps
 from tether.trainers.offline_data import KL_PAIRING_SEED, collate, collate_mismatched, kl_partners
 
@@ -120,8 +121,9 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
                 tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp, forwards)
             how = "base with adapters disabled"
         else:
-            net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
-                             attn_implementation=spec.attn_implementation)
+            with hf_progress(cfg.run.progress):
+                net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
+                                 attn_implementation=spec.attn_implementation)
             tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp, forwards), \
                 "reference model"
             del net  # not held during training

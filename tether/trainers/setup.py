@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import math
 import sys
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,7 +31,7 @@ import torch
 from tether.config import ConfigError, load_config, to_dict
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
-from tether.models.load import DTYPES, compile_layers, quiet_hf_progress, stored_dtype
+from tether.models.load import DTYPES, compile_layers, hf_progress, stored_dtype
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
@@ -105,8 +104,6 @@ class Training:
     save_dtype: Optional[torch.dtype] = None
     "dtype of the model's weights in checkpoints (checkpoint_dtype; None = as trained)"
     bar: Any = None
-    restore_hf_progress: Callable[[], Any] = lambda: None
-    "puts Hugging Face's progress bars back as they were before the run (run.progress=false)"
     watches: list = field(default_factory=list)
     "(name, metric keys, floor, message) checked on every logged row (see watch)"
     warnings: dict = field(default_factory=dict)
@@ -204,10 +201,11 @@ class Training:
                                    f"finite; checkpoint not written")
         carry = {"window": self.window.state_dict(), "history": self.history,
                  "skipped_in_a_row": self.skipped_in_a_row}
-        return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
-                             self.scheduler, self.order, self.skipped, self.time_offset,
-                             self.cfg.run.keep_last, extra=self.save_extra, carry=carry,
-                             dtype=self.save_dtype)
+        with hf_progress(self.cfg.run.progress):  # "Writing model shards"
+            return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
+                                 self.scheduler, self.order, self.skipped, self.time_offset,
+                                 self.cfg.run.keep_last, extra=self.save_extra, carry=carry,
+                                 dtype=self.save_dtype)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict, temperature: float) -> torch.Tensor:
@@ -229,7 +227,6 @@ class Training:
         if self.run.is_main:
             plot_metrics(self.run.path)
         self.run.close()
-        self.restore_hf_progress()
         return summary
 
 
@@ -244,17 +241,11 @@ def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Cal
     rows_per_step: training rows a step draws (default batch_size × grad_accum). updates_per_step:
     optimizer updates per step (GRPO's μ, PPO's epochs × minibatches), for the schedule's length.
 
-    `run.progress=false` also silences Hugging Face's own bars (loading weights, writing shards)
-    for the run: from here until `finish`, or until the Training is dropped when the loop raises.
+    `run.progress=false` also silences Hugging Face's own bars while models load here and while
+    checkpoints are written (`hf_progress`: put back as they were, also when something raises).
     """
-    restore = (lambda: None) if cfg.run.progress else quiet_hf_progress()
-    try:
-        t = _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step)
-    except BaseException:
-        restore()
-        raise
-    t.restore_hf_progress = weakref.finalize(t, restore)  # runs once: in finish(), or when t is freed
-    return t
+    with hf_progress(cfg.run.progress):  # "Loading weights"
+        return _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step)
 
 
 def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) -> Training:
