@@ -142,14 +142,17 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
 
 
 def _max_abs(tensors) -> float:
-    """max |x| over every element of every tensor (NaN if any is NaN): one fused reduction and
-    one sync per device."""
+    """max |x| over every element of every tensor (NaN if any is NaN): one sync per device."""
     by_device: dict = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t.detach())
     out = 0.0
-    for ts in by_device.values():
-        m = float(torch.stack(torch._foreach_norm(ts, math.inf)).max())
+    for device, ts in by_device.items():
+        if device.type == "cpu":  # torch's CPU inf-norm is ~5x slower than abs().amax() (quickstart
+            ts = [t for t in ts if t.numel()]  # model: 1.9 vs 0.37 ms a step); amax keeps NaN
+            m = float(torch.stack([t.abs().amax() for t in ts]).max()) if ts else 0.0
+        else:  # one fused kernel, no temporary the size of a weight
+            m = float(torch.stack(torch._foreach_norm(ts, math.inf)).max())
         out = m if math.isnan(m) else max(out, m)
         if math.isnan(out):
             break
