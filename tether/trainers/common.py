@@ -280,14 +280,27 @@ class Progress:
             self.bar.close()
 
 
-class Timer:
-    def __init__(self):
-        self.t = time.perf_counter()
+class StepClock:
+    """Wall-clock throughput over the steps since the last logged row: `tick` once a step (with
+    the tokens it processed, where the loop counts them), `lap` at a log point gives step_time
+    (and tokens_per_second) and starts the next window. Wall-clock, so never resume-exact."""
 
-    def lap(self) -> float:
+    def __init__(self):
+        self.t, self.steps, self.tokens = time.perf_counter(), 0, None
+
+    def tick(self, tokens: int | None = None) -> None:
+        self.steps += 1
+        if tokens is not None:
+            self.tokens = (self.tokens or 0) + tokens
+
+    def lap(self) -> dict:
         now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
+        dt = now - self.t
+        out = {"step_time": dt / max(self.steps, 1)}
+        if self.tokens is not None:
+            out["tokens_per_second"] = self.tokens / dt
+        self.t, self.steps, self.tokens = now, 0, None
+        return out
 
 
 class Window:

@@ -30,7 +30,7 @@ from tether.constraints import NonNegative, Positive, PositiveInt, Range
 from tether.errors import NonFiniteLossError
 from tether.objectives import (PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point, kto_loss,
                                orpo_loss, pairwise_preference_loss, simpo_loss)
-from tether.trainers.common import Timer, guarded_step
+from tether.trainers.common import StepClock, guarded_step
 from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
 from tether.trainers.offline_reference import completion_logps, get_reference, training_forwards
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
@@ -344,9 +344,9 @@ def train_offline(cfg: OfflineConfig) -> dict:
         return out
 
     # Logged metrics are means over the steps since the last row: t.window, which the checkpoint
-    # keeps, so a resume inside a window logs what an uninterrupted run logs. steps_since and
-    # tokens_since only time the window (throughput is wall-clock, never resume-exact).
-    timer, steps_since, tokens_since, last = Timer(), 0, 0, {}
+    # keeps, so a resume inside a window logs what an uninterrupted run logs. The clock only times
+    # the window (throughput is wall-clock, never resume-exact).
+    clock, last = StepClock(), {}
     while t.step < t.total_steps:
         rows = [t.data.train[j] for j in t.order.next()]
         micro = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
@@ -356,17 +356,13 @@ def train_offline(cfg: OfflineConfig) -> dict:
         except NonFiniteLossError:  # refused by guarded_step (and counted): nothing reached the weights
             out = {"loss": math.nan, "grad_norm": math.nan, "tokens": 0}
         t.step += 1
-        tokens_since += out.pop("tokens")
-        steps_since += 1
+        clock.tick(tokens=out.pop("tokens"))
         t.window.add(out)
         last = out
         if t.log_due():
-            dt = timer.lap()
-            t.log({**t.window.means(), "lr": t.lr,
-                   "epoch": t.order.epoch, "skipped_steps": t.skipped,
-                   "step_time": dt / steps_since, "tokens_per_second": tokens_since / dt})
+            t.log({**t.window.means(), "lr": t.lr, "epoch": t.order.epoch, "skipped_steps": t.skipped,
+                   **clock.lap()})
             t.window.reset()
-            steps_since, tokens_since = 0, 0
         if t.due(cfg.run.eval_every):
             t.log(evaluate())
         if t.due(cfg.run.save_every):

@@ -30,7 +30,7 @@ from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
 from tether.objectives import bradley_terry_loss
 from tether.rewards.learned import encode_scored
-from tether.trainers.common import Timer
+from tether.trainers.common import StepClock
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
 
@@ -243,7 +243,7 @@ def train_rm(cfg: RMConfig) -> dict:
         shown = (t.data.eval or t.data.train)[:cfg.run.num_samples]
         t.add_samples(pair_samples(model, shown, pad_id, device, amp))
 
-    timer, steps_since, started, last = Timer(), 0, time.time(), {}
+    clock, started, last = StepClock(), time.time(), {}
     while t.step < t.total_steps:
         indices = t.order.next()
         loss_sum, accuracy, margin, rewards = 0.0, 0.0, 0.0, []
@@ -259,15 +259,13 @@ def train_rm(cfg: RMConfig) -> dict:
             rewards.append(torch.cat([chosen, rejected]).detach().cpu())
         grad_norm = t.optimizer_step(loss_sum)
         t.step += 1
-        steps_since += 1
+        clock.tick()
         rewards = torch.cat(rewards)
         last = {"loss": loss_sum, "accuracy": accuracy, "margin": margin,
                 "reward_mean": float(rewards.mean()), "reward_min": float(rewards.min()),
                 "reward_max": float(rewards.max()), "grad_norm": grad_norm, "lr": t.lr}
         if t.log_due():
-            t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped,
-                   "step_time": timer.lap() / steps_since})
-            steps_since = 0
+            t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped, **clock.lap()})
         if t.due(cfg.run.eval_every):
             t.log(evaluate(t.data.eval))
             write_samples()

@@ -17,7 +17,7 @@ import torch
 from tether.config import flat_init
 from tether.constraints import PositiveInt
 from tether.objectives import sft_loss
-from tether.trainers.common import Timer
+from tether.trainers.common import StepClock
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
 from tether.trainers.sft_data import load_sft_data, pad_batch
@@ -93,7 +93,7 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
             out.update(eval_hook(model, tok, t.step))
         return out
 
-    timer, tokens_since, steps_since, last = Timer(), 0, 0, {}
+    clock, last = StepClock(), {}
     while t.step < t.total_steps:
         # one batch, split into micro-batches; the loss is the token mean over the whole batch
         idx = t.order.next()
@@ -108,14 +108,10 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         loss = loss_sum / n_total
         grad_norm = t.optimizer_step(loss)
         t.step += 1
-        tokens_since += sum(int(b["attention_mask"].sum()) for b in batches)
-        steps_since += 1
+        clock.tick(tokens=sum(int(b["attention_mask"].sum()) for b in batches))
         last = {"loss": loss, "grad_norm": grad_norm, "lr": t.lr}
         if t.log_due():
-            dt = timer.lap()
-            t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped,
-                   "step_time": dt / steps_since, "tokens_per_second": tokens_since / dt})
-            tokens_since, steps_since = 0, 0
+            t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped, **clock.lap()})
         if t.due(cfg.run.eval_every):
             t.log(evaluate())
         if t.due(cfg.run.save_every):
