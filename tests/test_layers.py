@@ -24,6 +24,7 @@ LAYERS = [
     ["objectives"],  # pure tensor functions: the models' log-prob forward uses them
     ["plots", "memory"],
     ["run", "model_shape"],
+    ["distributed"],  # torch.distributed: process group, sums over ranks, FSDP2, sharded optimizer state
     ["config", "errors"],
     ["constraints"],  # the allowed ranges of config values (config.py reads them)
 ]

@@ -109,25 +109,37 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0] if argv else ""
     if name == "study" and len(argv) > 1 and not argv[1].startswith("-") and "=" not in argv[1]:
         name = f"study {argv[1]}"
+    # Under torchrun every rank runs this. Bad input (config, data) fails the same way on every
+    # rank and is said once, by rank 0; anything else may be one rank's own, so each rank says its
+    # own, prefixed with its rank. torchrun stops the other ranks when one exits with an error.
+    rank = int(os.environ.get("RANK", "0"))
+    where = f"[rank {rank}] " if rank else ""
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print(f"tether {name}: interrupted", file=sys.stderr)
+        print(f"{where}tether {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, never a bare traceback
         from tether.errors import UserError
         if debug:
             traceback.print_exc()
         text = " ".join(str(e).split()) or "(no message)"
-        if isinstance(e, ConfigError):
-            print(f"tether {name}: error: {text}", file=sys.stderr)
-            return 2
-        if isinstance(e, UserError):  # data/model/reward errors: the message names file, row, field
-            print(f"tether {name}: error: {text}", file=sys.stderr)
-            return 1
+        if isinstance(e, (ConfigError, UserError)):  # the message names file, row, field
+            if rank == 0:
+                print(f"tether {name}: error: {text}", file=sys.stderr)
+            return 2 if isinstance(e, ConfigError) else 1
         hint = "" if debug else " (--debug or TETHER_DEBUG=1 for the traceback)"
-        print(f"tether {name}: error: {type(e).__name__}{_where(e)}: {text}{hint}", file=sys.stderr)
+        print(f"{where}tether {name}: error: {type(e).__name__}{_where(e)}: {text}{hint}", file=sys.stderr)
         return 1
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Leave torch.distributed's process group if a command joined one (torchrun): a clean exit."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _main(argv: list[str]) -> int:

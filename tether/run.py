@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tether import distributed
 from tether.config import save_config
 from tether.errors import UserError
 
@@ -44,8 +45,8 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints", "p
 
 
 def dist_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
+    if distributed.active():
+        return distributed.rank()
     return int(os.environ.get("RANK", 0))
 
 
@@ -262,48 +263,62 @@ class RunDir:
         return latest_checkpoint(self.path)
 
     def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2,
-                        extra=None, dtype: torch.dtype | None = None) -> Path:
+                        extra=None, dtype: torch.dtype | None = None, state_dict: dict | None = None,
+                        sharded=None) -> Path:
         """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all.
         `extra(dir)` writes a trainer's other state (e.g. PPO's critic) inside the same atomic write.
-        `dtype`: write the model's weights in this dtype (see :func:`save_model_as`)."""
+        `dtype`: write the model's weights in this dtype (see :func:`save_model_as`).
+
+        Under torch.distributed every rank calls this: `sharded(dir)` (each rank writes its shards:
+        the optimizer state) and `extra(dir)` run on every rank (they may gather; rank 0 writes),
+        `state_dict` is the model's gathered on rank 0 (None: the model's own), every rank's RNG
+        state is kept, and only rank 0 writes the rest and renames the directory into place."""
         final = self.checkpoint_dir(step)
-        if not self.is_main:
-            return final
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_model_as(model, tmp, dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        distributed.barrier()  # the directory exists before any rank writes into it
+        if sharded is not None:
+            sharded(tmp)
         if extra is not None:
             extra(tmp)
-        torch.save({**state, "rng": rng_state()}, tmp / TRAINER_STATE)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if keep_last > 0:
-            ckpts = sorted((p for p in (self.path / "checkpoints").glob("step-*")
-                            if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-            for old in ckpts[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        rngs = distributed.all_gather_object(rng_state())
+        if self.is_main:
+            save_model_as(model, tmp, dtype, state_dict=state_dict)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            extra_rng = {"rng_ranks": rngs} if len(rngs) > 1 else {}
+            torch.save({**state, "rng": rngs[0], **extra_rng}, tmp / TRAINER_STATE)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            if keep_last > 0:
+                ckpts = sorted((p for p in (self.path / "checkpoints").glob("step-*")
+                                if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+                for old in ckpts[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is complete
         return final
 
 
 MASTER_WEIGHTS = "master_weights.safetensors"
 
 
-def save_model_as(model, out: Path, dtype: torch.dtype | None) -> None:
+def save_model_as(model, out: Path, dtype: torch.dtype | None, state_dict: dict | None = None) -> None:
     """`model.save_pretrained(out)` with the weights in `dtype` (None: as they are), config.json
     saying so. A model trained in fp32 from a bf16 checkpoint is thereby saved as bf16 (half the
     size, what it was published as). When the cast loses bits (to bf16 / fp16), the exact weights
     also go to `master_weights.safetensors`, which a resume loads over the cast ones
-    (:func:`load_master_weights`): resume stays exact, the shipped model is the small one."""
-    params = [p for p in model.parameters() if p.is_floating_point()]
+    (:func:`load_master_weights`): resume stays exact, the shipped model is the small one.
+    `state_dict`: the weights to write instead of the model's own (a sharded model's, gathered)."""
+    sd = model.state_dict() if state_dict is None else state_dict
+    params = [v for v in sd.values() if v.is_floating_point()]
     live = params[0].dtype if params else None
     if dtype is None or live is None or dtype == live:
-        model.save_pretrained(out, safe_serialization=True)
+        model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
         return
     cast, shared = {}, {}
-    for k, v in model.state_dict().items():
+    for k, v in sd.items():
         if v.is_floating_point():
             # tied weights (embeddings = LM head) stay one tensor, so they are written once
             ident = (v.data_ptr(), tuple(v.shape))
@@ -315,8 +330,12 @@ def save_model_as(model, out: Path, dtype: torch.dtype | None) -> None:
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if dtype != torch.float32:  # fp32 holds bf16 / fp16 weights exactly: nothing to keep
-        from safetensors.torch import save_model
-        save_model(model, str(out / MASTER_WEIGHTS))
+        from safetensors.torch import save_file, save_model
+        if state_dict is None:
+            save_model(model, str(out / MASTER_WEIGHTS))
+        else:  # a tied weight once, under the name its parameter has (what load_model expects)
+            names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+            save_file({k: v.contiguous() for k, v in sd.items() if k in names}, str(out / MASTER_WEIGHTS))
 
 
 def load_master_weights(model, ckpt: Path) -> bool:

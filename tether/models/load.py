@@ -161,10 +161,17 @@ def compile_layers(model) -> int:
     Inductor fuses. The layers share one compiled graph (same code, parameters as inputs), so the
     compile cost does not grow with depth; the LM head stays ours (`_HeadLogps`), the sampler keeps
     its own forward over the same parameters."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of a HF causal LM (under LoRA, a reward head or a critic too): the first
+    ModuleList of `*DecoderLayer` modules; [] when there is none."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for mod in base.modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) and type(mod[0]).__name__.endswith("DecoderLayer"):
-            for layer in mod:
-                layer.compile()
-            return len(mod)
-    return 0
+            return list(mod)
+    return []

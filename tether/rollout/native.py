@@ -37,6 +37,7 @@ from torch import Tensor, nn
 import tether.rollout.cpu as cpu  # by module path: `from . import` goes through the package __init__
 import tether.rollout.kernels as kernels
 from .layers import is_silu, rmsnorm_eps
+from tether.distributed import is_sharded
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -50,6 +51,8 @@ def native_support(model, max_len: int) -> str | None:
     """None if :class:`NativeBackend` can run ``model`` for sequences of ``max_len`` tokens, else why not."""
     m = unwrap(model)
     cfg = m.config
+    if is_sharded(m):  # FSDP2: the weights are shards between forwards; only the module call gathers
+        return "the model is sharded (FSDP2): sampled through its own forward"
     if getattr(cfg, "model_type", None) not in NATIVE_FAMILIES:
         return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {NATIVE_FAMILIES}"
     base = getattr(m, "model", None)

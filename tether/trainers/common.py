@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from tether.errors import NonFiniteLossError
-from tether.run import load_trainer_state, set_rng_state
+from tether import distributed
+from tether.errors import NonFiniteLossError, UserError
+from tether.run import TRAINER_STATE, load_trainer_state, set_rng_state
 
 
 class EpochSampler:
@@ -116,7 +117,9 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
     """
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    norm = float(norm)
+    norm = float(distributed.full(norm))  # sharded gradients: the global norm (a DTensor)
+    if distributed.active():  # every rank takes the same decision, or the next collective hangs
+        loss_value = distributed.max_float(loss_value if math.isfinite(loss_value) else math.nan)
     if not (math.isfinite(loss_value) and math.isfinite(norm)):
         optimizer.zero_grad(set_to_none=not keep_grads)
         raise NonFiniteLossError(f"non-finite loss ({loss_value}) or grad norm ({norm}); step skipped")
@@ -142,10 +145,14 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
 
 
 def _max_abs(tensors) -> float:
-    """max |x| over every element of every tensor (NaN if any is NaN): one sync per device."""
+    """max |x| over every element of every tensor (NaN if any is NaN): one sync per device. Sharded
+    tensors (DTensor): over every rank's shard (one all-reduce), so all ranks get the same value."""
     by_device: dict = {}
+    sharded = False
     for t in tensors:
-        by_device.setdefault(t.device, []).append(t.detach())
+        sharded |= t is not distributed.local(t)
+        t = distributed.local(t.detach())
+        by_device.setdefault(t.device, []).append(t)
     out = 0.0
     for device, ts in by_device.items():
         if device.type == "cpu":  # torch's CPU inf-norm is ~5x slower than abs().amax() (quickstart
@@ -156,7 +163,7 @@ def _max_abs(tensors) -> float:
         out = m if math.isnan(m) else max(out, m)
         if math.isnan(out):
             break
-    return out
+    return distributed.max_float(out) if sharded else out
 
 
 def all_finite(tensors) -> bool:
@@ -225,8 +232,8 @@ def flat_grad_buffer(model, at_least: int = 0) -> torch.Tensor | None:
     keeps moving them; with weight decay on they also decay (an unused parameter is rare in a
     causal LM)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if not params or len({(p.dtype, p.device) for p in params}) != 1:
-        return None
+    if not params or len({(p.dtype, p.device) for p in params}) != 1 or distributed.active():
+        return None  # (sharded gradients are DTensors that FSDP2 allocates itself)
     align = 64  # elements: each view starts on a 128-byte boundary (vectorized optimizer kernels)
     sizes = [-(-p.numel() // align) * align for p in params]
     if sum(sizes) < at_least:
@@ -330,27 +337,43 @@ class Window:
         self.sums, self.steps = dict(state["sums"]), state["steps"]
 
 
-def restore_training(ckpt, run, optimizer, scheduler, data_order) -> tuple[int, float, int, dict]:
+def restore_training(ckpt, run, model, optimizer, scheduler, data_order) -> tuple[int, float, int, dict]:
     """Put optimizer, scheduler, data position and RNG back as checkpoint `ckpt` left them and
     drop the run's log rows after it. Returns (step, elapsed seconds, skipped steps, the loop's
     carried state: see `save_training`)."""
     state = load_trainer_state(ckpt)
-    optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:  # written before the optimizer went through DCP: one process only
+        if distributed.active():
+            raise UserError(f"{ckpt} was written by an older tether (optimizer state inside "
+                            f"{TRAINER_STATE}): resume it in one process")
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        distributed.load_optimizer(ckpt / distributed.OPTIMIZER_DIR, model, optimizer)
     scheduler.load_state_dict(state["scheduler"])
     data_order.position = state["data_position"]
-    set_rng_state(state["rng"])
+    rngs = state.get("rng_ranks", [state["rng"]])
+    # a rank the checkpointed run did not have continues rank 0's stream (rollouts are keyed by
+    # seed and step, not by this RNG; it decides nothing a resume must reproduce across ranks)
+    set_rng_state(rngs[distributed.rank()] if distributed.rank() < len(rngs) else rngs[0])
     run.truncate_after(state["step"])
     return state["step"], state.get("time", 0.0), state.get("skipped_steps", 0), state.get("carry", {})
 
 
 def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_order,
                   skipped: int, time_offset: float, keep_last: int, extra=None, carry=None,
-                  dtype=None):
+                  dtype=None, trainable=None):
     """Checkpoint everything `restore_training` needs for an exact resume. `carry`: plain Python
     state of the loop that logged numbers depend on (a metrics window, a history for the summary).
-    `dtype`: the model's weights are written in it (RunDir.save_checkpoint; None = as trained)."""
+    `dtype`: the model's weights are written in it (RunDir.save_checkpoint; None = as trained).
+    `trainable`: the module the optimizer's parameters belong to (default `model`). The optimizer
+    state goes through torch.distributed.checkpoint (keyed by parameter name, resharded on load);
+    a sharded model is gathered onto rank 0 for its Hugging Face folder (collective)."""
+    trainable = model if trainable is None else trainable
+    lora = hasattr(model, "peft_config")
+    gathered = distributed.full_state_dict(model, trainable_only=lora) if distributed.is_sharded(model) else None
     return run.save_checkpoint(step, model, tokenizer, {
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "scheduler": scheduler.state_dict(),
         "data_position": data_order.position, "step": step, "skipped_steps": skipped,
         "time": time_offset + (time.time() - run.t0), "carry": carry or {}},
-        keep_last=keep_last, extra=extra, dtype=dtype)
+        keep_last=keep_last, extra=extra, dtype=dtype, state_dict=gathered,
+        sharded=lambda d: distributed.save_optimizer(d / distributed.OPTIMIZER_DIR, trainable, optimizer))

@@ -45,6 +45,12 @@ class ModelSection:
     "dropout on the LoRA input"
     lora_targets: str = "all-linear"
     "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
+    fsdp: bool = True
+    "under torchrun (WORLD_SIZE > 1): shard parameters, gradients and optimizer state over the processes (FSDP2); false = a full replica per process, gradients all-reduced (DDP-like; faster for models that fit)"
+    fsdp_offload: bool = False
+    "under torchrun: keep sharded parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy)"
+    fsdp_reshard: bool = True
+    "under torchrun: free gathered parameters after each layer's forward (false keeps them until backward: faster, more memory)"
 
 
 @dataclass

@@ -22,16 +22,18 @@ import copy
 import dataclasses
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from tether import distributed
 from tether.config import ConfigError, load_config, to_dict
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
-from tether.models.load import DTYPES, compile_layers, hf_progress, stored_dtype
+from tether.models.load import DTYPES, compile_layers, decoder_layers, hf_progress, stored_dtype
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
@@ -113,6 +115,11 @@ class Training:
     history: dict = field(default_factory=dict)
     "per-step values a summary reports (GRPO's reward_history); checkpointed"
     skipped_in_a_row: int = 0
+    replica: Optional[torch.nn.Module] = None
+    "under torchrun: a whole copy of the policy the sampler runs on (rollout_model)"
+    replica_stale: bool = True
+    gather_seconds: float = 0.0
+    "time spent gathering the shards into the replica (reported as gather_time)"
 
     def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss, gradient norm and the updated weights are finite (else the
@@ -135,7 +142,21 @@ class Training:
                     f"or set optim.max_grad_norm, then rerun or resume") from None
             raise
         self.skipped_in_a_row = 0
+        self.replica_stale = True
         return norm
+
+    def rollout_model(self) -> torch.nn.Module:
+        """The model to sample from: the trained model itself in one process; under torchrun the
+        replica (setup_training(rollout_replica=True)), refreshed from the shards when an update
+        happened since (collective: every rank calls this at the same points)."""
+        if self.replica is None:
+            return self.model
+        if self.replica_stale:
+            started = time.perf_counter()
+            distributed.copy_full_weights(self.model, self.replica)
+            self.gather_seconds += time.perf_counter() - started
+            self.replica_stale = False
+        return self.replica
 
     def optimizer_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """`guarded_step`, a refused step returning a NaN gradient norm instead of raising."""
@@ -187,9 +208,10 @@ class Training:
         stream (a resumed run must see the same random numbers as an uninterrupted one)."""
         if not prompts:
             return []
+        model = self.rollout_model()  # under torchrun every rank samples the same prompts
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.run.seed + self.step)
-            return generate(self.model, self.tokenizer, prompts, max_new_tokens, do_sample=True,
+            return generate(model, self.tokenizer, prompts, max_new_tokens, do_sample=True,
                             temperature=1.0)
 
     def checkpoint(self) -> Path:
@@ -205,7 +227,7 @@ class Training:
             return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
                                  self.scheduler, self.order, self.skipped, self.time_offset,
                                  self.cfg.run.keep_last, extra=self.save_extra, carry=carry,
-                                 dtype=self.save_dtype)
+                                 dtype=self.save_dtype, trainable=self.trainable)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict, temperature: float) -> torch.Tensor:
@@ -232,7 +254,7 @@ class Training:
 
 def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Callable] = None,
                    reference: bool = False, rows_per_step: Optional[int] = None,
-                   updates_per_step: int = 1) -> Training:
+                   updates_per_step: int = 1, rollout_replica: bool = False) -> Training:
     """Build everything a loop needs from `cfg`'s sections (see the module doc for the order).
 
     load_data(tokenizer) -> Data. build(cfg, ckpt) -> the trained model, or (model, trainable) when
@@ -240,33 +262,39 @@ def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Cal
     causal LM of `cfg.model` (+ LoRA). reference: also build the frozen reference policy.
     rows_per_step: training rows a step draws (default batch_size × grad_accum). updates_per_step:
     optimizer updates per step (GRPO's μ, PPO's epochs × minibatches), for the schedule's length.
+    rollout_replica: under torchrun, keep a whole (bf16 on CUDA) copy of the policy to sample from
+    (`Training.rollout_model()`), gathered from the shards after each optimizer step.
 
     `run.progress=false` also silences Hugging Face's own bars while models load here and while
     checkpoints are written (`hf_progress`: put back as they were, also when something raises).
     """
     with hf_progress(cfg.run.progress):  # "Loading weights"
-        return _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step)
+        return _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, rollout_replica)
 
 
-def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) -> Training:
+def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, rollout_replica) -> Training:
     command = cfg.run.name
     if not cfg.model.path:
         raise UserError(f"{command}: `model` is required (a local HF directory or hub id)")
     if not cfg.data.path:
         raise UserError(f"{command}: `data` is required (a file, a saved dataset directory, or a hub name)")
+    distributed.init()  # under torchrun: join the process group (nothing otherwise)
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
-    check_lock(run_path)  # another run holds the directory: refused before anything loads
-    if ckpt is not None:
-        check_resumable(cfg, run_path)
-    elif cfg.run.resume:
-        # Resuming what never saved a checkpoint is starting it (a requeued job passes resume=true
-        # every time, its first start included); rows a run killed before its first checkpoint
-        # left are dropped and produced again, as on any resume.
-        print(f"{command}: resume=true but {run_path} has no checkpoint: starting from step 0",
-              file=sys.stderr)
-    else:
-        refuse_previous_run(run_path, cfg.run.overwrite)
+
+    def refusals():  # on rank 0 only: the others would see its lock (and say it all N times)
+        check_lock(run_path)  # another run holds the directory: refused before anything loads
+        if ckpt is not None:
+            check_resumable(cfg, run_path)
+        elif cfg.run.resume:
+            # Resuming what never saved a checkpoint is starting it (a requeued job passes resume=true
+            # every time, its first start included); rows a run killed before its first checkpoint
+            # left are dropped and produced again, as on any resume.
+            print(f"{command}: resume=true but {run_path} has no checkpoint: starting from step 0",
+                  file=sys.stderr)
+        else:
+            refuse_previous_run(run_path, cfg.run.overwrite)
+    distributed.on_main(refusals)
     seed_everything(cfg.run.seed)
 
     tokenizer = load_tokenizer(str(ckpt) if ckpt else cfg.model.path)
@@ -285,7 +313,9 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) ->
                          attn_implementation=cfg.model.attn_implementation) if ckpt else copy.deepcopy(model)
         ref.eval().requires_grad_(False)
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # non-reentrant under FSDP2: the reentrant variant re-enters forward hooks out of order
+        model.gradient_checkpointing_enable(**({"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+                                               if distributed.active() else {}))
         model.config.use_cache = False
         if cfg.model.lora_r > 0:  # frozen embeddings: inputs must require grad for checkpointed blocks
             model.enable_input_require_grads()
@@ -293,12 +323,23 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step) ->
         for m in (model, ref):
             if m is not None:
                 compile_layers(m)
+    replica = None
+    if distributed.active():
+        if rollout_replica:  # a plain copy to sample from, refreshed from the shards after each step
+            replica = copy.deepcopy(model).requires_grad_(False).eval()
+            if sharding_bf16(cfg, device):
+                replica.to(torch.bfloat16)
+        for m in (model, ref):
+            if m is not None:
+                shard_model(m, cfg)
     trainable.train()
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with,
                  overwrite=cfg.run.overwrite or cfg.run.resume)
     try:
-        return _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
-                      rows_per_step, updates_per_step)
+        t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
+                   rows_per_step, updates_per_step)
+        t.replica = replica
+        return t
     except BaseException:
         run.close()  # the lock goes with a start that failed
         raise
@@ -308,6 +349,7 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
            updates_per_step) -> Training:
     """Optimizer, schedule and data order, their state on resume, config.yaml: the Training."""
     per_step = rows_per_step or cfg.data.batch_size * getattr(cfg.data, "grad_accum", 1)
+    distributed.split_evenly(per_step, "rows per step (the global batch)")
     o = cfg.optim
     total = o.max_steps if o.max_steps > 0 else max(1, math.ceil(o.epochs * len(data.train) / per_step))
     updates = total * updates_per_step
@@ -317,16 +359,34 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
     t = Training(cfg=cfg, run=run, tokenizer=tokenizer, data=data, model=model, trainable=trainable,
                  reference=ref, device=device, amp=autocast_context(device, cfg.model.mixed_precision),
                  optimizer=optimizer, scheduler=scheduler,
-                 order=EpochSampler(len(data.train), per_step, cfg.run.seed), total_steps=total, ckpt=ckpt,
+                 order=EpochSampler(len(data.train), per_step, cfg.run.seed, rank=distributed.rank(),
+                                    world_size=distributed.world_size()),
+                 total_steps=total, ckpt=ckpt,
                  save_dtype=checkpoint_dtype(cfg, model))
     if ckpt:
-        t.step, t.time_offset, t.skipped, carry = restore_training(ckpt, run, optimizer, scheduler, t.order)
+        t.step, t.time_offset, t.skipped, carry = restore_training(ckpt, run, trainable, optimizer, scheduler,
+                                                                   t.order)
         if "window" in carry:  # checkpoints older than the carried state have none
             t.window.load_state_dict(carry["window"])
         t.history, t.skipped_in_a_row = carry.get("history", {}), carry.get("skipped_in_a_row", 0)
     run.write_config(cfg)
     t.bar = Progress(total, t.step, cfg.run.name, enabled=cfg.run.progress and run.is_main)
     return t
+
+
+def sharding_bf16(cfg, device) -> bool:
+    """Sharded compute in bf16 (fp32 master weights and gradient reduction): what autocast does
+    in one process, on CUDA with mixed precision on and fp32 weights."""
+    return device.type == "cuda" and cfg.model.mixed_precision in ("auto", "bf16") and \
+        cfg.model.dtype == "fp32" and torch.cuda.is_bf16_supported()
+
+
+def shard_model(model, cfg) -> torch.nn.Module:
+    """FSDP2 over `model`'s decoder layers per the `model` section (distributed.shard)."""
+    device = next(model.parameters()).device
+    return distributed.shard(model, decoder_layers(model), bf16=sharding_bf16(cfg, device),
+                             offload=cfg.model.fsdp_offload, reshard_after_forward=cfg.model.fsdp_reshard,
+                             replicate=not cfg.model.fsdp)
 
 
 def check_resumable(cfg, run_path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tether import distributed
 from tether.config import flat_init
 from tether.constraints import PositiveInt
 from tether.objectives import sft_loss
@@ -60,14 +61,18 @@ def _micro_loss(model, batch: dict, device, amp) -> tuple[torch.Tensor, int]:
 
 @torch.no_grad()
 def evaluate_loss(model, examples: list[dict], batch_size: int, pad_id: int, device, amp) -> float:
+    """Token-mean NLL over `examples` (under torchrun: each rank a share, summed over ranks)."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
-    for i in range(0, len(examples), batch_size):
-        batch = pad_batch(examples[i:i + batch_size], pad_id)
+    share = distributed.rank_share(examples, batch_size)
+    for rows in share:
+        batch = pad_batch(rows or examples[:1], pad_id)  # None: a turn that counts for nothing
         loss_sum, n = _micro_loss(model, batch, device, amp)
-        total, count = total + float(loss_sum), count + n
+        if rows is not None:
+            total, count = total + float(loss_sum), count + n
     model.train(was)
+    total, count = distributed.sum_floats([total, count])
     return total / max(count, 1)
 
 
@@ -99,16 +104,21 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         idx = t.order.next()
         batches = [pad_batch([t.data.train[j] for j in idx[i:i + bs]], tok.pad_token_id)
                    for i in range(0, len(idx), bs)]
-        n_total = max(sum(int(b["completion_mask"][:, 1:].sum()) for b in batches), 1)
+        # under torchrun `idx` is this rank's part and the token count is the global batch's
+        # (distributed.py: ranks are micro-batches of one accumulated batch)
+        tokens = [sum(int(b[k][:, 1:].sum() if k == "completion_mask" else b[k].sum()) for b in batches)
+                  for k in ("completion_mask", "attention_mask")]
+        n_total, n_seen = distributed.sum_floats(tokens)
+        n_total = max(n_total, 1)
         loss_sum = 0.0
         for b in batches:
             part, _ = _micro_loss(model, b, device, amp)
             (part / n_total).backward()
             loss_sum += float(part.detach())
-        loss = loss_sum / n_total
+        loss = distributed.sum_floats([loss_sum])[0] / n_total
         grad_norm = t.optimizer_step(loss)
         t.step += 1
-        clock.tick(tokens=sum(int(b["attention_mask"].sum()) for b in batches))
+        clock.tick(tokens=int(n_seen))
         last = {"loss": loss, "grad_norm": grad_norm, "lr": t.lr}
         if t.log_due():
             t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped, **clock.lap()})

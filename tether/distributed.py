@@ -1,0 +1,264 @@
+"""Many processes, one run: torch.distributed under `torchrun`, models sharded with FSDP2.
+
+    torchrun --nproc-per-node 4 -m tether grpo model=... data=...
+
+Every trainer runs unchanged in each process (rank); what differs is said here once:
+
+- **Ranks are micro-batches.** A global batch (the config's sizes mean what they mean in one
+  process) is cut into per-rank parts (`EpochSampler(rank, world_size)`). Each rank backpropagates
+  its part's *sum* divided by the *global* count (tokens, rows, sequences: `sum_floats`), and FSDP2
+  sums the gradients across ranks (gradient divide factor 1, see `shard`). That is exactly the
+  gradient accumulation a single process does over micro-batches, so 1 and N processes compute the
+  same update (up to the order of float additions).
+- **Sharding** (`shard`): FSDP2's `fully_shard` on every decoder layer, then the root; parameters
+  gathered for a layer's forward and freed after. On CUDA with fp32 master weights, bf16 compute
+  and fp32 gradient reduction (`MixedPrecisionPolicy`); optional CPU offload. Frozen models (the
+  reference, a reward model) are sharded the same way: their forwards are collective too.
+- **Collectives need every rank.** A sharded forward all-gathers, so every rank must run the same
+  number of forwards of a sharded model; trainers keep per-rank batch counts equal. What only rank 0
+  does (writing files, printing) never touches a sharded model.
+- **Checkpoints**: the consolidated model gathered to rank 0 and written as a Hugging Face folder
+  (loadable by `from_pretrained`; also what a resume loads its weights from), the optimizer's
+  sharded state through torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`), which
+  reshards on load: a checkpoint of N processes resumes in M. A single process writes the same
+  format (DCP without a process group), so 1 <-> N resumes both ways.
+
+Off torchrun (WORLD_SIZE unset or 1) nothing here does anything: `active()` is False, sums are the
+values themselves, no model is wrapped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory: the optimizer state (DCP format)
+
+
+def init() -> bool:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); idempotent. NCCL on CUDA (each
+    rank on cuda:LOCAL_RANK), gloo on CPU. The timeout bounds how long a rank waits in a collective
+    for a peer that died (TETHER_DIST_TIMEOUT seconds, default 600); torchrun normally stops the
+    job much sooner, when it sees the dead process exit."""
+    if dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    cuda = torch.cuda.is_available() and os.environ.get("TETHER_DIST_BACKEND", "") != "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=float(os.environ.get("TETHER_DIST_TIMEOUT", "600")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return True
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def _device() -> torch.device:
+    """Where collectives' tensors live: the rank's GPU under NCCL, else CPU."""
+    if active() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_floats(values: Iterable[float]) -> list[float]:
+    """Each value summed over all ranks (float64, one all-reduce). Unchanged in one process."""
+    values = [float(v) for v in values]
+    if not active():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def sum_dict(values: dict) -> dict:
+    """`sum_floats` over a dict's values (same keys, in the same order, on every rank)."""
+    return dict(zip(values, sum_floats(values.values())))
+
+
+def max_float(value: float) -> float:
+    """The largest of the ranks' values (NaN if any rank's is NaN)."""
+    if not active():
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
+    nan = torch.isnan(t).to(torch.float64)
+    both = torch.cat([t.nan_to_num(nan=-float("inf")), nan])
+    dist.all_reduce(both[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(both[1:], op=dist.ReduceOp.MAX)
+    return float("nan") if both[1] > 0 else float(both[0])
+
+
+def all_gather_object(obj) -> list:
+    if not active():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def on_main(fn):
+    """fn() on rank 0 only; its exception, if any, raised on every rank (the same one: a bad input
+    is reported once, by rank 0, and every rank stops). Its return value is rank 0's everywhere."""
+    result = error = None
+    if is_main():
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - handed to every rank below
+            error = e
+    if active():
+        result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
+def split_evenly(n: int, what: str) -> int:
+    """n / world_size, refusing an n that does not divide: per-rank parts must be equal (a sharded
+    forward is collective: every rank must run as many as the others)."""
+    ws = world_size()
+    if n % ws:
+        from tether.errors import UserError
+        raise UserError(f"{what} = {n} does not divide among {ws} processes: use a multiple of {ws}")
+    return n // ws
+
+
+def rank_share(items: list, per: int) -> list:
+    """This rank's share of `items` cut into consecutive chunks of `per` (chunk i goes to rank
+    i mod world_size), padded with None so every rank gets as many entries: a None is a turn this
+    rank must still take (run a forward that counts for nothing), because sharded forwards are
+    collective. For evaluation passes whose size need not divide among the ranks."""
+    chunks = [items[i:i + per] for i in range(0, len(items), per)]
+    mine = chunks[rank()::world_size()]
+    turns = -(-len(chunks) // world_size())
+    return mine + [None] * (turns - len(mine))
+
+
+# --- sharding ------------------------------------------------------------------------------------
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool = False,
+          offload: bool = False, reshard_after_forward: bool = True,
+          replicate: bool = False) -> torch.nn.Module:
+    """FSDP2 in place: `fully_shard` each of `layers` (the decoder layers: one all-gather per layer
+    per forward), then `model` itself (embeddings, final norm, head). bf16: compute in bf16, reduce
+    gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
+    optimizer state live on the CPU between uses. Gradients are *summed* over ranks (divide factor
+    1): the trainers divide by global counts themselves (module doc). replicate: every rank keeps
+    the whole model and gradients are all-reduced (FSDP2 over a world_size x 1 mesh: DDP through
+    the same code path). Returns `model`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    mesh = None
+    if replicate:
+        mesh = init_device_mesh(_device().type, (world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else None,
+              reshard_after_forward=reshard_after_forward, mesh=mesh)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective: all-gather), the tensor itself otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state_dict(model, trainable_only: bool = False) -> Optional[dict]:
+    """The model's state dict gathered whole onto rank 0's CPU (collective; None on other ranks).
+    trainable_only: only parameters that require grad (a LoRA adapter), not the frozen base."""
+    out, seen = {}, set()
+    params = dict(model.named_parameters())
+    for name, value in model.state_dict().items():
+        if trainable_only and not (name in params and params[name].requires_grad):
+            continue
+        if id(value) in seen:  # a tied weight (embeddings = LM head): once, as save_pretrained does
+            continue
+        seen.add(id(value))
+        value = full(value)
+        if is_main():
+            out[name] = value.detach().cpu()
+    return out if is_main() else None
+
+
+@torch.no_grad()
+def copy_full_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Every parameter and buffer of sharded `src` gathered into the plain replica `dst` (same
+    names; the replica's dtype). Collective: every rank ends with the whole model."""
+    target = dict(dst.named_parameters())
+    target.update(dict(dst.named_buffers()))
+    for name, value in src.state_dict().items():
+        if name in target:
+            target[name].copy_(full(value))
+
+
+# --- optimizer state through torch.distributed.checkpoint ---------------------------------------
+
+def save_optimizer(directory: Path, model, optimizer) -> None:
+    """The optimizer's state, keyed by parameter name, into `directory` (DCP: each rank writes its
+    shards; collective). Also in one process, so every checkpoint has one format."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(directory))
+
+
+def load_optimizer(directory: Path, model, optimizer) -> None:
+    """`save_optimizer`'s state into `optimizer`, resharded to this run's processes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
