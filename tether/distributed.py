@@ -217,14 +217,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def full_state_dict(model, trainable_only: bool = False) -> Optional[dict]:
     """The model's state dict gathered whole onto rank 0's CPU (collective; None on other ranks).
     trainable_only: only parameters that require grad (a LoRA adapter), not the frozen base."""
-    out, seen = {}, set()
-    params = dict(model.named_parameters())
+    out = {}
+    params = dict(model.named_parameters())  # a tied weight (embeddings = LM head) under one name,
+    named = set(params) | {n for n, _ in model.named_buffers()}  # as save_pretrained writes it
     for name, value in model.state_dict().items():
-        if trainable_only and not (name in params and params[name].requires_grad):
+        if name not in named or (trainable_only and not params.get(name, value).requires_grad):
             continue
-        if id(value) in seen:  # a tied weight (embeddings = LM head): once, as save_pretrained does
-            continue
-        seen.add(id(value))
         value = full(value)
         if is_main():
             out[name] = value.detach().cpu()

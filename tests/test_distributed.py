@@ -1,0 +1,126 @@
+"""Many processes are one run: SFT under torchrun (2 processes, gloo, FSDP2) computes what one
+process computes — losses, every metric, the final weights — resumes across process counts both
+ways, says a bad input once, and stops whole when a rank dies (tether/distributed.py)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_support import assert_same_metrics, assert_same_weights, ok, run_tether, weights
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from tether.models import make_tiny_model
+    root = tmp_path_factory.mktemp("dist")
+    make_tiny_model(root / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=128)
+    rng = random.Random(1)
+    with open(root / "train.jsonl", "w") as f:
+        for _ in range(200):  # lengths vary: per-rank token counts differ, the global mean must not
+            d = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, 9)))
+            f.write(json.dumps({"prompt": f"Copy {d}:", "completion": f" {d}"}) + "\n")
+    return root
+
+
+def _args(root, name, **kw):
+    base = dict(model=root / "model", data=root / "train.jsonl", runs_dir=root / "runs", name=name,
+                batch_size=4, grad_accum=2, lr=3e-3, log_every=1, device="cpu", progress="false",
+                max_steps=6, save_every=3, eval_fraction=0.1, eval_every=3, num_samples=2,
+                warmup_steps=2)
+    base.update(kw)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def one(world):
+    ok(run_tether("sft", _args(world, "one")))
+    return world / "runs" / "one"
+
+
+def test_two_processes_compute_what_one_computes(world, one):
+    ok(run_tether("sft", _args(world, "two"), nproc=2))
+    two = world / "runs" / "two"
+    n = assert_same_metrics(one, two)
+    assert n >= 6 * 4  # loss, grad_norm, lr, epoch on 6 steps, plus eval/loss
+    assert any("eval/loss" in json.loads(r) for r in (two / "metrics.jsonl").read_text().splitlines())
+    assert_same_weights(one / "checkpoints" / "step-6", two / "checkpoints" / "step-6")
+    # the consolidated checkpoint is a plain HF model (rank 0 wrote it) with the optimizer's
+    # shards beside it, one file per rank
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(two / "checkpoints" / "step-6")
+    assert len(list((two / "checkpoints" / "step-6" / "optimizer").glob("*.distcp"))) == 2
+    assert len(list((one / "checkpoints" / "step-6" / "optimizer").glob("*.distcp"))) == 1
+    # rank 0 alone writes: one summary, one row per logged step, samples once
+    steps = [json.loads(r)["step"] for r in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(r)["step"] for r in (one / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_resume_in_another_number_of_processes(world, one, first, then):
+    name = f"r{first}{then}"
+    ok(run_tether("sft", _args(world, name), nproc=first))
+    run = world / "runs" / name
+    import shutil
+    shutil.rmtree(run / "checkpoints" / "step-6")  # as if stopped after the checkpoint at step 3
+    ok(run_tether("sft", _args(world, name, resume="true"), nproc=then))
+    assert_same_metrics(one, run)
+    assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
+
+
+def test_replicated_and_lora_runs_equal_one_process(world):
+    for extra, name in (({"fsdp": "false"}, "ddp"), ({"lora_r": 4, "lr": 1e-2}, "lora")):
+        args1 = _args(world, name + "1", max_steps=3, save_every=0, **extra)
+        args2 = _args(world, name + "2", max_steps=3, save_every=0, **extra)
+        ok(run_tether("sft", args1))
+        ok(run_tether("sft", args2, nproc=2))
+        a, b = world / "runs" / (name + "1"), world / "runs" / (name + "2")
+        assert_same_metrics(a, b)
+        assert_same_weights(a / "checkpoints" / "step-3", b / "checkpoints" / "step-3")
+    assert any("lora_A" in k for k in weights(b / "checkpoints" / "step-3"))  # the adapter alone
+
+
+def test_a_bad_input_is_reported_once(world, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    proc = run_tether("sft", _args(world, "bad", data=bad), nproc=2)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "tether sft: error" in ln]
+    assert len(lines) == 1 and "bad.jsonl" in lines[0] and "completion" in lines[0], proc.stderr[-2000:]
+
+
+def test_kill_9_of_one_rank_stops_the_job_and_resume_finishes_it(world, one):
+    from dist_support import _free_port
+    args = _args(world, "killed", max_steps=400, save_every=5, eval_every=0, log_every=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_DIST_TIMEOUT": "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(_free_port()), "-m", "tether", "sft", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    run = world / "runs" / "killed"
+    ckpts = run / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpts.exists() and any(p.name == "step-10" for p in ckpts.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.2)
+    ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "tether"], capture_output=True,
+                           text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    # torchrun sees a rank gone and stops the other; the hang guard is far above its seconds
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    done = json.loads(run.joinpath("metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert done < 400
+    # resume (here in 2 processes again, up to a shorter end) continues from the last checkpoint
+    ok(run_tether("sft", _args(world, "killed", max_steps=400, save_every=5, eval_every=0,
+                               log_every=1, resume="true"), nproc=2, timeout=900))
+    rows = [json.loads(r) for r in run.joinpath("metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 401))  # each step once
