@@ -73,11 +73,17 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def _device() -> torch.device:
-    """Where collectives' tensors live: the rank's GPU under NCCL, else CPU."""
-    if active() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def uses_cuda() -> bool:
+    """The process group runs on GPUs (NCCL): each rank on cuda:LOCAL_RANK."""
+    return active() and dist.get_backend() == "nccl"
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if uses_cuda() else torch.device("cpu")
+
+
+_device = device  # where collectives' tensors live
 
 
 def sum_floats(values: Iterable[float]) -> list[float]:

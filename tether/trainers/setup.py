@@ -301,15 +301,19 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     data = load_data(tokenizer)
     if not data.train:
         raise UserError(f"{command}: no training rows left in {cfg.data.path}")
-    built = (build or (lambda c, k: load_policy(c.model, k)))(cfg, ckpt)
+    # Under torchrun on GPUs the whole model is loaded into CPU memory and sharding moves only each
+    # rank's shards to its GPU (fully_shard does): a 7B model in fp32 never sits whole on one GPU.
+    gpu_later = distributed.active() and distributed.uses_cuda()
+    spec = dataclasses.replace(cfg.model, device="cpu") if gpu_later else cfg.model
+    built = (build or (lambda c, k: load_policy(spec, k)))(cfg, ckpt)
     model, trainable = built if isinstance(built, tuple) else (built, built)
     if ckpt:  # a checkpoint saved in a narrower dtype than trained in keeps the exact weights beside
         load_master_weights(model, ckpt)
-    device = next(model.parameters()).device
+    device = distributed.device() if gpu_later else next(model.parameters()).device
     ref = None
     if reference and cfg.model.lora_r == 0:
         # The reference is the *initial* policy, also on resume; copied before any wrapping below.
-        ref = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+        ref = load_model(cfg.model.path, dtype=cfg.model.dtype, device=spec.device,
                          attn_implementation=cfg.model.attn_implementation) if ckpt else copy.deepcopy(model)
         ref.eval().requires_grad_(False)
     if cfg.model.gradient_checkpointing:
@@ -327,8 +331,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     if distributed.active():
         if rollout_replica:  # a plain copy to sample from, refreshed from the shards after each step
             replica = copy.deepcopy(model).requires_grad_(False).eval()
-            if sharding_bf16(cfg, device):
-                replica.to(torch.bfloat16)
+            replica.to(device=device, dtype=torch.bfloat16 if sharding_bf16(cfg, device) else None)
         for m in (model, ref):
             if m is not None:
                 shard_model(m, cfg)
