@@ -172,6 +172,27 @@ def rank_share(items: list, per: int) -> list:
     return mine + [None] * (turns - len(mine))
 
 
+def rank_unshare(mine: list, chunks: int) -> list:
+    """The inverse of `rank_share`: `mine` holds one result per chunk this rank was given (in its
+    share's order; entries past them, for None turns, are ignored); returns all `chunks` results
+    in the chunks' own order, on every rank, as one process would have them (collective; results
+    are pickled: keep them small and on the CPU)."""
+    if not active():
+        return mine[:chunks]
+    ws, got = world_size(), all_gather_object(mine)
+    return [got[i % ws][i // ws] for i in range(chunks)]
+
+
+def cat_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` (per-row numbers: [rows, ...]) concatenated along dim 0 in rank order,
+    on every rank and on `t`'s device, detached; `t` itself in one process (collective). Ranks
+    holding consecutive parts of a batch thus rebuild it in one process's order."""
+    if not active():
+        return t
+    parts = all_gather_object(t.detach().cpu())
+    return torch.cat(parts).to(t.device)
+
+
 # --- sharding ------------------------------------------------------------------------------------
 
 def is_sharded(model) -> bool:

@@ -27,11 +27,12 @@ class EpochSampler:
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, contiguous: bool = False):
         if n < 1:
             raise ValueError("cannot sample batches from an empty dataset")
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.contiguous = contiguous  # a rank's part: a block of consecutive rows (see part)
         self.position = 0
         self._cached: tuple[int, list[int]] | None = None
 
@@ -43,8 +44,8 @@ class EpochSampler:
             self._cached = (epoch, torch.randperm(self.n, generator=g).tolist())
         return self._cached[1]
 
-    def batch_at(self, position: int) -> list[int]:
-        """Indices of global batch number `position` (wrapping across epochs), this rank's part."""
+    def global_batch_at(self, position: int) -> list[int]:
+        """Indices of global batch number `position` (wrapping across epochs), every rank's rows."""
         start = position * self.batch_size
         idx = []
         while len(idx) < self.batch_size:
@@ -52,7 +53,21 @@ class EpochSampler:
             perm = self._perm(epoch)
             take = min(self.batch_size - len(idx), self.n - offset)
             idx.extend(perm[offset:offset + take])
-        return idx[self.rank::self.world_size]
+        return idx
+
+    def part(self, idx: list[int], rank: int) -> list[int]:
+        """`rank`'s rows of a global batch: every world_size-th row, or with `contiguous` the
+        rank-th of world_size consecutive blocks. Contiguous blocks that are whole micro-batches
+        make the ranks run exactly one process's micro-batches (same rows, same padding: the
+        offline trainer's cached reference log-probs then match its forwards bit for bit)."""
+        if self.contiguous:
+            size = len(idx) // self.world_size
+            return idx[rank * size:(rank + 1) * size]
+        return idx[rank::self.world_size]
+
+    def batch_at(self, position: int) -> list[int]:
+        """Indices of global batch number `position` (wrapping across epochs), this rank's part."""
+        return self.part(self.global_batch_at(position), self.rank)
 
     def next(self) -> list[int]:
         idx = self.batch_at(self.position)
