@@ -1,0 +1,291 @@
+"""Scaling on GPUs: `tether grpo` and `tether dpo` on 1, 2, 4 GPUs of one host (torchrun, FSDP2).
+
+    python bench/scale.py                                  # Qwen2.5-0.5B shape, grpo + dpo, 1/2/4 GPUs
+    python bench/scale.py --shape qwen7b --gpus 4          # Qwen2.5-7B shape on 4 GPUs
+    python bench/scale.py --shape tiny --gpus 1,2 --device cpu   # the same path on CPU (gloo), a smoke run
+
+Weak scaling: the batch *per GPU* is fixed (--grpo-prompts prompts × --generations completions of
+--new-tokens tokens; --dpo-pairs pairs of --dpo-len tokens per sequence), so N GPUs train on an N
+times larger global batch per step; throughput = tokens trained per second of step time, speed-up
+= throughput(N) / throughput(1). With --global-batch the global batch is fixed instead (strong
+scaling: the per-GPU batch shrinks with N). Models are random-init (no hub here) with a word-level
+tokenizer whose EOS the model never samples, so every completion runs to --new-tokens tokens;
+weights fp32 (sharded master copy) with bf16 compute and fp32 gradient reduction, gradient
+checkpointing on, SDPA attention. GRPO: β = 0 (no reference), μ = 1, token-mean loss, group-std
+advantages, samples from the rollout replica gathered after each step (`gather_time`, reported).
+DPO: sigmoid, β = 0.1, reference log-probs precomputed (as `tether dpo` does).
+
+Per run: median step time over the steps after --warmup, tokens/s (GRPO: prompt + completion
+tokens trained; DPO: 2 · pairs · length), MFU = model FLOPs / (step time · GPUs · peak) with model
+FLOPs = 6·P per trained token + 2·P per sampled or reference token (P = parameters without the
+embedding; the peak is the card's dense bf16 number, 989 TFLOP/s on H100 SXM), and the largest
+per-GPU peak of allocated and reserved memory. Checkpoints are not written (they are not part of
+a step). Appends a markdown section to benchmarks/RESULTS.md and writes --json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
+    "qwen0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+    "qwen7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
+
+
+def build(shape: str, out: Path, device: str) -> None:
+    """A random-init Qwen2 model of `shape` (bf16, as published) and a word-level tokenizer over
+    its vocabulary ("<i>"), with an EOS outside it (never sampled)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    spec = SHAPES[shape]
+    cfg = Qwen2Config(**spec, rope_theta=1e6, max_position_embeddings=32768, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda" if device == "cuda" else "cpu"):  # 7B: init on the GPU, seconds not minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if shape != "tiny" else torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out)
+    del model
+    V = spec["vocab_size"]
+    vocab = {f"<{i}>": i for i in range(V)}
+    vocab["<eos>"] = V
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<1>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<0>", unk_token="<1>")
+    fast.model_max_length = 1 << 20
+    fast.save_pretrained(out)
+
+
+def words(g: torch.Generator, n: int, length: int, vocab: int) -> list[str]:
+    ids = torch.randint(10, vocab, (n, length), generator=g)
+    return [" ".join(f"<{i}>" for i in row.tolist()) for row in ids]
+
+
+def write_data(a, work: Path, N: int) -> Path:
+    vocab = SHAPES[a.shape]["vocab_size"]
+    g = torch.Generator().manual_seed(1)
+    steps = a.warmup + a.steps
+    if a.algo == "grpo":
+        rows = [{"prompt": p} for p in words(g, a.per_gpu * N * steps, a.prompt_len, vocab)]
+    else:
+        half = a.dpo_len // 2
+        n = a.per_gpu * N * steps
+        rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in
+                zip(words(g, n, half, vocab), words(g, n, a.dpo_len - half, vocab),
+                    words(g, n, a.dpo_len - half, vocab))]
+    path = work / f"{a.algo}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def reward(completions, **_):
+    """Cheap and varied (so advantages are non-zero): the completion's text length mod 7."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def worker(a) -> None:
+    """One rank of one run (under torchrun): the tether command in this process, tokenizer and
+    checkpoints patched (see the module doc), then the per-rank peak memory gathered to rank 0."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tether import cli, distributed
+    from tether.trainers import setup
+
+    def load_tok(path, **_):  # AutoTokenizer would rebuild it as Qwen2's BPE (model_type qwen2)
+        tok = PreTrainedTokenizerFast.from_pretrained(a.model_dir)
+        tok.padding_side = "right"
+        if a.algo == "dpo":  # DPO appends EOS to completions: one the model has (sampling never runs)
+            tok.eos_token = "<2>"
+        return tok
+    setup.load_tokenizer = load_tok
+    setup.Training.checkpoint = lambda self: Path(self.run.path)
+    N = int(os.environ.get("WORLD_SIZE", "1"))
+    args = [a.algo, f"model={a.model_dir}", f"data={a.data}", f"runs_dir={a.work}", f"name={a.algo}{N}",
+            f"max_steps={a.warmup + a.steps}", "lr=1e-6", "progress=false", "log_every=1", "seed=0",
+            f"gradient_checkpointing={a.grad_ckpt}", f"device={a.device}", "num_samples=0",
+            "overwrite=true", f"batch_size={a.per_gpu * N}"]
+    if a.algo == "grpo":
+        args += [f"num_generations={a.generations}", f"max_new_tokens={a.new_tokens}",
+                 f"max_prompt_length={a.prompt_len}", "loss_agg=token-mean", "beta=0",
+                 f"micro_batch_size={a.micro_batch}", "reward_funcs=[bench/scale.py:reward]"]
+    else:  # batch_size = pairs per forward; grad_accum makes the global batch per_gpu × N pairs
+        pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
+        args[-1] = f"batch_size={pairs}"
+        args += [f"max_length={a.dpo_len + 8}", f"grad_accum={a.per_gpu * N // pairs}"]
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    code = cli.main(args) if not distributed.active() else _in_group(cli, args)
+    mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) \
+        if a.device == "cuda" else (0.0, 0.0)
+    peaks = distributed.all_gather_object(mem) if distributed.active() else [mem]
+    if distributed.rank() == 0:
+        Path(a.work, f"{a.algo}{N}.json").write_text(json.dumps({"code": code, "peaks": peaks}))
+    sys.exit(code)
+
+
+def _in_group(cli, args):
+    """cli.main leaves the process group at its end; the peaks are gathered after, so rejoin-free:
+    run the command's body with the group kept (see cli._leave_process_group)."""
+    keep = cli._leave_process_group
+    cli._leave_process_group = lambda: None
+    try:
+        return cli.main(args)
+    finally:
+        cli._leave_process_group = keep
+
+
+def launch(a, N: int) -> dict:
+    """One run on N processes; its numbers from metrics.jsonl and the worker's peaks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(N),
+           "--master-port", str(29500 + N), __file__, "--worker", "--algo", a.algo,
+           "--shape", a.shape, "--model-dir", str(a.model_dir), "--work", str(a.work),
+           "--data", str(a.data), "--device", a.device, "--per-gpu", str(a.per_gpu),
+           "--generations", str(a.generations), "--new-tokens", str(a.new_tokens),
+           "--prompt-len", str(a.prompt_len), "--dpo-len", str(a.dpo_len),
+           "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--grad-ckpt", a.grad_ckpt]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
+    if a.device == "cpu":
+        env["TETHER_DIST_BACKEND"] = "gloo"
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        said = [ln for ln in proc.stderr.splitlines() if "error:" in ln] or proc.stderr.splitlines()[-1:]
+        return {"error": " / ".join(said)[-1500:]}
+    rows = [json.loads(x) for x in (a.work / f"{a.algo}{N}" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step_time" in r]
+    warm = rows[a.warmup:]
+    step = statistics.median(r["step_time"] for r in warm)
+    peaks = json.loads((a.work / f"{a.algo}{N}.json").read_text())["peaks"]
+    P = non_embedding_params(a.shape)
+    if a.algo == "grpo":
+        seqs = a.per_gpu * N * a.generations
+        trained = seqs * (a.prompt_len + a.new_tokens)
+        flops = 6 * P * trained + 2 * P * seqs * (a.prompt_len + a.new_tokens)  # + sampling
+        gather = statistics.median(r.get("gather_time", 0.0) for r in warm)
+    else:
+        trained = 2 * a.per_gpu * N * a.dpo_len
+        flops, gather = 6 * P * trained, 0.0
+    return {"gpus": N, "step_s": step, "tokens_per_s": trained / step, "gather_s": gather,
+            "mfu": flops / (step * N * peak_flops(a.device)),
+            "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks),
+            "rollout_s": statistics.median(r.get("rollout/seconds", 0.0) for r in warm)}
+
+
+def non_embedding_params(shape: str) -> int:
+    s = SHAPES[shape]
+    h, L, i = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o; k, v; gate, up, down
+    return L * per_layer + h * s["vocab_size"]  # + the LM head's matmul (the embedding is a lookup)
+
+
+def peak_flops(device: str) -> float:
+    if device != "cuda":
+        return 1e12  # nominal: MFU on CPU is not meaningful
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0) * 1e12
+
+
+def render(a, results: dict) -> str:
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU (gloo)"
+    lines = [f"## scale-out: {a.shape}, weak scaling (per GPU: GRPO {a.per_gpu} prompts × "
+             f"{a.generations} × ({a.prompt_len} + {a.new_tokens}) tokens; DPO {a.per_gpu} pairs × "
+             f"{a.dpo_len} tokens)", "",
+             f"Card: {name}. Date: {datetime.date.today().isoformat()}. torch {torch.__version__}. "
+             f"FSDP2 (fp32 master, bf16 compute, fp32 reduce), gradient checkpointing {a.grad_ckpt}, "
+             f"micro-batch {a.micro_batch}, median of {a.steps} steps after {a.warmup} warm-up. "
+             f"Command: `python bench/scale.py {' '.join(sys.argv[1:])}`", "",
+             "| algo | GPUs | s/step | tokens/s | speed-up | efficiency | MFU | replica gather (s) | "
+             "rollout (s) | peak alloc / reserved per GPU (GiB) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for algo, runs in results.items():
+        base = next((r for r in runs if r.get("gpus") == 1 and "error" not in r), None)
+        for r in runs:
+            if "error" in r:
+                lines.append(f"| {algo} | {r['gpus']} | failed: {r['error'][:300]} |")
+                continue
+            up = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+            speed = f"{up:.2f}×" if up else "—"
+            eff = f"{up / r['gpus']:.0%}" if up else "—"
+            lines.append(f"| {algo} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                         f"{speed} | {eff} | "
+                         f"{r['mfu']:.1%} | {r['gather_s']:.3f} | {r['rollout_s']:.3f} | "
+                         f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="qwen0.5b", choices=list(SHAPES))
+    ap.add_argument("--algos", default="grpo,dpo")
+    ap.add_argument("--algo", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--gpus", default="1,2,4")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--per-gpu", type=int, default=None, help="prompts (GRPO) / pairs (DPO) per GPU per step")
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--dpo-len", type=int, default=1024, help="tokens per DPO sequence (prompt + completion)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--grad-ckpt", default="true")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    big = a.shape == "qwen7b"
+    a.per_gpu = a.per_gpu or (2 if big else 8 if a.shape == "qwen0.5b" else 2)
+    a.new_tokens = a.new_tokens or (512 if big else 256 if a.shape == "qwen0.5b" else 16)
+    if a.shape == "tiny":
+        a.prompt_len, a.dpo_len, a.generations = min(a.prompt_len, 16), min(a.dpo_len, 32), min(a.generations, 4)
+    if a.worker:
+        a.work = Path(a.work)
+        return worker(a)
+    results = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TETHER_BENCH_TMP")) as tmp:
+        a.work = Path(tmp)
+        a.model_dir = a.work / "model"
+        build(a.shape, a.model_dir, a.device)
+        for algo in a.algos.split(","):
+            a.algo = algo
+            results[algo] = []
+            for N in (int(n) for n in a.gpus.split(",")):
+                a.data = write_data(a, a.work, N)
+                r = launch(a, N)
+                r["gpus"] = N
+                results[algo].append(r)
+                print(f"{algo} × {N}: {json.dumps(r)[:400]}", flush=True)
+    table = render(a, results)
+    print(table)
+    with open(a.results, "a") as f:
+        f.write(table + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": results, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
