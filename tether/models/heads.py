@@ -96,14 +96,20 @@ class ScalarHeadModel(nn.Module):
         return values.gather(-1, idx[:, None]).squeeze(-1)
 
     # -- persistence -----------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | Path, tokenizer=None, **_) -> None:
+    def save_pretrained(self, out_dir: str | Path, tokenizer=None, state_dict: dict | None = None,
+                        **_) -> None:
+        """`state_dict`: this module's weights to write instead of its own (a sharded model's,
+        gathered onto rank 0 by distributed.full_state_dict: its shards are not whole tensors)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.body.save_pretrained(out_dir, safe_serialization=True)  # (RunDir passes kwargs too)
+        body = None if state_dict is None else \
+            {k[len("body."):]: v for k, v in state_dict.items() if k.startswith("body.")}
+        self.body.save_pretrained(out_dir, safe_serialization=True, state_dict=body)  # (RunDir passes kwargs too)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
-        save_file({"weight": self.head.weight.detach().float().cpu().contiguous(),
-                   "bias": self.head.bias.detach().float().cpu().contiguous()}, str(out_dir / HEAD_WEIGHTS))
+        head = {"weight": self.head.weight, "bias": self.head.bias} if state_dict is None else \
+            {"weight": state_dict["head.weight"], "bias": state_dict["head.bias"]}
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in head.items()}, str(out_dir / HEAD_WEIGHTS))
         (out_dir / HEAD_CONFIG).write_text(json.dumps({"kind": self.kind, "offset": self.offset}) + "\n")
 
     @classmethod
