@@ -124,3 +124,24 @@ def test_kill_9_of_one_rank_stops_the_job_and_resume_finishes_it(world, one):
                                log_every=1, resume="true"), nproc=2, timeout=900))
     rows = [json.loads(r) for r in run.joinpath("metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 401))  # each step once
+
+
+def test_two_nodes_by_rendezvous_on_one_host(world, one):
+    """Multi-node as on a cluster: two torchrun agents ("nodes", one process each) meet through
+    the c10d rendezvous at one endpoint; the run equals the one-process run."""
+    from dist_support import _free_port
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_DIST_TIMEOUT": "120"}
+    args = _args(world, "nodes")
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                               "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tether-test",
+                               "-m", "tether", "sft", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=120)
+        assert node.returncode == 0, err[-3000:]
+    run = world / "runs" / "nodes"
+    assert_same_metrics(one, run)
+    assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
