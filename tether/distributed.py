@@ -29,8 +29,10 @@ values themselves, no model is wrapped.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import warnings
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -275,7 +277,8 @@ def save_optimizer(directory: Path, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(directory))
+    with _one_process_is_fine():
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(directory))
 
 
 def load_optimizer(directory: Path, model, optimizer) -> None:
@@ -285,5 +288,16 @@ def load_optimizer(directory: Path, model, optimizer) -> None:
                                                          set_optimizer_state_dict)
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(directory))
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=str(directory))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+
+@contextlib.contextmanager
+def _one_process_is_fine():
+    """DCP warns on every save and load without a process group ("assuming the intent is to save
+    in a single process"): that is our intent (module doc), not news for every checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+        yield
