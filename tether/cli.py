@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         text = " ".join(str(e).split()) or "(no message)"
         if isinstance(e, (ConfigError, UserError)):  # the message names file, row, field
-            if rank == 0:
-                print(f"tether {name}: error: {text}", file=sys.stderr)
+            if rank == 0 or getattr(e, "rank_local", False):  # (distributed.rank_local)
+                print(f"{where}tether {name}: error: {text}", file=sys.stderr)
             return 2 if isinstance(e, ConfigError) else 1
         hint = "" if debug else " (--debug or TETHER_DEBUG=1 for the traceback)"
         print(f"{where}tether {name}: error: {type(e).__name__}{_where(e)}: {text}{hint}", file=sys.stderr)

@@ -153,6 +153,14 @@ def on_main(fn):
     return result
 
 
+def rank_local(error: BaseException) -> BaseException:
+    """Mark `error` as this rank's own (raised by its part of the data, e.g. a reward function on
+    its completions: the other ranks need not raise it), so the CLI says it on this rank too; the
+    errors every rank raises alike (bad config, bad data) are said once, by rank 0. Returns it."""
+    error.rank_local = True
+    return error
+
+
 def split_evenly(n: int, what: str) -> int:
     """n / world_size, refusing an n that does not divide: per-rank parts must be equal (a sharded
     forward is collective: every rank must run as many as the others)."""

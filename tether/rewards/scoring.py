@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tether import distributed
 from tether.errors import UserError
 from tether.rewards.registry import _validate, as_completions, load_reward
 
@@ -76,7 +77,10 @@ def score_rollout(funcs, weights, seq_rows: list[dict], rollout, *, max_new_toke
     rewards [N, F], total reward [N]); with shaping on (buffer > 0), the penalty is per_fn's last
     column (logged as `rewards/overlong_penalty/mean`)."""
     comp_ids = [ids[m].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    per_fn, rewards = score(funcs, weights, seq_rows, rollout.texts, comp_ids)
+    try:
+        per_fn, rewards = score(funcs, weights, seq_rows, rollout.texts, comp_ids)
+    except UserError as e:  # under torchrun: about this rank's completions, the others may not fail
+        raise distributed.rank_local(e)
     if buffer > 0:
         pen = overlong_penalty(rollout.lengths.cpu(), max_new_tokens, buffer, coef)
         rewards = rewards + pen
