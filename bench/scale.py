@@ -38,6 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 SHAPES = {
     "tiny": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -177,18 +178,23 @@ def launch(a, N: int) -> dict:
     step = statistics.median(r["step_time"] for r in warm)
     peaks = json.loads((a.work / f"{a.algo}{N}.json").read_text())["peaks"]
     P = non_embedding_params(a.shape)
+    trained = tokens_per_step(a, N)
     if a.algo == "grpo":
-        seqs = a.per_gpu * N * a.generations
-        trained = seqs * (a.prompt_len + a.new_tokens)
-        flops = 6 * P * trained + 2 * P * seqs * (a.prompt_len + a.new_tokens)  # + sampling
+        flops = 8 * P * trained  # 6·P trained + 2·P sampled, per token (prompt + completion)
         gather = statistics.median(r.get("gather_time", 0.0) for r in warm)
     else:
-        trained = 2 * a.per_gpu * N * a.dpo_len
         flops, gather = 6 * P * trained, 0.0
     return {"gpus": N, "step_s": step, "tokens_per_s": trained / step, "gather_s": gather,
             "mfu": flops / (step * N * peak_flops(a.device)),
             "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks),
             "rollout_s": statistics.median(r.get("rollout/seconds", 0.0) for r in warm)}
+
+
+def tokens_per_step(a, N: int) -> int:
+    """Tokens trained per step on N GPUs (GRPO: prompt + completion of every sequence)."""
+    if a.algo == "grpo":
+        return a.per_gpu * N * a.generations * (a.prompt_len + a.new_tokens)
+    return 2 * a.per_gpu * N * a.dpo_len
 
 
 def non_embedding_params(shape: str) -> int:
@@ -219,18 +225,29 @@ def render(a, results: dict) -> str:
              "rollout (s) | peak alloc / reserved per GPU (GiB) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for algo, runs in results.items():
-        base = next((r for r in runs if r.get("gpus") == 1 and "error" not in r), None)
+        for who in ("tether", "trl"):
+            mine = [r for r in runs if r.get("who", "tether") == who]
+            base = next((r for r in mine if r.get("gpus") == 1 and "error" not in r), None)
+            for r in mine:
+                label = algo if who == "tether" else f"TRL {algo}"
+                if "error" in r:
+                    lines.append(f"| {label} | {r['gpus']} | failed: {r['error'][:300]} |")
+                    continue
+                up = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+                speed = f"{up:.2f}×" if up else "—"
+                eff = f"{up / r['gpus']:.0%}" if up else "—"
+                mfu = f"{r['mfu']:.1%}" if "mfu" in r else "—"
+                gather = f"{r['gather_s']:.3f}" if "gather_s" in r else "—"
+                rollout = f"{r['rollout_s']:.3f}" if "rollout_s" in r else "—"
+                lines.append(f"| {label} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                             f"{speed} | {eff} | {mfu} | {gather} | {rollout} | "
+                             f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
+        ours = {r["gpus"]: r for r in runs if r.get("who", "tether") == "tether" and "step_s" in r}
         for r in runs:
-            if "error" in r:
-                lines.append(f"| {algo} | {r['gpus']} | failed: {r['error'][:300]} |")
-                continue
-            up = r["tokens_per_s"] / base["tokens_per_s"] if base else None
-            speed = f"{up:.2f}×" if up else "—"
-            eff = f"{up / r['gpus']:.0%}" if up else "—"
-            lines.append(f"| {algo} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                         f"{speed} | {eff} | "
-                         f"{r['mfu']:.1%} | {r['gather_s']:.3f} | {r['rollout_s']:.3f} | "
-                         f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
+            if r.get("who") == "trl" and "step_s" in r and r["gpus"] in ours:
+                lines.append(f"\n{algo} on {r['gpus']} GPU(s): tether {r['step_s'] / ours[r['gpus']]['step_s']:.2f}× "
+                             f"TRL's speed at {ours[r['gpus']]['peak_alloc_gib']:.1f} vs "
+                             f"{r['peak_alloc_gib']:.1f} GiB peak allocated per GPU")
     return "\n".join(lines) + "\n"
 
 
@@ -256,6 +273,7 @@ def main(argv=None):
     ap.add_argument("--data", default=None)
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trl", action="store_true", help="also run TRL's trainers (bench/scale_trl.py)")
     a = ap.parse_args(argv)
     big = a.shape == "qwen7b"
     a.per_gpu = a.per_gpu or (2 if big else 8 if a.shape == "qwen0.5b" else 2)
@@ -279,6 +297,14 @@ def main(argv=None):
                 r["gpus"] = N
                 results[algo].append(r)
                 print(f"{algo} × {N}: {json.dumps(r)[:400]}", flush=True)
+                if a.trl:
+                    import scale_trl
+                    t = scale_trl.launch(a, N)
+                    t.update(gpus=N, who="trl")
+                    if "step_s" in t:
+                        t["tokens_per_s"] = tokens_per_step(a, N) / t["step_s"]
+                    results[algo].append(t)
+                    print(f"trl {algo} × {N}: {json.dumps(t)[:400]}", flush=True)
     table = render(a, results)
     print(table)
     with open(a.results, "a") as f:

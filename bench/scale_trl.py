@@ -1,0 +1,140 @@
+"""TRL's side of bench/scale.py: GRPOTrainer / DPOTrainer under `accelerate launch` with FSDP2, on
+the same random-init model, tokenizer, data and per-GPU batch as ours.
+
+    python bench/scale_trl.py --model-dir <dir from scale.py> --algo grpo --gpus 4 --work <dir> ...
+
+(bench/scale.py --trl calls it once per run; it needs trl, datasets, dill and multiprocess
+importable.) Settings matched to ours: fp32 master weights with bf16 compute (accelerate
+mixed_precision=bf16 -> FSDP2 MixedPrecisionPolicy), FSDP2 per Qwen2DecoderLayer with reshard
+after forward, gradient checkpointing on, lr 1e-6, seed 0. GRPO: β = 0, μ = 1, loss_type "dapo"
+(token mean), group-std rewards, temperature 1, no vLLM (TRL generates with the FSDP2-wrapped
+model: what a user without vLLM gets), per device prompts × generations sequences per step in
+micro-batches of --micro-batch. DPO: sigmoid, β = 0.1, reference log-probs precomputed
+(`precompute_ref_log_probs=True`, as ours), pairs per forward = micro-batch / 2.
+Step time: on_step_begin -> on_step_end (CUDA-synchronized), median after --warmup; per-GPU peak
+allocated / reserved memory over the whole train() call. Rank 0 writes <work>/trl-<algo><N>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+mixed_precision: bf16
+num_machines: 1
+num_processes: {n}
+main_process_port: {port}
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: Qwen2DecoderLayer
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+  fsdp_activation_checkpointing: false
+"""
+
+
+def launch(a, N: int) -> dict:
+    """One TRL run on N GPUs (accelerate launch); its numbers, or {"error": ...}."""
+    cfg = Path(a.work) / f"accelerate{N}.yaml"
+    cfg.write_text(ACCELERATE_FSDP2.format(n=N, port=29600 + N))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), __file__,
+           "--worker", "--algo", a.algo, "--model-dir", str(a.model_dir), "--data", str(a.data),
+           "--work", str(a.work), "--per-gpu", str(a.per_gpu), "--generations", str(a.generations),
+           "--new-tokens", str(a.new_tokens), "--dpo-len", str(a.dpo_len),
+           "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = Path(a.work) / f"trl-{a.algo}{N}.json"
+    if proc.returncode or not out.exists():
+        tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln][-3:]
+        return {"error": " / ".join(tail)[-1500:] or proc.stderr[-1500:]}
+    return json.loads(out.read_text())
+
+
+def worker(a) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t)
+
+    N = int(os.environ["WORLD_SIZE"])
+    rows = [json.loads(x) for x in Path(a.data).read_text().splitlines()]
+    tok = PreTrainedTokenizerFast.from_pretrained(a.model_dir)
+    tok.padding_side = "left" if a.algo == "grpo" else "right"
+    if a.algo == "dpo":
+        tok.eos_token = "<2>"  # as ours: an EOS the model has (DPO appends it; nothing is sampled)
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
+    timer = StepTimer()
+    common = dict(output_dir=str(Path(a.work) / f"trl-{a.algo}{N}"), learning_rate=1e-6,
+                  max_steps=a.warmup + a.steps, bf16=True, logging_steps=1, report_to="none",
+                  save_strategy="no", gradient_checkpointing=True, seed=0, disable_tqdm=True,
+                  dataloader_num_workers=0)
+    torch.cuda.reset_peak_memory_stats()
+    if a.algo == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+        seqs = a.per_gpu * a.generations
+        args = GRPOConfig(per_device_train_batch_size=a.micro_batch,
+                          gradient_accumulation_steps=seqs // a.micro_batch,
+                          num_generations=a.generations, max_completion_length=a.new_tokens,
+                          beta=0.0, loss_type="dapo", scale_rewards="group", temperature=1.0,
+                          top_p=1.0, top_k=0, num_iterations=1, log_completions=False,
+                          shuffle_dataset=False, **common)
+
+        def reward(completions, **_):
+            return [float(len(c) % 7) for c in completions]
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
+                              train_dataset=Dataset.from_list(rows), callbacks=[timer])
+    else:
+        from trl import DPOConfig, DPOTrainer
+        pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
+        args = DPOConfig(per_device_train_batch_size=pairs, gradient_accumulation_steps=a.per_gpu // pairs,
+                         max_length=a.dpo_len + 8, beta=0.1, loss_type=["sigmoid"],
+                         precompute_ref_log_probs=True, **common)
+        trainer = DPOTrainer(model=model, args=args, processing_class=tok,
+                             train_dataset=Dataset.from_list(rows), callbacks=[timer])
+    trainer.train()
+    mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+    peaks = [None] * N
+    torch.distributed.all_gather_object(peaks, mem)
+    if int(os.environ.get("RANK", "0")) == 0:
+        warm = timer.times[a.warmup:] or timer.times
+        Path(a.work, f"trl-{a.algo}{N}.json").write_text(json.dumps({
+            "step_s": statistics.median(warm), "first_s": timer.times[0],
+            "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks)}))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--algo", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--work", required=True)
+    for k in ("per-gpu", "generations", "new-tokens", "dpo-len", "micro-batch", "steps", "warmup"):
+        ap.add_argument(f"--{k}", type=int, required=True)
+    a = ap.parse_args(argv)
+    worker(a)
+
+
+if __name__ == "__main__":
+    main()
