@@ -224,6 +224,7 @@ def render(a, results: dict) -> str:
              "| algo | GPUs | s/step | tokens/s | speed-up | efficiency | MFU | replica gather (s) | "
              "rollout (s) | peak alloc / reserved per GPU (GiB) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    notes = []
     for algo, runs in results.items():
         for who in ("tether", "trl"):
             mine = [r for r in runs if r.get("who", "tether") == who]
@@ -245,10 +246,10 @@ def render(a, results: dict) -> str:
         ours = {r["gpus"]: r for r in runs if r.get("who", "tether") == "tether" and "step_s" in r}
         for r in runs:
             if r.get("who") == "trl" and "step_s" in r and r["gpus"] in ours:
-                lines.append(f"\n{algo} on {r['gpus']} GPU(s): tether {r['step_s'] / ours[r['gpus']]['step_s']:.2f}× "
+                notes.append(f"- {algo} on {r['gpus']} GPU(s): tether {r['step_s'] / ours[r['gpus']]['step_s']:.2f}× "
                              f"TRL's speed at {ours[r['gpus']]['peak_alloc_gib']:.1f} vs "
                              f"{r['peak_alloc_gib']:.1f} GiB peak allocated per GPU")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + notes) + "\n"
 
 
 def main(argv=None):
