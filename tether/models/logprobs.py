@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tether.distributed import is_sharded
 from tether.models import head_kernels
 
 _KEEP_SUPPORT: dict[type, bool] = {}
@@ -38,6 +39,8 @@ def _split_head(model):
     Under PEFT the LoRA layers inside the body stay in place (and `disable_adapter` still works)."""
     m = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(m.config, "model_type", None) not in _HEAD_FAMILIES:
+        return None
+    if is_sharded(model):  # FSDP2 gathers the embeddings and head only in the root module's own call
         return None
     if getattr(m.config, "final_logit_softcapping", None) or getattr(m.config, "logit_scale", None):
         return None
