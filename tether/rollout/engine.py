@@ -78,9 +78,13 @@ class Sampler:
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
-    def sample(self, prompts, n: int = 1, seed: int | None = None, **overrides) -> Rollout:
+    def sample(self, prompts, n: int = 1, seed: int | None = None, only=None, **overrides) -> Rollout:
         """Sample ``n`` completions per prompt. ``prompts``: strings (BOS prepended, see
-        ``add_bos``) or token-id lists; ``overrides``: any :class:`SamplingConfig` field."""
+        ``add_bos``) or token-id lists; ``overrides``: any :class:`SamplingConfig` field.
+        ``only``: indices of the prompts to sample (default all). The others still count toward a
+        prompt's occurrence number in the random streams' keys, so a process sampling its share of
+        a batch (a torchrun rank) draws what sampling the whole batch draws for those prompts,
+        repeated prompts included; the rollout holds only the chosen prompts, in ``only``'s order."""
         cfg = _replace(self.config, overrides) if overrides else self.config
         if cfg.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -90,10 +94,13 @@ class Sampler:
             ids = self._encode(p, cfg)
             seqs += [ids] * n
             group += [i] * n
-        if not seqs:
-            raise ValueError("no prompts")
         seed = draw_seed() if seed is None else int(seed)
         keys = sequence_keys(seed, seqs)
+        if only is not None:
+            pick = [i * n + k for i in only for k in range(n)]
+            seqs, keys, group = [seqs[j] for j in pick], [keys[j] for j in pick], [j // n for j in range(len(pick))]
+        if not seqs:
+            raise ValueError("no prompts")
         was_training = self.model.training
         self.model.eval()
         try:
