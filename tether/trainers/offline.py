@@ -13,25 +13,32 @@ The loop, top to bottom:
        z0 from mismatched prompt/completion pairs (no grad); clip, step (finite-checked)
     -> log (TRL's metric names) / held-out implicit-reward accuracy and sampled completions /
        checkpoint (exact resume).
+
+Under torchrun (tether/distributed.py) each rank takes a block of every global batch; the losses are
+means over rows, weighted by the global row count, and the logged numbers (loss, rewards, accuracies,
+KTO's z0, held-out metrics) are computed on every rank's per-sequence numbers gathered back into
+one process's order: what one process computes and logs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Callable, Literal, Optional
 
 import torch
-from torch import Tensor
 
+from tether import distributed
 from tether.config import flat_init
 from tether.constraints import NonNegative, Positive, PositiveInt, Range
 from tether.errors import NonFiniteLossError
-from tether.objectives import (PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point, kto_loss,
-                               orpo_loss, pairwise_preference_loss, simpo_loss)
+from tether.objectives import PREFERENCE_LOSSES, kto_kl_reference_point
 from tether.trainers.common import StepClock, guarded_step
 from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
+# train_step looks `objective` up in this module (a test patches offline.objective); PAIR_OBJECTIVES
+# names PreferenceSection.method's choices
+from tether.trainers.offline_objective import (DRIFT_WARNING, PAIR_OBJECTIVES, REFERENCE_FREE, _concat,
+                                               detached, gather_rows, objective, on_cpu, split_rows)
 from tether.trainers.offline_reference import completion_logps, get_reference, training_forwards
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
@@ -134,110 +141,6 @@ class ORPOConfig(OfflineConfig):
     preference: PreferenceSection = field(default_factory=lambda: PreferenceSection(method="orpo", beta=0.1))
 
 
-# ---- the objective: per-sequence numbers -> the method's pure loss ---------------------------------
-
-@dataclass(frozen=True)
-class UnpairedLogps:
-    """KTO's per-row inputs [N]: the policy's summed completion log-probs, the labels (True =
-    desirable) and the reference's log-probs."""
-    completion: Tensor
-    label: Tensor
-    ref_completion: Optional[Tensor] = None
-
-
-def _simpo(x: PairLogps, s):
-    avg = x.length_averaged()
-    return simpo_loss(avg.chosen, avg.rejected, s.beta, s.gamma_beta_ratio * s.beta, s.label_smoothing)
-
-
-def _orpo(x: PairLogps, s):
-    # the SFT term is the chosen answer's NLL as a per-sequence token mean (Hong et al. 2024, eq. 6)
-    avg = x.length_averaged()
-    loss, m = orpo_loss(avg.chosen, avg.rejected, -avg.chosen, s.beta)
-    return loss, {**m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
-
-
-PAIR_OBJECTIVES = {  # method -> (pairs, the preference section) -> (loss, metrics)
-    "dpo": lambda x, s: pairwise_preference_loss(x, s.loss, s),
-    # KTO trains on unpaired rows (kto_objective); held-out pairs are scored with DPO's implicit
-    # reward, so accuracy and margins compare across methods
-    "kto": lambda x, s: pairwise_preference_loss(x, "sigmoid", s),
-    "simpo": _simpo,
-    "orpo": _orpo,
-}
-REFERENCE_FREE = ("simpo", "orpo")
-
-
-def kto_objective(x: UnpairedLogps, s, z0):
-    """KTO on unpaired rows, logged with the pairwise methods' metric names. Its own path: a row is
-    one completion and a label, and the loss needs the batch's reference point z0, so it is not a
-    function of one pair's log-probs."""
-    loss, m = kto_loss(x.completion, x.ref_completion, x.label, z0, s.beta, s.desirable_weight,
-                       s.undesirable_weight)
-    desirable, logps = x.label, x.completion.detach()
-    m = {**m, "logps/chosen": logps[desirable].mean(), "logps/rejected": logps[~desirable].mean(),
-         "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"],
-         "logps/chosen_drift": chosen_drift(x.completion[desirable], x.ref_completion[desirable])}
-    # a group absent from the batch has no mean: drop it rather than log a fake 0
-    for side in ("chosen", "rejected"):
-        if int(m[f"count/{side}"]) == 0:
-            for k in (f"rewards/{side}", f"logps/{side}", "rewards/margins", f"logps/{side}_drift"):
-                m.pop(k, None)
-    return loss, m
-
-
-def chosen_drift(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """`logps/chosen_drift`: mean over the chosen completions of log π(y_w|x) − log π_ref(y_w|x),
-    summed over tokens (nats), i.e. how far their log-probs moved since training started (the
-    reference is the initial policy unless ref_model is set): exactly 0 at step 1, and free of the
-    batch-to-batch spread of `logps/chosen` itself. A DPO-family loss can widen the margin while
-    this falls; far below 0, held-out quality tends to go with it (preference.chosen_drift_warn)."""
-    return (logps - ref_logps).detach().mean()
-
-
-DRIFT_WARNING = ("step {step}: {key} = {value:.2f} nats (below {floor:g}): the chosen completions are "
-                 "now far less likely than at the start, however healthy rewards/accuracies looks; "
-                 "held-out quality may be collapsing. Counter it with preference.rpo_alpha=1 (NLL on "
-                 "the chosen completions), loss=dpop, or a lower lr")
-
-
-def objective(cfg, x: PairLogps | UnpairedLogps, z0=None):
-    """The method's loss and metrics on one batch's per-sequence log-probs."""
-    if isinstance(x, UnpairedLogps):
-        return kto_objective(x, cfg.preference, z0)
-    loss, m = PAIR_OBJECTIVES[cfg.preference.method](x, cfg.preference)
-    m.setdefault("logps/chosen", x.chosen.detach().mean())
-    m.setdefault("logps/rejected", x.rejected.detach().mean())
-    if x.ref_chosen is not None:  # reference-free methods (simpo, orpo) have no starting point
-        m["logps/chosen_drift"] = chosen_drift(x.chosen, x.ref_chosen)
-    return loss, m
-
-
-def split_rows(paired: bool, examples: list[dict], logps, lengths, reference: Optional[dict],
-               split: str) -> PairLogps | UnpairedLogps:
-    """One forward's per-sequence tensors (pairs: [chosen rows; rejected rows]) as the objective's
-    inputs, with the cached reference log-probs of the same examples."""
-    idx = torch.tensor([ex["idx"] for ex in examples])
-
-    def ref(key: str):
-        return None if reference is None else reference[f"{split}.{key}"][idx].to(logps.device)
-    if paired:
-        n = len(examples)
-        return PairLogps(logps[:n], logps[n:], ref("chosen"), ref("rejected"), lengths[:n], lengths[n:])
-    labels = torch.tensor([ex["label"] for ex in examples], device=logps.device)
-    return UnpairedLogps(logps, labels, ref("completion"))
-
-
-def _tensors(x) -> dict:
-    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if getattr(x, f.name) is not None}
-
-
-def _concat(parts: list):
-    """A step's inputs from its micro-batches' (the loss metrics are over the whole batch)."""
-    return dataclasses.replace(parts[0], **{k: torch.cat([getattr(p, k) for p in parts])
-                                            for k in _tensors(parts[0])})
-
-
 # ---- one optimizer step ---------------------------------------------------------------------------
 
 def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired: bool,
@@ -247,18 +150,24 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
     """Forward/backward every micro-batch, then one guarded optimizer step (`step(loss)`, default
     common.guarded_step on `optimizer`; the trainer passes Training.guarded_step, which counts
     refusals). Returns the metrics (loss, method metrics, grad_norm, tokens) or raises
-    NonFiniteLossError (step skipped)."""
-    n_total = sum(len(rows) for rows in micro)
+    NonFiniteLossError (step skipped).
+
+    Under torchrun `micro` is this rank's part of the global batch (ranks are micro-batches,
+    distributed.py): every loss here is a mean over rows, so each micro-batch's is weighted by its
+    rows over the *global* batch's, and the logged loss, the metrics and KTO's reference point are
+    computed on the whole batch's per-sequence numbers, gathered from every rank."""
+    n_total = int(distributed.sum_floats([sum(len(rows) for rows in micro)])[0])
     z0 = None
     if cfg.preference.method == "kto":
         # Reference point from mismatched pairs under the current policy, no grad (it is detached
-        # in the loss anyway). Under data parallelism this mean would be all-reduced across ranks.
+        # in the loss anyway): a mean over the global batch, so every rank's rows go into it (a
+        # rank's own mean would give each rank another z0, and the loss another value).
         with torch.no_grad():
             kl = torch.cat([completion_logps(model, collate_mismatched(rows, kl_pool, partners, pad_id,
                                                                        cfg.data.max_length), device, amp)[0]
                             for rows in micro])
         ref_kl = reference["train.kl"][torch.tensor([ex["idx"] for rows in micro for ex in rows])].to(device)
-        z0 = kto_kl_reference_point(kl, ref_kl)
+        z0 = kto_kl_reference_point(distributed.cat_ranks(kl), distributed.cat_ranks(ref_kl))
     inputs, tokens = [], 0
     for rows in micro:
         batch = collate(rows, paired, pad_id)
@@ -267,13 +176,13 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
         loss, _ = objective(cfg, x, z0)
         # batch-mean losses: weight each micro-batch by its share, so accumulation = one big batch
         (loss * (len(rows) / n_total)).backward()
-        inputs.append(dataclasses.replace(x, **{k: v.detach() for k, v in _tensors(x).items()}))
-    loss, metrics = objective(cfg, _concat(inputs), z0)
+        inputs.append(detached(x))
+    loss, metrics = objective(cfg, gather_rows(_concat(inputs)), z0)
     loss = float(loss)
     grad_norm = step(loss) if step is not None else \
         guarded_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, loss)
     return {"loss": loss, **{k: float(v) for k, v in metrics.items()}, "grad_norm": grad_norm,
-            "tokens": tokens}
+            "tokens": int(distributed.sum_floats([tokens])[0])}
 
 
 # ---- evaluation: held-out metrics, sampled completions -------------------------------------------
@@ -282,14 +191,20 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
 def evaluate_preferences(cfg, model, examples: list[dict], paired: bool, reference, pad_id, device,
                          amp) -> dict:
     """Held-out metrics over the whole eval set: implicit-reward accuracy and margins (unpaired
-    rows: reward means per label; z0 does not enter them)."""
+    rows: reward means per label; z0 does not enter them). Under torchrun each rank scores a share
+    of the batches (distributed.rank_share) and the metrics are computed on all of them, put back
+    in order: the numbers one process computes, also where the ranks' shares differ in size."""
     was = model.training
     model.eval()
-    parts, batch_size = [], cfg.data.batch_size
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        logps, lengths = completion_logps(model, collate(chunk, paired, pad_id), device, amp)
-        parts.append(split_rows(paired, chunk, logps, lengths, reference, "eval"))
+    batch_size = cfg.data.batch_size
+    mine = []
+    for chunk in distributed.rank_share(examples, batch_size):
+        # None: a forward that counts for nothing (sharded forwards are collective)
+        rows = chunk if chunk is not None else examples[:batch_size]
+        logps, lengths = completion_logps(model, collate(rows, paired, pad_id), device, amp)
+        if chunk is not None:
+            mine.append(on_cpu(split_rows(paired, chunk, logps, lengths, reference, "eval")))
+    parts = distributed.rank_unshare(mine, -(-len(examples) // batch_size))
     model.train(was)
     loss, m = objective(cfg, _concat(parts), 0.0)
     m.pop("kl", None)
@@ -318,6 +233,10 @@ def train_offline(cfg: OfflineConfig) -> dict:
         train, held_out, paired, eval_paired, report = load_offline_data(cfg, tokenizer)
         return Data(train, held_out, report, {"paired": paired, "eval_paired": eval_paired})
     t = setup_training(cfg, load)
+    # Under torchrun a rank's rows are a block of the global batch: when it holds whole micro-batches
+    # (grad_accum a multiple of the processes), the ranks run exactly one process's forwards, so the
+    # reference cache is one process's and step 1's log-ratios are exactly 0 on any hardware.
+    t.order.contiguous = True
     model, tokenizer, device, amp = t.model, t.tokenizer, t.device, t.amp
     pad_id, batch_size = tokenizer.pad_token_id, cfg.data.batch_size
     paired, eval_paired = t.data.extra["paired"], t.data.extra["eval_paired"]

@@ -7,6 +7,10 @@ summed completion log-probs (`train.chosen`, `train.rejected` for pairs; `train.
 `reference_logps.json` holds a fingerprint of everything the numbers depend on (token ids of every
 example, the reference model's config and weight-file sizes, dtype and precision, the KL pairing);
 a cache whose fingerprint differs is stale and recomputed.
+
+Under torchrun the ranks share the reference forwards out (the reference model, when one is
+loaded, sharded like the policy), every rank gets every number, and rank 0 alone reads and writes
+the cache. With whole micro-batches per rank the batches are one process's, and so is the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tether import distributed
 from tether.models import load_model
 from tether.models.load import hf_progress
 from tether.models.logprobs import completion_token_logps
@@ -43,7 +48,8 @@ def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, tor
 
 def training_forwards(order, n: int, batch_size: int) -> list[list[int]]:
     """Row indices of every training forward of the first epoch, in order: each step's rows
-    (`order.batch_at`) cut into micro-batches of `batch_size`, as `offline.train_step` cuts them.
+    (under torchrun each rank's part, `order.part`) cut into micro-batches of `batch_size`, as
+    `offline.train_step` cuts them. With whole micro-batches per rank these are one process's.
 
     Why: the reference pass runs these very batches, so at step 1 (before any update) the policy's
     forward sees the same tensors as the reference's did — same rows, same padding, same matmul
@@ -52,8 +58,10 @@ def training_forwards(order, n: int, batch_size: int) -> list[list[int]]:
     which made step 1's accuracy a coin toss (0.25 on SmolLM2)."""
     forwards = []
     for position in range(math.ceil(n / order.batch_size)):
-        rows = order.batch_at(position)
-        forwards += [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+        batch = order.global_batch_at(position)
+        for rank in range(order.world_size):  # under torchrun: every rank's part, as each cuts it
+            rows = order.part(batch, rank)
+            forwards += [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
     return forwards
 
 
@@ -63,7 +71,11 @@ def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, a
     """Summed completion log-probs of every example of every split under `net` (eval mode).
     `forwards[split]`: the batches (row indices) to run, as the trainer will (:func:`training_forwards`);
     a row in several keeps its first; rows in none, or a split without an entry (held-out data,
-    batched as the evaluation batches it), go in consecutive chunks of `cfg.data.batch_size`."""
+    batched as the evaluation batches it), go in consecutive chunks of `cfg.data.batch_size`.
+
+    Under torchrun the batches are shared out among the ranks (`net` may be sharded: every rank
+    runs as many forwards) and every rank gets all the numbers: the same batches as in one
+    process, so the same values wherever a batch ran."""
     was = net.training
     net.eval()
     out = {}
@@ -79,21 +91,26 @@ def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, a
         listed = (forwards or {}).get(name, [])
         covered = {i for rows in listed for i in rows}
         left = [i for i in range(n) if i not in covered]
-        for rows in listed + [left[i:i + batch_size] for i in range(0, len(left), batch_size)]:
-            if not rows:
-                continue
-            chunk = [examples[i] for i in rows]
+        batches = [rows for rows in listed + [left[i:i + batch_size] for i in range(0, len(left), batch_size)]
+                   if rows]
+        mine = []
+        for turn in distributed.rank_share(batches, 1):
+            # None: a forward that counts for nothing (sharded forwards are collective)
+            chunk = [examples[i] for i in (turn[0] if turn is not None else batches[0])]
             logps, _ = completion_logps(net, collate(chunk, paired[name], pad_id), device, amp)
             if paired[name]:
                 got = {"chosen": logps[:len(chunk)], "rejected": logps[len(chunk):]}
             else:
                 kl = collate_mismatched(chunk, examples, partners, pad_id, cfg.data.max_length)
                 got = {"completion": logps, "kl": completion_logps(net, kl, device, amp)[0]}
+            if turn is not None:
+                mine.append({k: v.cpu() for k, v in got.items()})
+        for rows, got in zip(batches, distributed.rank_unshare(mine, len(batches))):
             for pos, i in enumerate(rows):
                 if not done[i]:
                     done[i] = True
                     for k in keys:
-                        values[k][i] = got[k][pos].cpu()
+                        values[k][i] = got[k][pos]
         out.update({f"{name}.{k}": v for k, v in values.items()})
     net.train(was)
     return out
@@ -107,7 +124,9 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
     ref_source = ref_model or spec.path
     precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
     fingerprint = cache_fingerprint(ref_source, splits, precision, forwards)
-    cached = load_cache(run_path, fingerprint)
+    # Under torchrun rank 0 reads (and below writes) the cache and hands it to every rank: one
+    # decision for all (a rank that recomputed alone would wait forever in a sharded forward).
+    cached = distributed.on_main(lambda: load_cache(run_path, fingerprint))
     if cached is not None:
         return cached, "cache"
     # A resumed run has restored the training RNG already: loading a model here must not move it.
@@ -124,13 +143,17 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
             with hf_progress(cfg.run.progress):
                 net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
                                  attn_implementation=spec.attn_implementation)
+            if distributed.active():
+                from tether.trainers.setup import shard_model
+                shard_model(net, cfg)  # each rank holds its shard only, as of the policy
             tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp, forwards), \
                 "reference model"
             del net  # not held during training
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    save_cache(run_path, tensors, fingerprint, {"reference": ref_source, "computed_with": how,
-                                                "rows": {k: len(v) for k, v in splits.items()}})
+    # every rank has every number; rank 0 writes them (no forward in it)
+    distributed.on_main(lambda: save_cache(run_path, tensors, fingerprint, {
+        "reference": ref_source, "computed_with": how, "rows": {k: len(v) for k, v in splits.items()}}))
     return tensors, how
 
 

@@ -14,6 +14,11 @@ The loop, top to bottom:
 
 Ensembles: one run is one model. Train k runs with different `seed` (head init + data order; see
 `train_rm_ensemble`) and point LearnedReward / `rm:a,b,c` at them; aggregation happens there.
+
+Under torchrun every member is built and sharded by setup_training like any trained model (the head
+is drawn from the seed, the same on every rank, before sharding), each rank takes a block of every
+global batch, and loss, accuracy, margin and reward statistics (train and held-out) are over the
+global batch or the whole held-out set: what one process logs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tether import distributed
 from tether.config import flat_init
 from tether.constraints import NonNegative, Seed
 from tether.errors import UserError
@@ -146,16 +152,21 @@ def _pair_scores(model, examples, pad_id, device, amp):
 
 @torch.no_grad()
 def score_pairs(model, examples: list[dict], batch_size: int, pad_id: int, device, amp):
-    """Chosen and rejected rewards [N] of `examples` (in eval mode, returned on the CPU)."""
+    """Chosen and rejected rewards [N] of `examples` (in eval mode, returned on the CPU). Under
+    torchrun each rank scores a share of the batches (distributed.rank_share) and every rank gets
+    all the rewards, in order."""
     was = model.training
     model.eval()
-    chosen, rejected = [], []
-    for i in range(0, len(examples), batch_size):
-        c, r, _ = _pair_scores(model, examples[i:i + batch_size], pad_id, device, amp)
-        chosen.append(c.cpu())
-        rejected.append(r.cpu())
+    mine = []
+    for chunk in distributed.rank_share(examples, batch_size):
+        # None: a forward that counts for nothing (sharded forwards are collective)
+        c, r, _ = _pair_scores(model, chunk if chunk is not None else examples[:batch_size], pad_id,
+                               device, amp)
+        if chunk is not None:
+            mine.append((c.cpu(), r.cpu()))
+    parts = distributed.rank_unshare(mine, -(-len(examples) // batch_size))
     model.train(was)
-    return torch.cat(chosen), torch.cat(rejected)
+    return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
 
 def pair_metrics(examples: list[dict], chosen: torch.Tensor, rejected: torch.Tensor,
@@ -196,11 +207,17 @@ def pair_samples(model, examples: list[dict], pad_id: int, device, amp) -> list[
 
 @torch.no_grad()
 def mean_reward(model, examples: list[dict], pad_id: int, device, amp, batch_size: int = 64) -> float:
-    """Mean reward over both responses of `examples`: the centering offset."""
+    """Mean reward over both responses of `examples`: the centering offset (under torchrun over
+    every rank's share, the same on every rank)."""
     was = model.training
     model.eval()
-    rewards = [torch.cat(_pair_scores(model, examples[i:i + batch_size], pad_id, device, amp)[:2]).cpu()
-               for i in range(0, len(examples), batch_size)]
+    mine = []
+    for chunk in distributed.rank_share(examples, batch_size):
+        r = torch.cat(_pair_scores(model, chunk if chunk is not None else examples[:batch_size], pad_id,
+                                   device, amp)[:2]).cpu()
+        if chunk is not None:  # None: a forward that counts for nothing (collective forwards)
+            mine.append(r)
+    rewards = distributed.rank_unshare(mine, -(-len(examples) // batch_size))
     model.train(was)
     return float(torch.cat(rewards).mean())
 
@@ -233,6 +250,9 @@ def load_reward_model(cfg: RMConfig, ckpt) -> ScalarHeadModel:
 def train_rm(cfg: RMConfig) -> dict:
     """Train a Bradley–Terry reward model per `cfg`; returns the summary (also summary.json)."""
     t = setup_training(cfg, lambda tokenizer: load_rm_data(cfg, tokenizer), build=load_reward_model)
+    # Under torchrun a rank's pairs are a block of the global batch: whole micro-batches of one
+    # process when grad_accum is a multiple of the processes, and gathered rewards in its order.
+    t.order.contiguous = True
     model, device, amp, batch_size = t.model, t.device, t.amp, cfg.data.batch_size
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else 0
 
@@ -245,22 +265,26 @@ def train_rm(cfg: RMConfig) -> dict:
 
     clock, started, last = StepClock(), time.time(), {}
     while t.step < t.total_steps:
-        indices = t.order.next()
+        indices = t.order.next()  # under torchrun this rank's part of the global batch
+        n_total = int(distributed.sum_floats([len(indices)])[0])
         loss_sum, accuracy, margin, rewards = 0.0, 0.0, 0.0, []
         for start in range(0, len(indices), batch_size):
             pairs = [t.data.train[j] for j in indices[start:start + batch_size]]
             chosen, rejected, margins = _pair_scores(model, pairs, pad_id, device, amp)
             loss, stats = reward_model_loss(chosen, rejected, margins, cfg.rm.center_rewards_coefficient)
-            weight = len(pairs) / len(indices)  # the loss is a mean over the whole accumulated batch
+            # the loss is a mean over the whole accumulated (global) batch: a micro-batch's mean
+            # weighs its share of the pairs; the ranks' weighted sums add up to the batch mean
+            weight = len(pairs) / n_total
             (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight
             accuracy += float(stats["accuracy"]) * weight
             margin += float(stats["margin"]) * weight
             rewards.append(torch.cat([chosen, rejected]).detach().cpu())
+        loss_sum, accuracy, margin = distributed.sum_floats([loss_sum, accuracy, margin])
         grad_norm = t.optimizer_step(loss_sum)
         t.step += 1
         clock.tick()
-        rewards = torch.cat(rewards)
+        rewards = distributed.cat_ranks(torch.cat(rewards))  # min / max / mean over the global batch
         last = {"loss": loss_sum, "accuracy": accuracy, "margin": margin,
                 "reward_mean": float(rewards.mean()), "reward_min": float(rewards.min()),
                 "reward_max": float(rewards.max()), "grad_norm": grad_norm, "lr": t.lr}
