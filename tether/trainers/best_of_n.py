@@ -7,6 +7,11 @@ The command, top to bottom:
     KL_BoN = log n − (n − 1)/n and the whole best-of-n' curve for n' = 1, 2, 4, ..., n
     -> `rft=true`: write the kept rows as prompt/completion jsonl and SFT the policy on them.
 
+Under torchrun each rank samples and scores a consecutive block of the prompts with its own whole
+copy of the policy (no collective while sampling), drawing what one process draws for them (the
+streams are keyed by the whole prompt list: Sampler.sample(only=...)); the blocks are gathered in
+prompt order, rank 0 writes the outputs, and RFT is train_sft under the same torchrun.
+
 The curve for n' < n comes from the same samples with the unbiased estimator of Nakano et al. /
 Gao et al.: among N samples sorted by proxy, the one of rank i (1 = lowest) is the best of a
 uniformly random n'-subset with probability C(i−1, n'−1)/C(N, n'), so
@@ -196,6 +201,7 @@ def keep_best(rows: list[dict], texts: list[str], proxies, golds, n: int, ns: li
 def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict], is_main: bool) -> dict:
     """SFT (tether.trainers.sft) of the policy on the kept completions, in <run>/rft: the model
     section and the run's logging / checkpoint settings carry over, rft_* set the optimizer and batch."""
+    from tether import distributed
     from tether.trainers.sft import SFTConfig, train_sft
     data = run_dir / "rft.jsonl"
     if is_main:
@@ -203,6 +209,7 @@ def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict]
         data.write_text("".join(json.dumps({"prompt": r["prompt"],
                                             "completion": as_completions([r["prompt"]], [r["completion"]])[0]},
                                            ensure_ascii=False) + "\n" for r in kept))
+    distributed.barrier()  # every rank reads the file rank 0 wrote
     summary = train_sft(SFTConfig(
         model=cfg.model, run=replace(cfg.run, name="rft", runs_dir=str(run_dir)),
         data=DataSection(path=str(data), batch_size=cfg.bon.rft_batch_size,
@@ -215,6 +222,9 @@ def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict]
 def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     """Best-of-n per `cfg`; returns the summary (also summary.json). `reward_funcs` / `gold_reward`
     (callables) override the config's specs."""
+    import torch
+
+    from tether import distributed
     from tether.data import encode_prompts, load_data
     from tether.models import load_model, load_tokenizer
     from tether.rewards import RewardSet, load_reward
@@ -228,18 +238,24 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.reward.reward_funcs)
     if not funcs:
         raise UserError("bon: at least one reward function is required (reward_funcs=[...])")
+    distributed.init()  # under torchrun: the process group (and each rank's GPU) before any model loads
     proxy = RewardSet(funcs, cfg.reward.reward_weights or None)
     gold_spec = gold_reward if gold_reward is not None else cfg.bon.gold_reward
     gold = RewardSet([load_reward(gold_spec)]) if gold_spec else None
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
-    check_lock(run_path)  # refused before any model loads; RunDir checks again under the lock
-    refuse_previous_run(run_path, cfg.run.overwrite)
+
+    def refusals():  # before any model loads; RunDir checks again under the lock. Rank 0 alone:
+        check_lock(run_path)  # the others would see its lock (and say it all N times)
+        refuse_previous_run(run_path, cfg.run.overwrite)
+    distributed.on_main(refusals)
     seed_everything(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     rows, _ = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
                                        rename=cfg.data.columns), tokenizer,
                              cfg.data.max_prompt_length, cfg.data.truncation, source=cfg.data.path)
     rows = rows[:cfg.bon.max_prompts or None]
+    if not rows:
+        raise UserError(f"bon: no prompts left in {cfg.data.path}")
     model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
                        attn_implementation=cfg.model.attn_implementation)
     run = RunDir(run_path, log_with=cfg.run.log_with, overwrite=cfg.run.overwrite)
@@ -247,11 +263,23 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
 
     n, started = cfg.bon.n, time.time()
     sampler = Sampler(model, tokenizer, replace(cfg.rollout.sampling(), max_batch_size=cfg.data.batch_size))
-    rollout = sampler.sample([r["prompt_ids"] for r in rows], n=n, seed=cfg.run.seed)
+    lo, hi = (len(rows) * distributed.rank() // distributed.world_size(),
+              len(rows) * (distributed.rank() + 1) // distributed.world_size())  # this rank's prompts
+    texts, proxies, golds, lengths = [], [], None if gold is None else [], torch.zeros(0, dtype=torch.long)
+    if hi > lo:
+        rollout = sampler.sample([r["prompt_ids"] for r in rows], n=n, seed=cfg.run.seed, only=range(lo, hi))
+        try:
+            proxies, golds = score_samples(cfg, rows[lo:hi], rollout, proxy, gold)
+        except UserError as e:  # under torchrun: about this rank's completions, the others may not fail
+            raise distributed.rank_local(e)
+        texts, lengths = rollout.texts, rollout.lengths.cpu()
     sample_seconds = time.time() - started
-    proxies, golds = score_samples(cfg, rows, rollout, proxy, gold)
+    parts = distributed.all_gather_object((texts, proxies, golds, lengths))  # prompt order: rank order
+    texts, proxies = [x for p in parts for x in p[0]], [x for p in parts for x in p[1]]
+    golds = None if gold is None else [x for p in parts for x in p[2]]
+    lengths = torch.cat([p[3] for p in parts])
     ns = [2 ** j for j in range(int(math.log2(n)) + 1)] + ([n] if n & (n - 1) else [])
-    kept, curves = keep_best(rows, rollout.texts, proxies, golds, n, ns)
+    kept, curves = keep_best(rows, texts, proxies, golds, n, ns)
     run.add_samples(0, kept)
 
     curve = []
@@ -265,7 +293,7 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     summary = {"n": n, "prompts": len(rows), "kl_bon": best_of_n_kl(n), "d": math.sqrt(best_of_n_kl(n)),
                "proxy/best_mean": float(np.mean([r["reward"] for r in kept])),
                "proxy/mean": float(np.mean(proxies)), "sample_seconds": round(sample_seconds, 2),
-               "completions/mean_length": float(rollout.lengths.float().mean()), "curve": curve}
+               "completions/mean_length": float(lengths.float().mean()), "curve": curve}
     if golds:
         summary["gold/best_mean"] = float(np.mean([r["gold"] for r in kept]))
         summary["gold/mean"] = float(np.mean(golds))

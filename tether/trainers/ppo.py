@@ -17,6 +17,9 @@ Why the value is read one position early: log π at input position t is the prob
 given tokens < t, so the state that chooses token t is the hidden state at t − 1. V is taken
 there too (as TRL/OpenRLHF do), so V_t and log π_t describe the same decision.
 
+Under torchrun (many processes, one run) each rank samples and trains on its part of every batch
+while whitening, minibatch losses and the logged numbers stay the global batch's: ppo_update.py.
+
 Why the policy and value are two networks: sharing a body makes the value loss pull on the
 policy's features (InstructGPT and TRL keep them separate); one AdamW covers both. Under LoRA
 only the policy gets adapters; the critic is trained in full.
@@ -33,6 +36,7 @@ from typing import ClassVar, Literal, Optional, Sequence
 import torch
 from torch import nn
 
+from tether import distributed
 from tether.config import flat_init
 from tether.constraints import Fraction, NonNegative, Positive, PositiveInt
 from tether.data import encode_prompts, load_data
@@ -40,15 +44,18 @@ from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
 from tether.models.load import compile_layers
 from tether.models.logprobs import completion_token_logps
-from tether.objectives import (AdaptiveKLController, FixedKLController, gae, kl_penalized_rewards,
-                               masked_whiten, policy_loss, value_loss)
+from tether.objectives import AdaptiveKLController, FixedKLController, gae, kl_penalized_rewards
+from tether.rewards.learned import LearnedReward
 from tether.rewards.scoring import fn_name, resolve_reward_funcs
 from tether.rewards.scoring import score as score_completions
 from tether.rollout import Sampler, logprob_mismatch
 from tether.trainers.common import lend_gradients
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
-from tether.trainers.setup import Data, load_policy, setup_training
+from tether.trainers.ppo_update import Shares, ppo_epochs
+from tether.trainers.ppo_update import whiten as globally_whitened
+from tether.trainers.ppo_update import values_of as _values
+from tether.trainers.setup import Data, load_policy, setup_training, shard_model
 
 
 @dataclass
@@ -149,6 +156,8 @@ def build_policy_and_critic(cfg: PPOConfig, ckpt: Path | None):
     critic = load_value_model(cfg, ckpt)  # a fresh head draws from the RNG after the policy loads
     if cfg.model.compile:  # setup_training compiles the policy and the reference
         compile_layers(critic)
+    if distributed.active():  # setup_training shards the policy and the reference, then builds the
+        shard_model(critic, cfg)  # optimizer over both networks: the critic's shards must exist by then
     return policy, nn.ModuleDict({"policy": policy, "value": critic})
 
 
@@ -172,9 +181,12 @@ def kl_controller(spec: PPOSection, ckpt: Path | None):
 
 
 def save_ppo_state(path: Path, critic: ScalarHeadModel, control) -> None:
-    """The critic and the (possibly adapted) β are part of the state a resume needs."""
-    critic.save_pretrained(path / "value")
-    (path / "ppo_state.json").write_text(json.dumps({"kl_coef": control.value}) + "\n")
+    """The critic and the (possibly adapted) β are part of the state a resume needs. Every rank
+    calls this: a sharded critic is gathered (collective), rank 0 writes."""
+    gathered = distributed.full_state_dict(critic) if distributed.is_sharded(critic) else None
+    if distributed.is_main():
+        critic.save_pretrained(path / "value", state_dict=gathered)
+        (path / "ppo_state.json").write_text(json.dumps({"kl_coef": control.value}) + "\n")
 
 
 @dataclass
@@ -199,22 +211,25 @@ class Rewards:
         """R per completion ([N], CPU; no score from any function = 0, counted) and the
         per-function rewards behind it."""
         completion_ids = [ids[m].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        per_function, scores = score_completions(self.funcs, self.weights, rows, rollout.texts, completion_ids)
+        try:
+            per_function, scores = score_completions(self.funcs, self.weights, rows, rollout.texts, completion_ids)
+            evals = score_completions(self.evals, [1.0] * len(self.evals), rows, rollout.texts,
+                                      completion_ids)[0] if self.evals else None
+        except UserError as e:  # under torchrun: about this rank's completions, the others may not fail
+            raise distributed.rank_local(e)
         unscored = scores.isnan()
         scores = torch.nan_to_num(scores) - length_penalty * rollout.lengths.float().cpu()
-        evals = score_completions(self.evals, [1.0] * len(self.evals), rows, rollout.texts, completion_ids)[0] \
-            if self.evals else None
         return {"scores": scores, "per_function": per_function, "unscored": unscored, "evals": evals}
+
+    def shard(self, cfg: PPOConfig) -> None:
+        """Under torchrun, FSDP2 over the learned reward models: each rank scores its own
+        completions, every rank with as many forwards (equal shares, equal chunks)."""
+        learned = [fn for fn in self.funcs + self.evals if isinstance(fn, LearnedReward)]
+        for model in [m for fn in learned for m in fn.models] if distributed.active() else []:
+            shard_model(model, cfg)
 
 
 # -- the algorithm -------------------------------------------------------------------------------
-
-def _values(value_model, batch: dict, amp) -> torch.Tensor:
-    """V aligned with input_ids: position t holds V(state before token t) = head at t − 1."""
-    with amp:
-        v = value_model(batch["input_ids"], batch["attention_mask"], batch["position_ids"]).float()
-    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], 1)
-
 
 def ppo_advantages(scores, old_logps, ref_logps, old_values, mask, beta: float, estimator: str = "k1",
                    gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
@@ -222,48 +237,39 @@ def ppo_advantages(scores, old_logps, ref_logps, old_values, mask, beta: float, 
 
     r̃_t = 1[t = last]·R − β·KL_t  (Ziegler et al. 2019 eq. 2, per token as Stiennon et al. 2020);
     (A, R_t) = GAE_{γ,λ}(r̃, V_old)  (Schulman et al. 2016 eq. 16);  A ← whiten(A) (returns are
-    not whitened: the critic regresses the real return). All [B, T] aligned with input_ids.
+    not whitened: the critic regresses the real return). All [B, T] aligned with input_ids. GAE is
+    per sequence; the whitening statistics are the global batch's under torchrun.
     """
     token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, beta, estimator)
     advantages, returns = gae(token_rewards, old_values, mask, gamma, lam)
     if whiten:
-        advantages = masked_whiten(advantages, mask)
+        advantages = globally_whitened(advantages, mask)
     return token_rewards, advantages, returns
 
 
-def update_stats(policy_term, policy_stats: dict, value_term, value_stats: dict, entropy,
-                 grad_norm: float) -> dict[str, float]:
-    """One optimizer update's numbers (TRL's names); the step's log row holds their means."""
-    stats = {"policy/approxkl_avg": policy_stats["approx_kl"],
-             "policy/clipfrac_avg": policy_stats["clip_ratio/region_mean"],
-             "loss/policy_avg": policy_term, "loss/value_avg": value_term,
-             "val/clipfrac_avg": value_stats["clipfrac"], "policy/entropy_avg": entropy,
-             "val/ratio": policy_stats["ratio/mean"], "grad_norm": grad_norm}
-    return {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in stats.items()}
-
-
-def step_metrics(t, scored: dict, rewards: Rewards, rollout, batch: dict, old_logps, sequence_kl,
-                 beta: float, updates: dict, started: float, sampling_seconds: float) -> dict:
-    """One step's log row, with TRL's PPO names where they exist."""
-    mask, scores, step_seconds = batch["completion_mask"], scored["scores"], time.perf_counter() - started
-    non_score = float(-(beta * sequence_kl).mean())
+def step_metrics(t, seen: dict, rewards: Rewards, mismatch: dict, beta: float, updates: dict,
+                 started: float, sampling_seconds: float) -> dict:
+    """One step's log row, with TRL's PPO names where they exist. `seen`: the global batch's
+    per-sequence values (Shares.gather); `updates`: each update's global numbers."""
+    scores, sequence_kl, step_seconds = seen["scores"], seen["sequence_kl"], time.perf_counter() - started
+    non_score, reasons = float(-(beta * sequence_kl).mean()), seen["finish_reasons"]
     metrics = {"objective/kl": float(sequence_kl.mean()), "objective/kl_coef": beta,
-               "objective/entropy": float(-torch.where(mask, old_logps, 0.0).sum(1).mean()),
+               "objective/entropy": float(-seen["logp_sums"].mean()),
                "objective/scores": float(scores.mean()), "objective/non_score_reward": non_score,
                "objective/rlhf_reward": float(scores.mean()) + non_score,
                **{k: sum(v) / len(v) for k, v in updates.items()},
-               **{f"rewards/{fn_name(f)}/mean": float(scored["per_function"][:, j].nanmean())
+               **{f"rewards/{fn_name(f)}/mean": float(seen["per_function"][:, j].nanmean())
                   for j, f in enumerate(rewards.funcs)},
-               "frac_unscored": float(scored["unscored"].float().mean()),
-               **logprob_mismatch(batch["logprobs"], old_logps, mask),
-               "val/num_eos_tokens": sum(f == "eos" for f in rollout.finish_reasons),
-               "completions/mean_length": float(rollout.lengths.float().mean()),
-               "completions/clipped_ratio": sum(f == "length" for f in rollout.finish_reasons) / len(rollout),
-               "lr": t.lr, "skipped_steps": t.skipped, "episode": t.step * len(rollout),
+               "frac_unscored": float(seen["unscored"].float().mean()),
+               **mismatch,
+               "val/num_eos_tokens": sum(f == "eos" for f in reasons),
+               "completions/mean_length": float(seen["lengths"].float().mean()),
+               "completions/clipped_ratio": sum(f == "length" for f in reasons) / len(reasons),
+               "lr": t.lr, "skipped_steps": t.skipped, "episode": t.step * len(reasons),
                "step_time": step_seconds, "rollout/seconds": sampling_seconds,
-               "tokens_per_second": float(rollout.lengths.sum()) / step_seconds}
-    if scored["evals"] is not None:
-        metrics.update({f"eval_rewards/{fn_name(f)}/mean": float(scored["evals"][:, j].nanmean())
+               "tokens_per_second": float(seen["lengths"].sum()) / step_seconds}
+    if "evals" in seen:
+        metrics.update({f"eval_rewards/{fn_name(f)}/mean": float(seen["evals"][:, j].nanmean())
                         for j, f in enumerate(rewards.evals)})
     return metrics
 
@@ -276,12 +282,15 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     `reward_funcs` / `eval_reward_funcs`: callables with TRL's reward signature, overriding the
     config's lists (how the over-optimization study passes the world's gold reward). A step reads
     as CleanRL's ppo.py: rollouts into storage -> GAE -> `ppo_epochs` passes of minibatch updates."""
+    distributed.init()  # under torchrun, before the reward models load: each rank on its own device
     rewards, spec = Rewards.resolve(cfg, reward_funcs, reward_weights, eval_reward_funcs), cfg.ppo
     t = setup_training(cfg, lambda tokenizer: load_prompts(cfg, tokenizer), build=build_policy_and_critic,
-                       reference=True, updates_per_step=spec.ppo_epochs * spec.num_minibatches)
+                       reference=True, updates_per_step=spec.ppo_epochs * spec.num_minibatches,
+                       rollout_replica=True)
+    rewards.shard(cfg)
     policy, critic, amp = t.model, t.trainable["value"], t.amp
     generations, sequences = cfg.rollout.num_generations, cfg.data.batch_size * cfg.rollout.num_generations
-    sampler = Sampler(policy, t.tokenizer, cfg.rollout.sampling())
+    sampler = Sampler(t.rollout_model(), t.tokenizer, cfg.rollout.sampling())
     # The KV cache lives in the (policy + critic) gradient buffer, idle while sampling, when it fits
     # (common.flat_grad_buffer); zeroed before the updates.
     gradient_buffer = lend_gradients(sampler, t.trainable, sequences, cfg.rollout.max_new_tokens +
@@ -290,15 +299,20 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     t.save_extra = lambda path: save_ppo_state(path, critic, kl_control)
     last, stopped_early = {}, None
     while t.step < t.total_steps:
-        started = time.perf_counter()
-        # 1. rollouts; the seed is a function of (seed, step) so a resumed run draws the same ones
-        prompts = [t.data.train[i] for i in t.order.next()]
+        started, gathered = time.perf_counter(), t.gather_seconds
+        # 1. rollouts; the seed is a function of (seed, step) so a resumed run draws the same ones.
+        # Every rank knows the whole global batch (its sampling keys and logged numbers span it)
+        # and samples its own part of it (ppo_update.Shares)
+        prompts = [t.data.train[i] for i in t.order.global_batch_at(t.order.position)]
+        shares = Shares.of(t.order, len(prompts), generations)
+        t.order.next()
+        t.rollout_model()  # under torchrun: the sampler's copy refreshed from the shards (collective)
         policy.eval()
         rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations,
-                                 seed=cfg.run.seed * 1_000_003 + t.step)
+                                 seed=cfg.run.seed * 1_000_003 + t.step, only=shares.prompts)
         policy.train()
         sampling_seconds = time.perf_counter() - started
-        rows = [prompts[i // generations] for i in range(len(rollout))]
+        rows = [prompts[shares.prompts[i // generations]] for i in range(len(rollout))]
         scored = rewards.score(rows, rollout, spec.length_penalty)
         batch = {k: v.to(t.device) for k, v in rollout.training_batch().items()}
         mask, temperature = batch["completion_mask"], rollout.logprob_temperature
@@ -315,39 +329,33 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                 scored["scores"].to(t.device), old_logps, ref_logps, old_values, mask, beta,
                 spec.kl_estimator, spec.gamma, spec.lam, spec.whiten_advantages)
             sequence_kl = torch.where(mask, old_logps - ref_logps, 0.0).sum(1)  # k1 per sequence
+        # the global batch's per-sequence numbers, in its order, on every rank
+        seen = shares.gather({"scores": scored["scores"], "per_function": scored["per_function"],
+                              "unscored": scored["unscored"], "sequence_kl": sequence_kl,
+                              "logp_sums": torch.where(mask, old_logps, 0.0).sum(1),
+                              "lengths": rollout.lengths, "finish_reasons": rollout.finish_reasons,
+                              "texts": rollout.texts, "prompts": [row["prompt"] for row in rows],
+                              **({"evals": scored["evals"]} if scored["evals"] is not None else {})})
+        token_mask, sampled_logps, trained_logps = shares.tokens(mask, batch["logprobs"], old_logps)
+        mismatch = logprob_mismatch(sampled_logps, trained_logps, token_mask)
 
         # 3. `ppo_epochs` passes over shuffled minibatches (the gradient buffer held the KV cache until now)
         if gradient_buffer is not None:
             gradient_buffer.zero_()
-        generator = torch.Generator().manual_seed(cfg.run.seed * 7_919 + t.step)
-        updates: dict[str, list[float]] = {}
-        for _ in range(spec.ppo_epochs):
-            for indices in torch.randperm(sequences, generator=generator).chunk(spec.num_minibatches):
-                indices = indices.to(t.device)
-                minibatch = {k: v[indices] for k, v in batch.items()}
-                logps, entropy = completion_token_logps(policy, minibatch, temperature, amp, True,
-                                                        entropy_grad=True)
-                policy_term, policy_stats = policy_loss(logps, old_logps[indices], advantages[indices],
-                                                        mask[indices], clip_low=spec.cliprange)
-                value_term, value_stats = value_loss(_values(critic, minibatch, amp), old_values[indices],
-                                                     returns[indices], mask[indices], clip=spec.cliprange_value)
-                loss = policy_term + spec.vf_coef * value_term - spec.ent_coef * entropy
-                loss.backward()
-                grad_norm = t.optimizer_step(float(loss.detach()), keep_grads=gradient_buffer is not None)
-                for k, v in update_stats(policy_term, policy_stats, value_term, value_stats, entropy,
-                                         grad_norm).items():
-                    updates.setdefault(k, []).append(v)
+        updates = ppo_epochs(t, spec, critic, batch, old_logps, old_values, advantages, returns,
+                             temperature, shares, seen["lengths"], keep_grads=gradient_buffer is not None)
         t.step += 1
-        mean_kl = float(sequence_kl.mean())
+        mean_kl = float(seen["sequence_kl"].mean())
         kl_control.update(mean_kl, sequences)
 
         # 4. log, samples, KL budget, checkpoint
-        last = step_metrics(t, scored, rewards, rollout, batch, old_logps, sequence_kl, beta, updates,
-                            started, sampling_seconds)
+        last = step_metrics(t, seen, rewards, mismatch, beta, updates, started, sampling_seconds)
+        if t.replica is not None:  # under torchrun: the seconds spent gathering the sampler's copy
+            last["gather_time"] = t.gather_seconds - gathered
         if t.log_due():
             t.log(last)
-            t.add_samples([{"prompt": row["prompt"], "completion": text, "score": float(value)}
-                           for row, text, value in zip(rows, rollout.texts, scored["scores"])])
+            t.add_samples([{"prompt": prompt, "completion": text, "score": float(value)}
+                           for prompt, text, value in zip(seen["prompts"], seen["texts"], seen["scores"])])
         t.bar.update({"score": last["objective/scores"], "kl": mean_kl})
         if spec.kl_budget > 0 and mean_kl > spec.kl_budget:
             stopped_early = t.step  # the policy left the region the reward model can be trusted in
