@@ -4,7 +4,9 @@ The accounting (bytes per parameter, which models each algorithm holds, the acti
 formulas, and why each number is what it is) is written out in docs/memory.md; comments here say
 only why a line is the way it is. GB means 1e9 bytes throughout. `estimate(cfg)` returns a dict
 (the JSON output); `run_memory(cfg)` prints it as a table or as JSON. Which model, and its shape,
-comes from model_shape.py.
+comes from model_shape.py. With `gpus` > 1 (N processes under torchrun, tether/distributed.py) the
+per-GPU accounting is memory_sharded.py's; with gpus=1 nothing of it applies (tether wraps no model
+in one process), so the single-GPU numbers are exactly this module's.
 """
 
 from __future__ import annotations
@@ -68,6 +70,18 @@ class MemoryConfig:
     "dpo/kto: cache the reference log-probs before training, so the reference is not held"
     value_init: Literal["separate", "shared"] = "separate"
     "ppo value function: a separate trained model (backbone + scalar head) or a scalar head on the policy's trunk"
+    gpus: PositiveInt = 1
+    "processes under torchrun, one GPU each; every number is then per GPU (docs/memory.md, 'Many GPUs')"
+    sharding: Literal["fsdp", "replicate", "none"] = "fsdp"
+    "gpus > 1: fsdp = FSDP2 shards weights, gradients and optimizer state 1/N (the trainers' fsdp=true); replicate = a whole copy per GPU, gradients all-reduced (fsdp=false); none = one process holding everything (gpus=1)"
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    "gpus > 1 with weight_dtype=fp32: gathered layers, activations, rollout replica and KV cache in bf16, gradients reduced in fp32 (the trainers' model.mixed_precision); no = all in fp32"
+    fsdp_offload: bool = False
+    "gpus > 1: sharded weights, gradients and optimizer state live in CPU memory (model.fsdp_offload)"
+    fsdp_reshard: bool = True
+    "gpus > 1: free a layer's gathered weights after its forward; false keeps the whole model gathered from forward to backward (model.fsdp_reshard)"
+    grad_accum: PositiveInt = 1
+    "micro-batches per step in one process (global batch = batch_size x grad_accum); gpus > 1: each GPU's micro-batch is min(batch_size, global batch / gpus)"
     format: Literal["table", "json"] = "table"
     "print a table, or a JSON dict of components and totals for scripts"
 
@@ -76,6 +90,16 @@ class MemoryConfig:
         bad = [t for t in self.lora_targets if t not in LINEARS]
         if bad:
             raise ValueError(f"config key 'lora_targets': unknown {', '.join(bad)}; allowed: {', '.join(LINEARS)}")
+        if self.gpus > 1:
+            if self.sharding == "none":
+                raise ValueError(f"config key 'sharding': none is one process holding everything (gpus=1); "
+                                 f"for gpus={self.gpus} use fsdp (the trainers' default) or replicate (fsdp=false)")
+            # the trainers refuse a global batch that does not divide (distributed.split_evenly)
+            key, size = ("rollout_batch", self.rollout_batch) if self.algo in ONLINE else \
+                ("batch_size x grad_accum", self.batch_size * self.grad_accum)
+            if size % self.gpus:
+                raise ValueError(f"config key '{key}': {size} does not divide among gpus={self.gpus} "
+                                 f"(every process takes an equal share of the global batch)")
 
 
 @dataclass
@@ -89,6 +113,7 @@ class _Held:
     trainable_bytes: int = 2
     adapters: int = 0
     activations: str | None = None  # "lm" (with vocab logits), "scalar" (value/reward head), None
+    layered: bool = True  # a decoder stack (FSDP2 gathers it layer by layer); False: a head on another model
 
 
 def held_models(cfg: MemoryConfig, n: int, shape: Shape) -> list[_Held]:
@@ -114,18 +139,19 @@ def held_models(cfg: MemoryConfig, n: int, shape: Shape) -> list[_Held]:
             models.append(trained("value model", backbone, "trained; backbone + scalar head", "scalar", shape.hidden))
         else:
             models.append(_Held("value head", shape.hidden, "trained scalar head on the policy's trunk",
-                                shape.hidden, 4 if cfg.lora else d))
+                                shape.hidden, 4 if cfg.lora else d, layered=False))
     return models
 
 
-def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
+def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int, d: int | None = None) -> int:
     """Saved-for-backward bytes of the decoder layers for `seqs` x seq_len tokens (docs/memory.md).
     Per layer per token, what HF Llama-style layers keep for backward:
       2 RMSNorms: fp32 upcast input (4h) + normalised and output in weight dtype (2*d*h)
       attention:  q, k, v (h + 2 kv_dim) and the output + its contiguous copy (2h), times d
       SwiGLU:     gate, up, silu(gate), gate*up (4 i), times d
-      eager attention adds the s x s probabilities: fp32 softmax output + its d-byte copy, per head."""
-    d, h, s = DTYPE_BYTES[cfg.weight_dtype], shape.hidden, cfg.seq_len
+      eager attention adds the s x s probabilities: fp32 softmax output + its d-byte copy, per head.
+    d: bytes of the compute dtype (default the weight dtype; sharded bf16 compute passes 2)."""
+    d, h, s = d or DTYPE_BYTES[cfg.weight_dtype], shape.hidden, cfg.seq_len
     kv = shape.kv_heads * shape.head_dim
     per_token_layer = 2 * (4 * h + 2 * d * h) + d * (3 * h + 2 * kv) + 4 * d * shape.intermediate
     if cfg.attention == "eager":
@@ -155,6 +181,9 @@ def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
 def estimate(cfg: MemoryConfig) -> dict:
     """Components and totals (bytes and GB) for `cfg`; the JSON output of `tether memory`."""
     info = resolve_model(cfg.model)
+    if cfg.gpus > 1:
+        from tether.memory_sharded import estimate_sharded  # it builds on this module's pieces
+        return estimate_sharded(cfg, info)
     n, shape = info["params"], info["shape"]
     d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
     rows: list[dict] = []
@@ -230,6 +259,13 @@ def format_table(est: dict) -> str:
              f"weights {c['weight_dtype']}, optimizer {c['optimizer']}, {mode}, "
              f"{'gradient checkpointing' if c['gradient_checkpointing'] else 'no gradient checkpointing'}"
              f"{', offload' if c['offload'] else ''}; GB = 1e9 bytes", ""]
+    if est.get("per_gpu"):
+        fsdp = c["sharding"] == "fsdp"
+        lines.insert(3, f"per GPU of {c['gpus']} (torchrun): "
+                     + (f"FSDP2 sharding{', CPU offload' if c['fsdp_offload'] else ''}"
+                        f"{', no reshard after forward' if not c['fsdp_reshard'] else ''}" if fsdp
+                        else "replicated (fsdp=false), gradients all-reduced")
+                     + f", mixed precision {c['mixed_precision']}")
     width = 32
     head = f"{'component':<{width}} {'params':>8} {'B/param':>7} {'GB':>9}  note"
     rule = "-" * (len(head) + 30)
@@ -243,6 +279,9 @@ def format_table(est: dict) -> str:
     def tot(label, value, note=""):
         return f"{label:<{width + 17}} {value:>9.2f}  {note}"
 
+    if est.get("per_gpu"):
+        from tether.memory_sharded import format_sharded
+        return "\n".join(lines + format_sharded(est, [head], row, tot, rule))
     by = {g: [r for r in est["components"] if r["group"] == g] for g in ("resident", "gradients", "training", "rollout")}
     lines += [head, rule, *map(row, by["resident"]), rule,
               tot("= weights + optimizer state", t["weights_and_optimizer"],

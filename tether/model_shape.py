@@ -38,13 +38,16 @@ class Shape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
-    def params(self) -> int:
+    def layer_params(self) -> int:
+        """One decoder layer: the unit FSDP2 gathers at a time (tether/distributed.py shards per layer)."""
         lin = self.linears()
         layer = sum(a * b for a, b in lin.values()) + 2 * self.hidden  # + two RMSNorm weights
         layer += self.qkv_bias * (lin["q_proj"][1] + 2 * lin["k_proj"][1]) + self.o_bias * self.hidden
         layer += self.mlp_bias * (2 * self.intermediate + self.hidden)
-        layer += self.qk_norm * 2 * self.head_dim
-        return self.vocab * self.hidden + self.layers * layer + self.hidden + self.lm_head()
+        return layer + self.qk_norm * 2 * self.head_dim
+
+    def params(self) -> int:
+        return self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden + self.lm_head()
 
     def lm_head(self) -> int:
         return 0 if self.tied else self.vocab * self.hidden

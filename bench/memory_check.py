@@ -1,0 +1,365 @@
+"""Predicted vs measured GPU memory per process: `tether memory` against a few real trainer steps.
+
+One command per configuration; the model is random-init at a real shape, built here (no hub):
+
+    python bench/memory_check.py --algo sft --shape qwen2.5-0.5b                          # 1 GPU
+    torchrun --nproc-per-node 2 bench/memory_check.py --algo sft --shape qwen2.5-0.5b      # 2 GPUs, FSDP2
+    torchrun --nproc-per-node 4 bench/memory_check.py --algo sft --shape qwen2.5-0.5b --sharding replicate
+    torchrun --nproc-per-node 4 bench/memory_check.py --algo sft --shape qwen2.5-7b --gradient-checkpointing \
+        --batch-size 2 --seq-len 2048
+    torchrun --nproc-per-node 2 bench/memory_check.py --algo grpo --shape qwen2.5-0.5b
+
+    python bench/memory_check.py --dry                 # no GPU: every planned configuration (PLAN below)
+                                                       # with its command and predictions for 1, 2, 4 GPUs
+    python bench/memory_check.py --dry --algo dpo --gpus 8   # one configuration's predictions
+
+Each rank measures `torch.cuda.max_memory_allocated()` in two windows: loading (setup, up to the
+moment the models are sharded: setup._start is wrapped to read and reset the peak there) and the
+rest of the run (training steps, rollouts, the final checkpoint). It also reads what the device
+holds outside PyTorch's allocator (`mem_get_info` used minus `memory_reserved`): once after the
+first CUDA work (the CUDA context) and once at the end (context + NCCL). Rank 0 prints one JSON line
+with the prediction (tether.memory.estimate of the matching MemoryConfig) beside every rank's
+numbers, and appends it to --out. The data makes every sequence exactly --seq-len tokens (SFT/DPO:
+texts longer than max_length, truncated; GRPO: the EOS is never sampled in practice, 1/vocab).
+
+DPO in tether caches the reference log-probs (a fresh run's reference is the initial policy), so
+it is planned with precompute_ref=true. GRPO runs with beta=0 and a cheap function reward (no
+reference, no reward model) and skip_zero_advantage=false, so every sequence is trained on.
+On CPU (`--device cpu`, gloo under torchrun) the run exercises the script; measured numbers are null.
+
+    ... --snapshot --cap-gb 13.9    # out of memory on purpose just below the peak: prints what is
+                                    # live then, summed by where it was allocated (rank 0)
+
+Results so far (2 x H100 / H200): benchmarks/memory_check.jsonl and docs/memory.md ("Many GPUs:
+measured"). Runs of a trainer that does not yet run under torchrun fail in that trainer, not here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# as the tether CLI sets it (tether/cli.py), before torch is imported: the trainers run in-process here
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+}
+
+# The configurations to measure on 1, 2 and 4 GPUs (the lead's run list; `--dry` prints them all).
+PLAN = [
+    "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024",
+    "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024 --sharding replicate",
+    "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024 --fsdp-offload",
+    "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024 --no-reshard",
+    "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024 --lora-r 16",
+    "--algo dpo --shape qwen2.5-0.5b --batch-size 2 --grad-accum 4 --seq-len 1024",
+    "--algo grpo --shape qwen2.5-0.5b --prompts 16 --generations 8 --prompt-len 128 --new-tokens 384 --micro-batch 16",
+    "--algo sft --shape qwen2.5-7b --batch-size 2 --grad-accum 4 --seq-len 2048 --gradient-checkpointing",
+]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--algo", choices=["sft", "dpo", "grpo"], default="sft")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--sharding", choices=["fsdp", "replicate"], default="fsdp", help="replicate = fsdp=false")
+    p.add_argument("--fsdp-offload", action="store_true")
+    p.add_argument("--no-reshard", action="store_true", help="fsdp_reshard=false")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="model.dtype (fp32: bf16 mixed precision)")
+    p.add_argument("--batch-size", type=int, default=4, help="sft/dpo: micro-batch (rows; dpo: pairs)")
+    p.add_argument("--grad-accum", type=int, default=1, help="sft/dpo: micro-batches per step in one process")
+    p.add_argument("--seq-len", type=int, default=1024, help="sft/dpo: tokens per sequence")
+    p.add_argument("--prompts", type=int, default=16, help="grpo: prompts per step")
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=384)
+    p.add_argument("--micro-batch", type=int, default=0, help="grpo: sequences per forward/backward (0 = all)")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--lora-r", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tether_memory_check"))
+    p.add_argument("--out", default="benchmarks/memory_check.jsonl")
+    p.add_argument("--dry", action="store_true", help="print configurations and predictions only (no GPU)")
+    p.add_argument("--gpus", default="1,2,4", help="--dry: GPU counts to predict for")
+    p.add_argument("--snapshot", action="store_true",
+                   help="record allocations; on out-of-memory print what is live, grouped by where it was allocated")
+    p.add_argument("--cap-gb", type=float, default=0.0,
+                   help="cap each process's allocator at this many GB (with --snapshot: see what is live near the peak)")
+    return p.parse_args(argv)
+
+
+def memory_config(a, gpus: int, model: str):
+    """The `tether memory` question that matches this run (tether.memory.MemoryConfig)."""
+    from tether.memory import MemoryConfig
+    online = a.algo == "grpo"
+    return MemoryConfig(
+        model=model, algo=a.algo, weight_dtype=a.dtype, optimizer="adamw" if a.dtype == "fp32" else "adamw_bf16",
+        lora=a.lora_r > 0, lora_rank=max(a.lora_r, 1), gradient_checkpointing=a.gradient_checkpointing,
+        batch_size=(a.micro_batch or a.prompts * a.generations) if online else a.batch_size,
+        grad_accum=1 if online else a.grad_accum,
+        seq_len=a.prompt_len + a.new_tokens if online else a.seq_len,
+        rollout_batch=a.prompts, num_generations=a.generations, reward="verifier", beta=0,
+        precompute_ref=True, gpus=gpus, sharding=a.sharding if gpus > 1 else "none",
+        fsdp_offload=a.fsdp_offload, fsdp_reshard=not a.no_reshard, format="json")
+
+
+def write_config(shape: str, out: Path) -> Path:
+    """config.json only (what `tether memory` reads): no weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    qwen2_config(shape).save_pretrained(out)
+    return out
+
+
+def build_model(shape: str, out: Path, device: str) -> None:
+    """Random-init Qwen2 weights (bf16 on disk; the trainer loads them as --dtype) and a word-level
+    tokenizer over the whole vocabulary: "<0>" ... "<V-1>", pad <0>, EOS <1> (inside the vocabulary:
+    SFT appends it to completions; GRPO samples it with probability ~1/V)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if (out / "done").exists():
+        return
+    cfg = qwen2_config(shape)
+    torch.manual_seed(0)
+    with torch.device(device):  # on the GPU: a 7B init takes seconds instead of minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    model.save_pretrained(out)
+    del model
+    V = cfg.vocab_size
+    tok = Tokenizer(models.WordLevel(vocab={f"<{i}>": i for i in range(V)}, unk_token="<2>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<1>", pad_token="<0>", unk_token="<2>")
+    fast.model_max_length = 1 << 20
+    fast.save_pretrained(out)
+    (out / "done").write_text("")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def qwen2_config(shape: str):
+    from transformers import Qwen2Config
+    return Qwen2Config(**SHAPES[shape], bos_token_id=None, eos_token_id=1, pad_token_id=0,
+                       rope_theta=1e6, max_position_embeddings=32768)
+
+
+def words(rng, n: int, vocab: int) -> str:
+    return " ".join(f"<{rng.randrange(10, vocab)}>" for _ in range(n))
+
+
+def write_data(a, path: Path, rows: int) -> None:
+    import random
+    rng, V = random.Random(0), SHAPES[a.shape]["vocab_size"]
+    with open(path, "w") as f:
+        for _ in range(rows):
+            if a.algo == "sft":  # longer than max_length: truncated to exactly seq_len tokens
+                row = {"prompt": words(rng, 16, V), "completion": words(rng, a.seq_len, V)}
+            elif a.algo == "dpo":
+                row = {"prompt": words(rng, 16, V), "chosen": words(rng, a.seq_len, V),
+                       "rejected": words(rng, a.seq_len, V)}
+            else:
+                row = {"prompt": words(rng, a.prompt_len, V)}
+            f.write(json.dumps(row) + "\n")
+
+
+def reward(completions, **_):
+    """Cheap and varied: the completion's text length mod 7."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def trainer(a, model_dir: Path, data: Path, runs: Path):
+    """(config, train function) for the run, built with tether's own config loader."""
+    from tether.config import load_config
+    common = {"model": str(model_dir), "data": str(data), "runs_dir": str(runs), "name": a.algo,
+              "overwrite": True, "dtype": a.dtype, "device": a.device, "gradient_checkpointing": a.gradient_checkpointing,
+              "lora_r": a.lora_r, "fsdp": a.sharding == "fsdp", "fsdp_offload": a.fsdp_offload,
+              "fsdp_reshard": not a.no_reshard, "max_steps": a.steps, "progress": False, "log_every": 1,
+              "save_every": 0, "num_samples": 0, "lr": 1e-6, "keep_last": 1}
+    if a.algo == "grpo":
+        from tether.trainers.online import GRPOConfig, train_grpo
+        cfg = load_config(GRPOConfig, overrides={
+            **common, "batch_size": a.prompts, "num_generations": a.generations, "max_new_tokens": a.new_tokens,
+            "max_prompt_length": a.prompt_len, "micro_batch_size": a.micro_batch, "beta": 0.0,
+            "skip_zero_advantage": False, "log_entropy": False})
+        return cfg, lambda: train_grpo(cfg, reward_funcs=[reward])
+    over = {**common, "batch_size": a.batch_size, "grad_accum": a.grad_accum, "max_length": a.seq_len}
+    if a.algo == "sft":
+        from tether.trainers.sft import SFTConfig, train_sft
+        cfg = load_config(SFTConfig, overrides=over)
+        return cfg, lambda: train_sft(cfg)
+    from tether.trainers.offline import DPOConfig, train_offline
+    cfg = load_config(DPOConfig, overrides=over)
+    return cfg, lambda: train_offline(cfg)
+
+
+def predict(a, gpus: int, config_dir: Path) -> dict:
+    from tether.memory import estimate
+    est = estimate(memory_config(a, gpus, str(config_dir)))
+    t = est["totals_gb"]
+    return {"peak_gb": t["peak"], "loading_gb": t.get("loading"), "training_step_gb": t["training_step"],
+            "rollout_gb": t["rollout"], "outside_allocator_gb": t.get("outside_allocator"),
+            "components_gb": {x["component"]: round(x["gb"], 4) for x in est["components"] if x["device"] == "gpu"}}
+
+
+def command(argline: str, gpus: int) -> str:
+    run = "python" if gpus == 1 else f"torchrun --nproc-per-node {gpus}"
+    return f"{run} bench/memory_check.py {argline}"
+
+
+def dry(a, argv) -> None:
+    """Predictions for PLAN, or for the one configuration the other arguments describe."""
+    rest, skip = [], False
+    for x in argv:  # drop --dry and --gpus N / --gpus=N: the rest is the configuration
+        if skip or x == "--dry" or x.startswith("--gpus"):
+            skip = x == "--gpus"
+            continue
+        rest.append(x)
+    lines = [" ".join(shlex.quote(x) for x in rest)] if rest else PLAN
+    gpus = [int(g) for g in a.gpus.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for line in lines:
+            b = parse(shlex.split(line))
+            config_dir = write_config(b.shape, Path(tmp) / b.shape)
+            for n in gpus:
+                try:
+                    pred = predict(b, n, config_dir)
+                except ValueError as e:  # e.g. a global batch that does not divide among n GPUs
+                    pred = {"error": str(e)}
+                print(json.dumps({"command": command(line, n), "gpus": n, "predicted": pred}))
+
+
+def outside_allocator_gb(device: str):
+    import torch
+    if device != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 1e9
+
+
+def live_by_site(snapshot: dict, top: int = 25) -> list[str]:
+    """Live allocations of a torch.cuda.memory._snapshot(), summed by where they were asked for:
+    the innermost frame in FSDP / torch.optim / checkpointing, else in transformers / tether."""
+    sites: dict = {}
+    tiers = (("fsdp/", "torch/optim/", "utils/checkpoint"), ("transformers/", "tether/", "bench/"), ("torch/",))
+    for seg in snapshot["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                continue
+            frames = b.get("frames") or []
+            f = next((f for keys in tiers for f in frames if any(k in f["filename"] for k in keys)),
+                     frames[0] if frames else None)
+            site = f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" if f else "?"
+            caller = next((g for g in frames if "tether/" in g["filename"]), None)  # which step of ours
+            if caller is not None and caller is not f:
+                site += f" <- {caller['filename'].split('tether/')[-1]}:{caller['line']} {caller['name']}"
+            n, size = sites.get(site, (0, 0))
+            sites[site] = (n + 1, size + b["size"])
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+    return [f"{size / 1e9:8.3f} GB {n:6d}x  {site}" for site, (n, size) in rows]
+
+
+def measure(a) -> None:
+    import torch
+
+    from tether import distributed
+    from tether.trainers import setup
+
+    distributed.init()
+    rank, world = distributed.rank(), distributed.world_size()
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: use --dry (predictions only) or --device cpu")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.ones(256, 256, device="cuda").matmul(torch.ones(256, 256, device="cuda"))  # context + cuBLAS
+        torch.cuda.synchronize()
+    context = outside_allocator_gb(a.device)
+    work = Path(a.workdir)
+    model_dir, data = work / f"model-{a.shape}", work / f"{a.algo}-{a.shape}-{a.seq_len}-{a.prompt_len}.jsonl"
+    if rank == 0:  # the others wait: one copy of the model on disk
+        work.mkdir(parents=True, exist_ok=True)
+        build_model(a.shape, model_dir, a.device)
+        rows_per_step = a.prompts if a.algo == "grpo" else a.batch_size * a.grad_accum
+        write_data(a, data, rows_per_step * (a.steps + 1))
+    distributed.barrier()
+
+    from transformers import PreTrainedTokenizerFast
+
+    def load_tok(path, **_):  # AutoTokenizer would rebuild it as Qwen2's BPE tokenizer (config.json)
+        tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        tok.padding_side = "right"
+        return tok
+    setup.load_tokenizer = load_tok
+    load_peak = {}
+    start = setup._start
+
+    def start_after_sharding(*args, **kw):  # the models are loaded and sharded: close the load window
+        if a.device == "cuda":
+            load_peak["gb"] = torch.cuda.max_memory_allocated() / 1e9
+            torch.cuda.reset_peak_memory_stats()
+        return start(*args, **kw)
+    setup._start = start_after_sharding
+
+    cfg, train = trainer(a, model_dir, data, work / f"runs-{world}")
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        if a.cap_gb:
+            torch.cuda.set_per_process_memory_fraction(a.cap_gb * 1e9 / torch.cuda.get_device_properties().total_memory)
+        if a.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
+    t0 = time.perf_counter()
+    try:
+        train()
+    except torch.OutOfMemoryError:
+        if a.snapshot and rank == 0:
+            print(f"out of memory at {torch.cuda.memory_allocated() / 1e9:.2f} GB allocated; live by site:")
+            print("\n".join(live_by_site(torch.cuda.memory._snapshot())), flush=True)
+        raise
+    seconds = time.perf_counter() - t0
+    mine = {"rank": rank, "load_peak_gb": load_peak.get("gb"), "seconds": round(seconds, 1),
+            "run_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if a.device == "cuda" else None,
+            "cuda_context_gb": context, "outside_allocator_gb": outside_allocator_gb(a.device)}
+    ranks = distributed.all_gather_object(mine)
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            pred = predict(a, world, write_config(a.shape, Path(tmp)))
+        peaks = [max(r["load_peak_gb"] or 0, r["run_peak_gb"] or 0) for r in ranks]
+        line = {"bench": "memory_check", "date": time.strftime("%Y-%m-%d %H:%M"),
+                "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                "gpus": world, "args": {k: v for k, v in vars(a).items() if k not in ("dry", "gpus", "workdir", "out")},
+                "predicted": pred, "measured": ranks,
+                "measured_peak_gb": max(peaks) if a.device == "cuda" else None,
+                "measured_over_predicted": round(max(peaks) / pred["peak_gb"], 3) if a.device == "cuda" else None}
+        print(json.dumps(line))
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    if distributed.active():
+        torch.distributed.destroy_process_group()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse(argv)
+    if a.dry:
+        dry(a, argv)
+    else:
+        measure(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""`tether memory gpus=N`: the per-GPU accounting of N processes under torchrun (tether/memory_sharded.py).
+
+The model is a Qwen2.5-0.5B-shaped config (no weights). Its numbers, by hand:
+    hidden h=896, 24 layers, 14 heads / 2 kv heads (head_dim 64, kv dim 128), intermediate 4864,
+    vocab 151936, tied embeddings, q/k/v biases
+    one layer  = q 896*896 + 896 + k, v 2*(896*128 + 128) + o 896*896 + MLP 3*896*4864 + norms 2*896
+               = 803,712 + 229,632 + 802,816 + 13,074,432 + 1,792 = 14,912,384
+    root       = embeddings 151936*896 + final norm 896 = 136,135,552 (the LM head is the embedding)
+    n          = 24 * 14,912,384 + 136,135,552 = 494,032,768 (Qwen2.5-0.5B's published count)
+    activations per token per layer in bf16 (docs/memory.md):
+                 2*(4h + 2*2h) + 2*(3h + 2*128) + 4*2*4864 = 14,336 + 5,888 + 38,912 = 59,136 B
+"""
+
+import pytest
+
+from tether.cli import main
+from tether.config import ConfigError, load_config
+from tether.memory import MemoryConfig, estimate
+from tether.memory_sharded import CUDA_CONTEXT_BYTES, FSDP_LIVE_LAYERS, NCCL_BYTES
+
+N, LAYER, ROOT = 494_032_768, 14_912_384, 136_135_552
+
+
+@pytest.fixture(scope="module")
+def qwen05(tmp_path_factory):
+    from transformers import Qwen2Config
+    path = tmp_path_factory.mktemp("qwen05")
+    Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True).save_pretrained(path)
+    return str(path)
+
+
+def _est(model, **kw):
+    return estimate(load_config(MemoryConfig, overrides={"model": model, **kw}))
+
+
+def _row(est, component):
+    rows = [r for r in est["components"] if r["component"] == component]
+    assert len(rows) == 1, f"{component}: {len(rows)} rows"
+    return rows[0]["bytes"]
+
+
+def _sum(est, *groups, device="gpu"):
+    return sum(r["bytes"] for r in est["components"] if r["group"] in groups and r["device"] == device)
+
+
+def test_shape_counts_match_the_hand_numbers(qwen05):
+    est = _est(qwen05, algo="sft")
+    assert est["params"] == N
+    from tether.model_shape import Shape
+    assert Shape(**est["shape"]).layer_params() == LAYER
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "ppo"])
+@pytest.mark.parametrize("sharding", ["fsdp", "replicate", "none"])
+def test_one_gpu_is_the_single_gpu_estimate(qwen05, algo, sharding):
+    """In one process tether wraps no model (distributed.active() is False), whatever `sharding`
+    says: every component and total is the single-GPU one, and no sharded line appears."""
+    one, plain = _est(qwen05, algo=algo, gpus=1, sharding=sharding), _est(qwen05, algo=algo, sharding="none")
+    assert one["components"] == plain["components"] and one["totals_bytes"] == plain["totals_bytes"]
+    assert "per_gpu" not in one and {r["group"] for r in one["components"]} <= {"resident", "gradients", "training", "rollout"}
+
+
+def test_fsdp_sft_by_hand(qwen05):
+    """4 GPUs, fp32 master weights + bf16 compute (the trainers' defaults), 4 x 4 global batch:
+    each GPU a micro-batch of 4 sequences of 1024 tokens, no checkpointing."""
+    est = _est(qwen05, algo="sft", gpus=4, weight_dtype="fp32", batch_size=4, grad_accum=4, seq_len=1024)
+    assert _row(est, "policy weights") == N * 4 // 4 == 494_032_768  # fp32, a quarter each
+    assert _row(est, "policy gradients") == 494_032_768  # fp32 as the sharded weights
+    assert _row(est, "policy optimizer state") == N * 8 // 4 == 988_065_536
+    # no checkpointing: autograd keeps every layer's gathered bf16 weights for backward
+    assert _row(est, "policy gathered layers") == N * 2 == 988_065_536
+    # root + one layer: bf16 gradients + their fp32 reduce-scatter input, 6 B each
+    assert _row(est, "policy unsharded gradients") == (ROOT + LAYER) * 6 == 906_287_616
+    assert _row(est, "policy activations") == 4 * 1024 * 24 * 59_136 == 5_813_305_344
+    assert _row(est, "policy logits") == 4 * 1024 * 151_936 * 2 * 2 == 2_489_319_424  # bf16 + gradient
+    t = est["totals_bytes"]
+    assert t["weights_and_optimizer"] == 494_032_768 + 988_065_536
+    assert t["training_step"] == t["peak"] == 12_173_108_992
+    assert t["loading"] == N * 4  # every GPU holds the whole fp32 model before it is sharded
+    assert t["rollout"] is None and t["frozen_forwards"] is None and t["cpu_offloaded"] == 0
+    assert t["peak_device"] == t["peak"] + CUDA_CONTEXT_BYTES + NCCL_BYTES
+
+
+def test_checkpointing_gathers_root_and_the_live_layers(qwen05):
+    est = _est(qwen05, algo="sft", gpus=4, weight_dtype="fp32", batch_size=4, grad_accum=4,
+               gradient_checkpointing=True)
+    assert FSDP_LIVE_LAYERS == 10
+    assert _row(est, "policy gathered layers") == (ROOT + 10 * LAYER) * 2 == 570_518_784
+    # checkpointed: each layer's bf16 input (2h per token) + one layer recomputed
+    assert _row(est, "policy activations") == 4 * 1024 * (24 * 2 * 896 + 59_136) == 418_381_824
+
+
+@pytest.mark.parametrize("algo,lora", [("sft", False), ("dpo", False), ("grpo", False), ("ppo", False),
+                                       ("sft", True), ("ppo", True)])
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_optimizer_state_and_gradients_are_exactly_one_nth(qwen05, algo, lora, gpus):
+    kw = dict(algo=algo, weight_dtype="fp32", lora=lora, lora_rank=8, rollout_batch=8, batch_size=8)
+    single, sharded = _est(qwen05, **kw), _est(qwen05, gpus=gpus, **kw)
+    for name in ("policy", "value model"):
+        if algo != "ppo" and name == "value model":
+            continue
+        for part in ("optimizer state", "gradients", "weights"):
+            assert _row(sharded, f"{name} {part}") * gpus == _row(single, f"{name} {part}")
+    replicated = _est(qwen05, gpus=gpus, sharding="replicate", **kw)
+    assert _sum(replicated, "resident") == _sum(single, "resident")  # a whole copy on every GPU
+    assert _sum(replicated, "gradients") == _sum(single, "gradients")
+    assert _sum(sharded, "resident") * gpus == pytest.approx(_sum(single, "resident"), abs=gpus)
+
+
+def test_activations_follow_the_per_gpu_micro_batch(qwen05):
+    """A GPU trains its 1/N of the global batch in micro-batches of the single-process size."""
+    def act(est):
+        return _row(est, "policy activations")
+    # bf16 weights: the compute dtype is the weight dtype, as in the single-GPU formula
+    assert act(_est(qwen05, algo="sft", gpus=4, batch_size=4, grad_accum=4)) == act(_est(qwen05, algo="sft", batch_size=4))
+    assert act(_est(qwen05, algo="sft", gpus=4, batch_size=4, grad_accum=1)) == act(_est(qwen05, algo="sft", batch_size=1))
+    # pairs: chosen + rejected, 8 pairs over 4 GPUs = 2 pairs = 4 sequences each
+    assert act(_est(qwen05, algo="dpo", gpus=4, batch_size=8)) == act(_est(qwen05, algo="sft", batch_size=4))
+    # grpo: 8 prompts x 8 generations over 4 GPUs = 16 sequences each, micro-batches of 4
+    assert act(_est(qwen05, algo="grpo", gpus=4, batch_size=4)) == act(_est(qwen05, algo="sft", batch_size=4))
+
+
+def test_rollout_replica_counts_once_per_gpu(qwen05):
+    two = _est(qwen05, algo="grpo", gpus=2, weight_dtype="fp32", reward="verifier", beta=0, seq_len=512)
+    eight = _est(qwen05, algo="grpo", gpus=8, weight_dtype="fp32", reward="verifier", beta=0, seq_len=512)
+    # a whole bf16 policy on every GPU, whatever N
+    assert _row(two, "rollout replica") == _row(eight, "rollout replica") == N * 2
+    # KV cache of this GPU's share: 8 prompts x 8 generations / N, bf16, 2 x 24 layers x 128 B
+    kv_token = 2 * 24 * 2 * 64 * 2
+    assert _row(two, "KV cache (rollouts)") == 32 * 512 * kv_token
+    assert _row(eight, "KV cache (rollouts)") == 8 * 512 * kv_token
+    for est in (two, eight):  # never inside the gradients under torchrun: held through the step
+        t = est["totals_bytes"]
+        assert not est["kv_in_gradient_buffer"]
+        assert t["training_step"] == t["with_gradients"] + _sum(est, "gather", "training") + _sum(est, "rollout")
+        # the replica's refresh gathers one whole fp32 parameter, the largest: the embedding
+        assert _row(est, "replica refresh") == 151_936 * 896 * 4
+        assert t["rollout"] == t["weights_and_optimizer"] + _sum(est, "rollout") + 151_936 * 896 * 4
+
+
+def test_frozen_models_are_sharded_and_gathered_in_their_forward(qwen05):
+    est = _est(qwen05, algo="grpo", gpus=4, weight_dtype="fp32", beta=0.04, reward="model")
+    assert _row(est, "reference weights") == N * 4 // 4
+    backbone = N + 896  # tied: no LM head to drop, a scalar head added
+    assert _row(est, "reward model weights") == backbone * 4 // 4
+    assert _row(est, "reference gathered layers") == (ROOT + 10 * LAYER) * 2
+    assert _row(est, "reward model gathered layers") == (ROOT + 896 + 10 * LAYER) * 2
+    t = est["totals_bytes"]
+    assert t["frozen_forwards"] == t["weights_and_optimizer"] + _sum(est, "rollout") + (ROOT + 896 + 10 * LAYER) * 2
+    # frozen models hold neither gradients nor optimizer state
+    assert {r["component"] for r in est["components"] if r["group"] == "gradients"} == {"policy gradients"}
+    # setup loads policy, reference, reward model and the replica's copy whole before sharding
+    assert t["loading"] == (N + N + backbone + N) * 4
+
+
+def test_offload_leaves_gathered_layers_and_activations_on_the_gpu(qwen05):
+    kw = dict(algo="sft", gpus=4, weight_dtype="fp32", batch_size=4, grad_accum=4)
+    on, off = _est(qwen05, fsdp_offload=True, **kw), _est(qwen05, **kw)
+    t = on["totals_bytes"]
+    assert t["weights_and_optimizer"] == 0 and t["with_gradients"] == 0
+    assert t["cpu_offloaded"] == off["totals_bytes"]["with_gradients"] == (4 + 4 + 8) * N // 4
+    assert t["training_step"] == _sum(on, "gather", "training") == off["totals_bytes"]["training_step"] - t["cpu_offloaded"]
+
+
+def test_no_reshard_keeps_the_model_gathered(qwen05):
+    est = _est(qwen05, algo="sft", gpus=2, weight_dtype="fp32", fsdp_reshard=False)
+    assert _row(est, "policy gathered layers") == 3 * N * 2  # measured: three bf16 copies' worth
+
+
+def test_mixed_precision_off_computes_in_fp32(qwen05):
+    est = _est(qwen05, algo="sft", gpus=2, weight_dtype="fp32", mixed_precision="no", batch_size=2)
+    assert _row(est, "policy gathered layers") == N * 4
+    assert _row(est, "policy unsharded gradients") == (ROOT + LAYER) * 8  # fp32 gradients, fp32 reduce
+    assert _row(est, "policy logits") == 1 * 1024 * 151_936 * 4 * 2
+
+
+def test_lora_shards_base_and_adapters(qwen05):
+    est = _est(qwen05, algo="sft", gpus=4, weight_dtype="fp32", lora=True, lora_rank=8)
+    per_layer = 8 * (896 + 896 + 2 * (896 + 128) + 896 + 896 + 3 * (896 + 4864))  # r * (d_in + d_out)
+    assert _row(est, "policy LoRA adapters") == 24 * per_layer * 4 // 4
+    assert _row(est, "policy optimizer state") == 24 * per_layer * 8 // 4
+    assert _row(est, "policy weights") == N  # frozen base, fp32, a quarter
+    # only the adapters get gradients: no root gradients, one layer's adapters in flight
+    assert _row(est, "policy unsharded gradients") == per_layer * 6
+
+
+def test_refusals_are_config_errors(qwen05):
+    with pytest.raises(ConfigError, match="sharding"):
+        _est(qwen05, gpus=2, sharding="none")
+    with pytest.raises(ConfigError, match="rollout_batch"):
+        _est(qwen05, algo="grpo", gpus=3, rollout_batch=8)
+    with pytest.raises(ConfigError, match="does not divide"):
+        _est(qwen05, algo="sft", gpus=8, batch_size=2, grad_accum=2)
+
+
+def test_cli_table_per_gpu(qwen05, capsys):
+    assert main(["memory", "--model", qwen05, "--algo", "grpo", "gpus=4", "weight_dtype=fp32"]) == 0
+    out = capsys.readouterr().out
+    for text in ("per GPU of 4 (torchrun): FSDP2 sharding", "rollout replica", "1/4 shard",
+                 "= loading", "total (peak per GPU)", "+ CUDA context + NCCL"):
+        assert text in out, text
+
+
+def test_bench_dry_run_plans_every_configuration(capsys):
+    """bench/memory_check.py --dry (no GPU): each planned configuration, its command and predictions."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("memory_check", Path(__file__).parents[1] / "bench" / "memory_check.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--dry", "--gpus", "1,2"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 2 * len(bench.PLAN)
+    assert [x["command"].split(" bench/")[0] for x in lines[:2]] == ["python", "torchrun --nproc-per-node 2"]
+    # 7.6B parameters: one GPU holds 16 B each (fp32 weights, gradients, AdamW m + v) and more;
+    # two GPUs hold half of that each, plus what is not sharded
+    big = [x["predicted"]["peak_gb"] for x in lines if "qwen2.5-7b" in x["command"]]
+    assert big[0] > 7.6e9 * 16 / 1e9 > big[1] > 7.6e9 * 8 / 1e9

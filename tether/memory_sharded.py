@@ -1,0 +1,211 @@
+"""`tether memory gpus=N`: what each GPU holds when N processes train one model under torchrun.
+
+The layout is tether/distributed.py's and trainers/setup.py's: FSDP2 `fully_shard` on every decoder
+layer, then the root (embeddings, final norm, head); frozen models sharded the same way; the RL
+trainers' rollout replica (a whole policy per GPU) and their sampler's KV cache for the GPU's share
+of the prompts. sharding=replicate (the trainers' fsdp=false) is the same code over an N x 1 mesh:
+nothing is split, gradients are all-reduced. Every formula, and what it leaves out, is in
+docs/memory.md ("Many GPUs"); comments here say why a line is the way it is.
+
+The components come in the single-GPU groups (resident, gradients, training, rollout) plus these:
+`gather` (FSDP2's gathered weights and unsharded gradients around the micro-batch being trained),
+`refresh` (the replica's refresh from the shards), `frozen` (a frozen model's gathered layers
+during its forward), `load` (the models whole on each GPU while setup loads them, before sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from tether.memory import (DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
+                           activation_bytes, held_models)
+
+# The constants below are measurements (bench/memory_check.py, 2 x H100 / H200, torch 2.11,
+# Qwen2.5-0.5B and -7B shapes; the numbers are in docs/memory.md, "Many GPUs: measured").
+#
+# Decoder layers whose gathered weights are live at once when nothing else holds them (gradient
+# checkpointing, frozen forwards). Prefetch alone would keep 2, but the CPU issues all-gathers ahead
+# of the GPU and a resharded layer's memory returns only once the GPU is past it: a snapshot of
+# the 7B forward held the root and ~9.5 layers' worth (4.75 GB of gathered weights + 1.86 GB of
+# all-gather buffers).
+FSDP_LIVE_LAYERS = 10
+# fsdp_reshard=false: gathered weights, measured, in units of the whole model in the compute dtype
+# (0.5B: +1.98 GB = 2 x 0.99 over resharding, which itself holds the whole model without checkpointing)
+NO_RESHARD_WHOLE_MODELS = 3
+# Bytes per logit per compute-dtype byte: the logits and their gradient (tether's token_logps is
+# tiled and keeps no fp32 copy); a sharded model takes the plain HF forward, never the chunked
+# head (models/logprobs.py). Measured: 3.96 B/logit in bf16 (0.5B, batch 4 vs 1).
+LOGIT_COPIES = 2
+# Outside the caching allocator, so outside torch.cuda.max_memory_allocated (what `peak` predicts):
+# the device's used memory minus torch's reserved memory. CUDA context with cuBLAS handles: 0.72 GB
+# after the first matmul, 0.82-0.91 GB at the end of a one-process run (H100). NCCL: 2.17 GB (H100)
+# and 2.27 GB (H200) at the end of 2-process runs, so ~1.35 GB for the communicators of 2 ranks;
+# NCCL sizes its buffers by channels and peers, so more GPUs may take more (not yet measured).
+CUDA_CONTEXT_BYTES = int(0.9 * GB)
+NCCL_BYTES = int(1.4 * GB)
+
+
+def _per_gpu_batch(cfg: MemoryConfig) -> tuple[int, int]:
+    """(sequences per micro-batch on one GPU, rollout sequences on one GPU). Each process takes
+    1/N of the global batch (distributed.py: ranks are micro-batches) and cuts its share into
+    micro-batches of the single-process size."""
+    n = cfg.gpus
+    if cfg.algo in ONLINE:
+        gen = cfg.rollout_batch // n * (cfg.num_generations if cfg.algo != "ppo" else 1)
+        return min(cfg.batch_size, gen), gen
+    micro = min(cfg.batch_size, cfg.batch_size * cfg.grad_accum // n)
+    return micro * (2 if cfg.algo in PAIRWISE else 1), 0
+
+
+def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
+    """Per-GPU components and totals for cfg.gpus > 1 (same keys as memory.estimate, plus
+    `loading`, `frozen_forwards`, `outside_allocator` and `peak_device` among the totals)."""
+    n, shape = info["params"], info["shape"]
+    gpus, fsdp = cfg.gpus, cfg.sharding == "fsdp"
+    split = gpus if fsdp else 1  # what a resident or gradient byte is divided by
+    d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
+    # setup.sharding_bf16: fp32 weights + mixed precision -> MixedPrecisionPolicy(bf16, reduce fp32);
+    # other dtypes compute and reduce in their own (FSDP2's default policy)
+    mixed = d == 4 and cfg.mixed_precision != "no"
+    c, r = (2, 4) if mixed else (d, d)
+    rows: list[dict] = []
+
+    def add(component, group, nbytes, params=None, bpp=None, note="", device="gpu"):
+        rows.append({"component": component, "group": group, "params": params, "bytes_per_param": bpp,
+                     "bytes": int(nbytes), "gb": nbytes / GB, "device": device, "note": note})
+
+    where = "cpu" if cfg.fsdp_offload else "gpu"
+    opt_where = "cpu" if cfg.fsdp_offload or cfg.offload else "gpu"
+    part = f"1/{gpus} shard" if fsdp else "whole copy on every GPU"
+    models = held_models(cfg, n, shape)
+    for m in models:
+        add(f"{m.name} weights", "resident", m.weights * d / split, m.weights, d / split, f"{m.note}; {part}", where)
+        if m.adapters:
+            add(f"{m.name} LoRA adapters", "resident", m.adapters * 4 / split, m.adapters, 4 / split,
+                f"rank {cfg.lora_rank}, fp32; {part}", where)
+    for m in (m for m in models if m.trainable):
+        if cfg.master_weights and m.trainable_bytes < 4:
+            add(f"{m.name} fp32 master weights", "resident", m.trainable * 4 / split, m.trainable, 4 / split,
+                part, opt_where)
+        add(f"{m.name} optimizer state", "resident", m.trainable * opt / split, m.trainable, opt / split,
+            f"{OPT_NOTE[cfg.optimizer]}; {part}", opt_where)
+    for m in (m for m in models if m.trainable):
+        add(f"{m.name} gradients", "gradients", m.trainable * m.trainable_bytes / split, m.trainable,
+            m.trainable_bytes / split, f"{m.trainable_bytes} B each, as the sharded weights; {part}", where)
+
+    # FSDP2 units: each decoder layer, and the root holding the rest (embeddings, final norm, LM or
+    # scalar head). With a parameter count for a model the root is what the count leaves beyond the
+    # guessed shape's layers.
+    lora_layer = shape.lora_params(cfg.lora_rank, cfg.lora_targets) // shape.layers if cfg.lora else 0
+    unit = shape.layer_params()
+    cdt = "bf16" if c == 2 else "fp32"
+    live = min(FSDP_LIVE_LAYERS, shape.layers)
+
+    def gathered(m, trained: bool):
+        """(bytes, what): the model's gathered weights live at once. Trained without checkpointing,
+        autograd keeps every layer's gathered weights for its backward (measured: all 25 units of
+        the 0.5B shape live after the forward); with checkpointing, and in frozen forwards, the
+        root + FSDP_LIVE_LAYERS layers."""
+        whole = m.weights + m.adapters
+        if not cfg.fsdp_reshard:
+            k = NO_RESHARD_WHOLE_MODELS if trained else 1
+            return k * whole * c, f"{k} x the whole model (fsdp_reshard=false; measured)"
+        if trained and not cfg.gradient_checkpointing:
+            return whole * c, "the whole model (saved for backward layer by layer; measured)"
+        layer = unit + (lora_layer if m.adapters else 0)
+        root = max(0, whole - shape.layers * layer)
+        return (root + live * layer) * c, f"root + {live} decoder layers (all-gathers run ahead of the GPU)"
+
+    for m in (m for m in models if m.layered):
+        g, what = gathered(m, bool(m.trainable))
+        if not m.trainable:
+            add(f"{m.name} gathered layers", "frozen", g, note=f"during its forward: {what}, {cdt}")
+            continue
+        add(f"{m.name} gathered layers", "gather", g, note=f"{what}, {cdt}")
+        layer_tr = lora_layer if cfg.lora else unit
+        root_tr = max(0, m.trainable - shape.layers * layer_tr)
+        # the root (embeddings, head) is reduced last: its gradients accumulate unsharded through
+        # the whole backward and are cast for their reduce-scatter at the end; a layer's are reduced
+        # as its backward ends
+        add(f"{m.name} unsharded gradients", "gather", root_tr * (c + r) + layer_tr * (c + r),
+            note=f"backward: the root's and one layer's {cdt} gradients + their "
+                 f"{'fp32' if r == 4 else cdt} reduce-scatter input")
+
+    seqs, gen = _per_gpu_batch(cfg)
+    ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
+    for m in (m for m in models if m.activations):
+        add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs, c),
+            note=f"{seqs} seq x {cfg.seq_len} tok per GPU, {ckpt}, {cfg.attention}, {cdt}")
+        if m.activations == "lm":  # every trainer, not only sft: a sharded model skips the chunked head
+            add(f"{m.name} logits", "training", seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES,
+                note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
+    if cfg.algo in ONLINE:
+        lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
+        # setup_training(rollout_replica=True): a plain copy of the (PEFT) policy, bf16 under mixed
+        # precision, kept for the whole run; the sampler keeps its cache between calls and, under
+        # torchrun, never inside the gradients (common.flat_grad_buffer returns None)
+        add("rollout replica", "rollout", (n + lora) * c, n + lora, c,
+            f"whole policy in {cdt} on every GPU, not sharded")
+        add("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(c),
+            note=f"{gen} seq per GPU ({cfg.rollout_batch}/{gpus} prompts) x {cfg.seq_len} tok x "
+                 f"{shape.kv_bytes_per_token(c)} B/token")
+        if fsdp:  # distributed.copy_full_weights gathers one whole parameter at a time, in its own dtype
+            big = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
+            add("replica refresh", "refresh", big * d, big, d, "largest parameter gathered whole (after each step)")
+
+    # setup._setup loads each model whole onto every GPU (load_model(...).to(device)), deep-copies
+    # the reference and the replica from it, and only then shards them: for that moment every GPU
+    # holds them all in the weight dtype (the replica is cast to bf16 after its copy)
+    loaded = sum(m.weights * d + m.adapters * 4 for m in models)
+    if cfg.algo in ONLINE:
+        loaded += (n + (shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0)) * d
+    add("models loaded whole", "load", loaded,
+        note="before sharding: every model held (+ the replica's copy) whole on each GPU, weight dtype")
+
+    def total(*groups, device="gpu"):
+        return sum(x["bytes"] for x in rows if x["group"] in groups and x["device"] == device)
+
+    resident, grads, held = total("resident"), total("gradients"), total("rollout")
+    frozen = [x["bytes"] for x in rows if x["group"] == "frozen"]
+    step_total = resident + grads + held + total("gather", "training")
+    during_rollout = resident + held + total("refresh") if cfg.algo in ONLINE else None
+    during_frozen = resident + held + max(frozen) if frozen else None
+    loading = total("load")
+    peak = max(v for v in (step_total, during_rollout, during_frozen, loading) if v is not None)
+    outside = CUDA_CONTEXT_BYTES + NCCL_BYTES
+    totals = {"weights_and_optimizer": resident, "with_gradients": resident + grads,
+              "loading": loading, "training_step": step_total, "rollout": during_rollout,
+              "frozen_forwards": during_frozen,
+              "peak": peak, "cpu_offloaded": total("resident", "gradients", device="cpu"),
+              "outside_allocator": outside, "peak_device": peak + outside}
+    return {"model": info["name"], "params": n, "source": info["source"], "shape": asdict(shape),
+            "algo": cfg.algo, "config": asdict(cfg), "unit": "GB = 1e9 bytes", "components": rows,
+            "kv_in_gradient_buffer": False, "per_gpu": True,
+            "totals_bytes": totals, "totals_gb": {k: None if v is None else v / GB for k, v in totals.items()}}
+
+
+def format_sharded(est: dict, head: list[str], row, tot, rule: str) -> list[str]:
+    """The table body for a per-GPU estimate (memory.format_table's header and row helpers)."""
+    c, t = est["config"], est["totals_gb"]
+    by = {g: [x for x in est["components"] if x["group"] == g]
+          for g in ("resident", "gradients", "gather", "training", "rollout", "refresh", "frozen", "load")}
+    lines = [*head, rule, *map(row, by["resident"]), rule,
+             tot("= weights + optimizer state", t["weights_and_optimizer"], "per GPU"),
+             *map(row, by["gradients"]), tot("= + gradients", t["with_gradients"]),
+             *map(row, by["rollout"] + by["gather"] + by["training"]),
+             tot("= training step", t["training_step"],
+                 "resident + gradients + gathered + unsharded gradients + activations"
+                 + (" + replica + KV cache" if by["rollout"] else ""))]
+    if by["rollout"]:
+        lines += [*map(row, by["refresh"]), tot("= rollout generation", t["rollout"],
+                                                "resident + replica + KV cache (+ its refresh)")]
+    if by["frozen"]:
+        lines += [*map(row, by["frozen"]), tot("= frozen forwards", t["frozen_forwards"],
+                                               "resident (+ replica + KV cache) + the largest frozen gather")]
+    lines += [*map(row, by["load"]), tot("= loading", t["loading"], "setup, before the models are sharded"),
+              rule, tot("total (peak per GPU)", t["peak"], "what torch.cuda.max_memory_allocated() should read"),
+              tot("+ CUDA context + NCCL", t["outside_allocator"], "outside the allocator (measured, H100)"),
+              tot("= device memory per GPU", t["peak_device"], f"x {c['gpus']} GPUs")]
+    if t["cpu_offloaded"]:
+        lines.append(f"(in CPU memory per process, not counted above: {t['cpu_offloaded']:.2f} GB)")
+    return lines
