@@ -44,7 +44,7 @@ OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory: the optimizer stat
 
 def init() -> bool:
     """Join the process group torchrun describes (WORLD_SIZE > 1); idempotent. NCCL on CUDA (each
-    rank on cuda:LOCAL_RANK), gloo on CPU. The timeout bounds how long a rank waits in a collective
+    rank on cuda:LOCAL_RANK) with gloo for CPU tensors, gloo alone on CPU. The timeout bounds how long a rank waits in a collective
     for a peer that died (TETHER_DIST_TIMEOUT seconds, default 600); torchrun normally stops the
     job much sooner, when it sees the dead process exit."""
     if dist.is_initialized():
@@ -55,7 +55,8 @@ def init() -> bool:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=float(os.environ.get("TETHER_DIST_TIMEOUT", "600")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    # gloo beside NCCL for CPU tensors: FSDP2's CPU offload keeps gradients (and their norm) there
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=timeout)
     return True
 
 
@@ -77,7 +78,7 @@ def is_main() -> bool:
 
 def uses_cuda() -> bool:
     """The process group runs on GPUs (NCCL): each rank on cuda:LOCAL_RANK."""
-    return active() and dist.get_backend() == "nccl"
+    return active() and "nccl" in str(dist.get_backend())
 
 
 def device() -> torch.device:
