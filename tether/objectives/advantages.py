@@ -213,6 +213,8 @@ class Estimator:
     "takes per-token rewards [N, T] (returns-to-go), so a KL penalty in the reward stays per token"
     scaled: bool = False
     "takes scale= ('group' | 'batch' | 'none'): what the centered rewards are divided by"
+    whitened: bool = False
+    "normalized by statistics of the whole batch (REINFORCE++): a batch held in parts (torchrun ranks) is gathered first"
 
     def __call__(self, rewards: Tensor, group_ids, mask: Tensor | None = None, **kwargs) -> Tensor:
         return self.fn(rewards, group_ids, mask, **kwargs)
@@ -247,8 +249,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "dr_grpo": Estimator(_dr_grpo),
     "rloo": Estimator(_rloo),
     "remax": Estimator(_remax, grouped=False, needs_greedy=True),
-    "reinforce_pp": Estimator(_reinforce_pp, grouped=False, token_rewards=True),
-    "reinforce_pp_baseline": Estimator(_reinforce_pp_baseline, token_rewards=True),
+    "reinforce_pp": Estimator(_reinforce_pp, grouped=False, token_rewards=True, whitened=True),
+    "reinforce_pp_baseline": Estimator(_reinforce_pp_baseline, token_rewards=True, whitened=True),
 }
 
 

@@ -17,6 +17,15 @@ Old log-probs: with μ = 1 the ratio's denominator is the sampler's own log-prob
 so the ratio is 1 up to the training–inference mismatch, which is logged); with μ > 1 one
 no-grad forward before the first update recomputes them, so later updates are importance-weighted
 against exactly what the trainer computed.
+
+Under torchrun (tether/distributed.py: ranks are micro-batches) each rank draws its share of the
+step's prompts and samples them from a whole copy of the policy (`Training.rollout_model`,
+gathered from the shards after each update; its time is logged as gather_time), scores them,
+computes its groups' advantages and trains on its rows; the per-sequence sampling streams make
+its completions the ones one process draws for those prompts. The loss's denominators, the
+whole-batch advantage statistics and every metric are over all ranks (online_global), so the run
+logs and learns what one process does with the same config (up to float rounding), except with
+dynamic sampling over more than one round (online_sampling).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import ClassVar, Literal, Optional, Sequence
 
 import torch
 
+from tether import distributed
 from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegative, NonNegativeInt, Positive, PositiveInt
 from tether.data import encode_prompts, load_data
@@ -37,6 +47,7 @@ from tether.objectives.policy import kl_penalized_rewards
 from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
 from tether.trainers.common import lend_gradients
+from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
@@ -169,6 +180,8 @@ class Batch:
     "[N, T]"
     kl_penalty: Optional[torch.Tensor] = None
     "[N] −β·Σ_t k1 added to the reward (kl_in=reward)"
+    filler: Optional[dict] = None
+    "one sampled row (training_batch form): the input of the forwards that count for nothing (torchrun)"
 
 
 def reward_functions(cfg: GRPOConfig, funcs: Optional[Sequence], weights: Optional[Sequence[float]]):
@@ -186,20 +199,33 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
     """Masks, and the old / reference log-probs (no grad), for a step's collected rollouts."""
     grpo, rollout, device = cfg.grpo, collected.rollout, t.device
     valid = ~collected.rewards.isnan()  # None from every function = skipped
-    tensors = {k: v.to(device) for k, v in rollout.training_batch().items()}
+    # Under torchrun a rank may keep no rows (dynamic sampling) and still takes every forward turn
+    # (sharded forwards are collective): idle turns run on one sampled row, the filler.
+    source = rollout if len(rollout) else collected.filler
+    full = {k: v.to(device) for k, v in source.training_batch().items()}
+    tensors = full if len(rollout) else {k: v[:0] for k, v in full.items()}
+    filler = {k: v[:1] for k, v in full.items()}
     mask = tensors["completion_mask"] & valid.to(device).unsqueeze(1)
-    truncated = torch.tensor([f == "length" for f in rollout.finish_reasons])
+    truncated = torch.tensor([f == "length" for f in rollout.finish_reasons], dtype=torch.bool)
     if grpo.mask_truncated_completions:
         mask &= ~truncated.to(device).unsqueeze(1)
     micro_batches = [{k: v[part] for k, v in tensors.items()} for part in _slices(len(rollout), grpo.micro_batch_size)]
+
+    def forwards(fn) -> torch.Tensor:  # fn's outputs on the micro-batches, concatenated
+        out = []
+        for micro in turns(micro_batches):
+            result = fn(filler if micro is None else micro)
+            if micro is not None:
+                out.append(result)
+        return torch.cat(out) if out else tensors["logprobs"]
     with torch.no_grad():
         old = tensors["logprobs"]
         if grpo.num_iterations > 1:
-            old = torch.cat([completion_token_logps(t.model, micro, rollout.logprob_temperature, t.amp)[0].float()
-                             for micro in micro_batches])
-        ref = torch.cat([t.reference_logps(micro, cfg.rollout.temperature).float() for micro in micro_batches]) \
+            old = forwards(lambda micro: completion_token_logps(t.model, micro, rollout.logprob_temperature,
+                                                                t.amp)[0].float())
+        ref = forwards(lambda micro: t.reference_logps(micro, cfg.rollout.temperature).float()) \
             if grpo.beta > 0 else None
-    return Batch(collected, tensors, valid, mask, truncated, old, ref)
+    return Batch(collected, tensors, valid, mask, truncated, old, ref, filler=filler)
 
 
 def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
@@ -216,14 +242,24 @@ def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
         batch.kl_penalty = torch.where(completion_mask, token_rewards, 0.0).sum(1) - torch.nan_to_num(rewards)
         rewards = token_rewards if estimator.token_rewards else rewards + batch.kl_penalty
     batch.advantages = torch.zeros(len(rollout), batch.mask.shape[1], device=device)
-    if not valid.any():
-        return
     options = {"scale": grpo.scale_rewards} if estimator.scaled else {}
+    # Under torchrun a rank holds whole groups, so group statistics are its own; statistics over
+    # the batch (REINFORCE++'s whitening, scale=batch) are taken over every rank's rows.
+    whole = distributed.active() and (estimator.whitened or options.get("scale") == "batch")
+    if not (valid.any() or whole):
+        return
     if estimator.needs_greedy:
         options["greedy_rewards"] = greedy_scores(batch.collected.prompt_rows)[rollout.group][valid].to(device)
     groups = rollout.group[valid].to(device) if estimator.grouped else None
     on_device = valid.to(device)
-    advantages = compute_advantages(grpo.advantage, rewards[on_device], groups, batch.mask[on_device], **options)
+    inputs = (rewards[on_device], groups, batch.mask[on_device], options)
+    if whole:
+        *inputs, mine = gather_for_advantages(*inputs)
+        if not len(inputs[0]):  # no rank has a scored row
+            return
+    advantages = compute_advantages(grpo.advantage, *inputs[:3], **inputs[3])
+    if whole:
+        advantages = mine(advantages)
     batch.advantages[on_device] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) \
         .expand(-1, batch.mask.shape[1]).float()
 
@@ -231,23 +267,32 @@ def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
 def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float) -> dict:
     """TRL's names. The reward statistics are over everything sampled this step (with dynamic
     sampling the kept groups are a biased subset); the rest over the trained batch."""
-    collected, rollout, valid = batch.collected, batch.collected.rollout, batch.valid
-    sampled, scored = collected.sampled_rewards, ~collected.sampled_rewards.isnan()
-    groups = group_stats(torch.nan_to_num(sampled[scored]), collected.sampled_groups[scored]) if scored.any() else None
-    lengths = rollout.lengths.float()
-    kl_penalty = {"rewards/kl_penalty/mean": float(batch.kl_penalty[valid.to(batch.kl_penalty.device)].mean())} \
-        if batch.kl_penalty is not None and valid.any() else {}
+    collected, rollout = batch.collected, batch.collected.rollout
+    # Under torchrun every rank's rows (gather_rows) and counts: the whole batch's statistics.
+    sampled, per_fn = gather_rows(collected.sampled_rewards), gather_rows(collected.sampled_per_fn)
+    valid, truncated, lengths = (gather_rows(x) for x in (batch.valid, batch.truncated, rollout.lengths))
+    lengths, scored = lengths.float(), ~sampled.isnan()
+    counts = dict(collected.metrics, tokens=collected.sampled_tokens)
+    if distributed.active():  # kept / dropped groups, generated tokens (the rounds are every rank's)
+        summed = distributed.sum_floats(counts.values())
+        counts = {k: v if k == "num_sampling_rounds" else int(x) for (k, v), x in zip(counts.items(), summed)}
+    tokens = counts.pop("tokens")
+    group_ids = gather_rows(unique_groups(collected.sampled_groups))
+    groups = group_stats(torch.nan_to_num(sampled[scored]), group_ids[scored]) if scored.any() else None
+    penalty = None if batch.kl_penalty is None else gather_rows(batch.kl_penalty)
+    kl_penalty = {"rewards/kl_penalty/mean": float(penalty[valid.to(penalty.device)].mean())} \
+        if penalty is not None and valid.any() else {}
     return {"reward": float(sampled[scored].mean()) if scored.any() else float("nan"),
             "reward_std": float(groups["std"].mean()) if groups else float("nan"),
             "frac_reward_zero_std": float(groups["constant"].float().mean()) if groups else float("nan"),
-            **{f"rewards/{n}/mean": float(collected.sampled_per_fn[:, j].nanmean()) for j, n in enumerate(names)},
-            **kl_penalty, **collected.metrics, "frac_skipped": float((~valid).float().mean()),
+            **{f"rewards/{n}/mean": float(per_fn[:, j].nanmean()) for j, n in enumerate(names)},
+            **kl_penalty, **counts, "frac_skipped": float((~valid).float().mean()),
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(batch.truncated.float().mean()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
             **update, "lr": t.lr, "skipped_steps": t.skipped, "epoch": t.order.epoch, "step_time": seconds,
-            "tokens_per_second": collected.sampled_tokens / seconds,
+            "tokens_per_second": tokens / seconds,
             "rollout/tokens_per_second": rollout.stats.get("tokens_per_s", 0.0),
             "rollout/seconds": rollout.stats.get("total_s", 0.0)}
 
@@ -278,10 +323,12 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                                       tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
                                       source=cfg.data.path)
         return Data(rows, report=report)
+    # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
+    # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)
     t = setup_training(cfg, load, reference=grpo.beta > 0, rows_per_step=prompts_per_step,
-                       updates_per_step=grpo.num_iterations)
-    prompts = t.data.train
-    sampler = Sampler(t.model, t.tokenizer, rollout_cfg.sampling())
+                       updates_per_step=grpo.num_iterations, rollout_replica=True)
+    prompts, share = t.data.train, prompts_per_step // distributed.world_size()
+    sampler = Sampler(t.rollout_model(), t.tokenizer, rollout_cfg.sampling())
     # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
     # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
     grad_buffer = lend_gradients(sampler, t.model, prompts_per_step * rollout_cfg.num_generations,
@@ -295,22 +342,27 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         greedy = sampler.sample([p["prompt_ids"] for p in prompt_rows], n=1, temperature=0.0)
         return torch.nan_to_num(score_completions(prompt_rows, greedy)[1])
 
-    def sample(prompt_ids, seed):
-        return sampler.sample(prompt_ids, n=rollout_cfg.num_generations, seed=seed)
+    def sample(prompt_ids, seed, mine):
+        return sampler.sample(prompt_ids, n=rollout_cfg.num_generations, seed=seed, only=mine)
 
-    def next_prompts():
-        return [prompts[i] for i in t.order.next()]
+    def next_prompts():  # the global batch and, under torchrun, this rank's share of it
+        batch = [prompts[i] for i in t.order.global_batch_at(t.order.position)]
+        t.order.next()
+        mine = t.order.part(list(range(len(batch))), distributed.rank()) if distributed.active() else None
+        return batch, mine
 
     history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
     last: dict = {}
     while t.step < t.total_steps:
-        started = time.perf_counter()
+        started, gathered = time.perf_counter(), t.gather_seconds
+        t.rollout_model()  # the sampler's copy of the policy brought up to date (torchrun; collective)
         # 1-2. sample G completions per prompt and score them (+ overlong shaping). The seed is a
         #    function of (seed, step) so a resumed run draws the same completions. Dynamic sampling
         #    drops groups with no reward variance and samples more prompts (online_sampling.collect).
-        collected = collect(sample, next_prompts, score_completions, prompts_per_step,
+        collected = collect(sample, next_prompts, score_completions, share,
                             rollout_cfg.num_generations, seed=cfg.run.seed * 1_000_003 + t.step,
-                            dynamic=grpo.dynamic_sampling, max_rounds=grpo.max_sampling_rounds)
+                            dynamic=grpo.dynamic_sampling, max_rounds=grpo.max_sampling_rounds,
+                            every_rank=every_rank)
         # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator asks
         batch = prepare_batch(t, collected, cfg)
         assign_advantages(batch, grpo, greedy_scores)
@@ -322,6 +374,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         t.step += 1
         # 6. log / samples / checkpoint
         last = step_metrics(t, batch, update, names, time.perf_counter() - started)
+        if t.replica is not None:
+            last["gather_time"] = t.gather_seconds - gathered
         history.append(last["reward"])
         if t.log_due():
             t.log(last)

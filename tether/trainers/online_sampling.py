@@ -9,11 +9,20 @@ signal, on the last round's groups, whose advantages are all 0). Extra kept grou
 
 The seed of round k of step s is a function of (seed, s, k), and prompts come from the resumable
 EpochSampler, so a resumed run samples exactly what an uninterrupted one did.
+
+Under torchrun each rank collects its share (`batch_size` is then the rank's part of the global
+batch, and each round draws the rank's part of the next global batch of prompts), and every rank
+draws as many rounds as the rank that needs the most (`every_rank`): the data order stays the same
+on all, and so do the collective forwards that follow. One round (all groups kept, or
+`max_sampling_rounds=1`) keeps exactly the groups one process keeps. When a step needs more rounds
+it does not: one process fills the batch with the first groups with signal of the next global
+batch, each rank with the first of its own part, so the kept groups (and the step) differ.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -87,6 +96,8 @@ class StepBatch:
     "completion tokens generated this step, dropped groups included"
     metrics: dict = field(default_factory=dict)
     "num_sampling_rounds, dynamic_sampling/{kept,dropped}_groups"
+    filler: Optional[Rollout] = None
+    "under torchrun, when this rank keeps no sequence: sampled ones to run forwards that count for nothing"
 
     @property
     def seq_rows(self) -> list[dict]:
@@ -106,14 +117,20 @@ def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
-            dynamic: bool = False, max_rounds: int = 1) -> StepBatch:
-    """`sample(prompt_ids, seed) -> Rollout` (G per prompt), `next_prompts() -> rows`,
-    `score(seq_rows, rollout) -> (per_fn [N, F], rewards [N])`; see the module doc."""
+            dynamic: bool = False, max_rounds: int = 1,
+            every_rank: Callable[[bool], bool] = lambda flag: flag) -> StepBatch:
+    """`next_prompts() -> (rows, mine)`: a batch's rows and the indices of this rank's share
+    (None: all of them); `sample(prompt_ids, seed, mine) -> Rollout`: G completions of each of
+    `mine`'s prompts, keyed as in the whole batch (Sampler.sample's `only`);
+    `score(seq_rows, rollout) -> (per_fn [N, F], rewards [N])`; see the module doc.
+    `every_rank(flag)`: whether `flag` holds on every rank (under torchrun; `batch_size` is then
+    this rank's share)."""
     kept: list[tuple] = []  # (rollout, prompt rows, per_fn, rewards) of kept groups per round
     all_r, all_f, all_g, stats, n_kept, n_signal, rounds = [], [], [], [], 0, 0, 0
     while True:
-        rows = next_prompts()
-        ro = sample([r["prompt_ids"] for r in rows], seed + rounds * (1 << 32))
+        batch, mine = next_prompts()
+        rows = batch if mine is None else [batch[i] for i in mine]
+        ro = sample([r["prompt_ids"] for r in batch], seed + rounds * (1 << 32), mine)
         per_fn, rewards = score([rows[i // G] for i in range(len(ro))], ro)
         all_r.append(rewards), all_f.append(per_fn), all_g.append(torch.arange(len(ro)) // G + rounds * len(rows))
         stats.append({**ro.stats, "tokens": int(ro.lengths.sum())})
@@ -128,10 +145,14 @@ def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
             idx = torch.tensor([g * G + j for g in signal for j in range(G)])
             kept.append((select_groups(ro, signal, G), [rows[g] for g in signal], per_fn[idx], rewards[idx]))
             n_kept += len(signal)
-        if n_kept >= batch_size or rounds >= max_rounds:
+        if rounds >= max_rounds or every_rank(n_kept >= batch_size):
             break
-    if not kept:  # no group had signal within the cap: train on the last round (all advantages 0)
+    filler = None
+    if every_rank(not kept):  # no group had signal within the cap: train on the last round (all advantages 0)
         kept.append((ro, rows, per_fn, rewards))
+    elif not kept:  # only other ranks kept groups: one process would train on theirs alone, so
+        kept.append((select_groups(ro, [], G), [], per_fn[:0], rewards[:0]))  # this rank on none
+        filler = ro
     rollout = cat_rollouts([k[0] for k in kept])
     rollout.stats = sum_stats(stats)  # the sampling cost of the step, dropped rounds included
     metrics = {"num_sampling_rounds": rounds}
@@ -142,4 +163,4 @@ def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
                         "dynamic_sampling/kept_groups": n_kept})
     return StepBatch(rollout, [r for k in kept for r in k[1]], torch.cat([k[2] for k in kept]),
                      torch.cat([k[3] for k in kept]), torch.cat(all_r), torch.cat(all_f), torch.cat(all_g),
-                     rollout.stats["tokens"], metrics)
+                     rollout.stats["tokens"], metrics, filler)

@@ -4,15 +4,24 @@ batch with the clipped surrogate, in micro-batches, leaving out the rows whose g
 Micro-batches are weighted so that the accumulated gradient is the whole batch's loss for every
 `loss_agg` (token-mean: by their share of the tokens; the seq-means: by their share of the rows),
 whatever `micro_batch_size` is and whichever rows are left out.
+
+Under torchrun a rank's rows are micro-batches of the one batch (tether/distributed.py): the
+shares are of every rank's tokens / rows, the loss and the metrics are summed over the ranks, and
+every rank takes as many forward/backward turns as the busiest (online_global.turns). Metrics are
+then token-weighted means over the trained rows, the one-process values whenever those do not
+depend on how the batch is cut (the token-mean loss, or micro_batch_size=0); with a seq-mean
+aggregation and micro-batches one process weighs each micro-batch's token means by its rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tether import distributed
 from tether.models.logprobs import completion_token_logps
 from tether.objectives import policy_loss
 from tether.rollout import logprob_mismatch
+from tether.trainers.online_global import gather_rows, idle_turn, turns
 
 
 def _slices(n: int, size: int) -> list[slice]:
@@ -20,12 +29,13 @@ def _slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-def _agg_weight(mask: torch.Tensor, rows, agg: str, n_tok: int) -> float:
+def _agg_weight(mask: torch.Tensor, rows, agg: str, n_tok: int, n_rows: int) -> float:
     """Share of the whole batch's loss carried by the micro-batch of `rows` (a slice or indices), so
-    that accumulated gradients equal the full-batch loss's whatever micro_batch_size is."""
+    that accumulated gradients equal the full-batch loss's whatever micro_batch_size is. `n_tok`,
+    `n_rows`: the whole batch's tokens and rows (every rank's, under torchrun)."""
     if agg == "token-mean":
         return float(mask[rows].sum()) / max(n_tok, 1)
-    return mask[rows].shape[0] / mask.shape[0]
+    return mask[rows].shape[0] / n_rows
 
 
 def _trained_rows(adv: torch.Tensor, mask: torch.Tensor, skip_zero: bool, quantum: int = 1) -> torch.Tensor:
@@ -63,11 +73,20 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
     parts = [rows[s] for s in _slices(len(rows), grpo.micro_batch_size)] if skipping \
         else _slices(n, grpo.micro_batch_size)
     n_tok = int(batch.mask.sum())
-    stats: dict[str, float] = {"frac_zero_advantage_skipped": 1.0 - len(rows) / n}
+    ranks = distributed.active()
+    n_rows, n_trained = n, len(rows)
+    if ranks:  # the batch is every rank's rows: its loss is a token (or row) mean over all of them
+        n_rows, n_tok, n_trained = (int(x) for x in distributed.sum_floats([n, n_tok, len(rows)]))
+    stats: dict[str, float] = {"frac_zero_advantage_skipped": 1.0 - n_trained / n_rows}
+    cmask = batch.tensors["completion_mask"]
     for iteration in range(grpo.num_iterations):
         sums: dict[str, float] = {}
-        loss_value, share, new_logps, entropies = 0.0, 0.0, [], []
-        for part in parts:
+        loss_value, share, new_logps, entropies, entropy_share = 0.0, 0.0, [], [], 0.0
+        steps = turns(parts)
+        for part in steps:
+            if part is None:  # another rank's turn: this one takes it on nothing
+                idle_turn(model, batch.filler, rollout.logprob_temperature, training.amp, backward=True)
+                continue
             micro = {k: v[part] for k, v in batch.tensors.items()}
             logps, entropy = completion_token_logps(model, micro, rollout.logprob_temperature, training.amp,
                                                     want_entropy=grpo.log_entropy and iteration == 0)
@@ -76,28 +95,58 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
                                         ref_logps=None if batch.ref_logps is None else batch.ref_logps[part],
                                         beta=grpo.beta if grpo.kl_in == "loss" else 0.0,
                                         importance_level=grpo.importance_level, norm_length=norm_length)
-            weight = _agg_weight(batch.mask, part, grpo.loss_agg, n_tok)
+            weight = _agg_weight(batch.mask, part, grpo.loss_agg, n_tok, n_rows)
             (loss * weight).backward()
             loss_value += float(loss.detach()) * weight
-            share += weight
+            # Metrics (token means) are weighed by the loss's weight in one process; across ranks
+            # by their tokens, so that they do not depend on which rank holds which rows.
+            mweight = float(batch.mask[part].sum()) if ranks else weight
+            share += mweight
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
+                sums[k] = sums.get(k, 0.0) + float(v) * (weight if k == "pg_loss" else mweight)
             if iteration == 0:
                 new_logps.append(logps.detach())
-                if entropy is not None:
-                    entropies.append(float(entropy) * weight)
-        if not parts:  # nothing to train on: the zero gradient still moves AdamW's moments,
+                if entropy is not None:  # a mean over the micro-batch's completion tokens
+                    eweight = float(cmask[part].sum()) if ranks else weight
+                    entropies.append(float(entropy) * eweight)
+                    entropy_share += eweight
+        if not steps:  # nothing to train on: the zero gradient still moves AdamW's moments,
             for param in training.trainable.parameters():  # as the full batch's backward would have
                 if param.requires_grad and param.grad is None:
                     param.grad = torch.zeros_like(param)
+        entropy_sum = sum(entropies)
+        if ranks:
+            loss_value, share, sums, entropy_sum, entropy_share = _over_ranks(
+                loss_value, share, sums, entropy_sum, entropy_share)
         grad_norm = training.optimizer_step(loss_value, keep_grads=keep_grads)
         # Metrics are means over the trained rows (weights renormalized by their share of the
         # batch); pg_loss, like loss, is the full batch's (skipped rows add exactly 0 to both).
         sums = {k: v if k == "pg_loss" else v / share for k, v in sums.items()} if share else sums
-        if iteration == 0 and parts:
-            stats.update(logprob_mismatch(batch.tensors["logprobs"][trained], torch.cat(new_logps),
-                                          batch.mask[trained]))
-            if entropies:
-                stats["entropy"] = sum(entropies) / share
+        if iteration == 0:
+            stats.update(_mismatch(batch, trained, new_logps, ranks) if ranks or parts else {})
+            if entropy_share:
+                stats["entropy"] = entropy_sum / entropy_share
         stats.update({**sums, "loss": loss_value, "grad_norm": grad_norm})
     return stats
+
+
+def _over_ranks(loss_value: float, share: float, sums: dict, entropy_sum: float, entropy_share: float):
+    """The update's sums added over the ranks (in rank order: the same floats on every rank)."""
+    out = [0.0, 0.0, {}, 0.0, 0.0]
+    for part in distributed.all_gather_object((loss_value, share, sums, entropy_sum, entropy_share)):
+        for i in (0, 1, 3, 4):
+            out[i] += part[i]
+        for k, v in part[2].items():
+            out[2][k] = out[2].get(k, 0.0) + v
+    return tuple(out)
+
+
+def _mismatch(batch, trained, new_logps: list, ranks: bool) -> dict[str, float]:
+    """logprob_mismatch of the sampler's and the first update's log-probs over the trained rows
+    (of every rank: its p99 and extremes need all the tokens)."""
+    rollout_logps, mask = batch.tensors["logprobs"][trained], batch.mask[trained]
+    if not ranks:
+        return logprob_mismatch(rollout_logps, torch.cat(new_logps), mask)
+    train_logps = torch.cat(new_logps)[mask] if new_logps else rollout_logps[mask][:0]
+    a, b = gather_rows(rollout_logps[mask].float()), gather_rows(train_logps.float())
+    return logprob_mismatch(a, b, torch.ones_like(a, dtype=torch.bool))
