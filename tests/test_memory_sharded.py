@@ -1,4 +1,4 @@
-"""`tether memory gpus=N`: the per-GPU accounting of N processes under torchrun (tether/memory_sharded.py).
+"""`tether memory gpus=N`: the per-GPU accounting of N processes under torchrun (tether/memory/sharded.py).
 
 The model is a Qwen2.5-0.5B-shaped config (no weights). Its numbers, by hand:
     hidden h=896, 24 layers, 14 heads / 2 kv heads (head_dim 64, kv dim 128), intermediate 4864,
@@ -16,7 +16,7 @@ import pytest
 from tether.cli import main
 from tether.config import ConfigError, load_config
 from tether.memory import MemoryConfig, estimate
-from tether.memory_sharded import CUDA_CONTEXT_BYTES, FSDP_LIVE_LAYERS, NCCL_BYTES
+from tether.memory.sharded import CUDA_CONTEXT_BYTES, FSDP_LIVE_LAYERS, NCCL_BYTES
 
 N, LAYER, ROOT = 494_032_768, 14_912_384, 136_135_552
 
@@ -77,7 +77,7 @@ def test_fsdp_sft_by_hand(qwen05):
     t = est["totals_bytes"]
     assert t["weights_and_optimizer"] == 494_032_768 + 988_065_536
     assert t["training_step"] == t["peak"] == 12_173_108_992
-    assert t["loading"] == N * 4  # every GPU holds the whole fp32 model before it is sharded
+    assert t["loading"] == 0  # loaded in CPU memory; fully_shard moves each rank's shards to its GPU
     assert t["rollout"] is None and t["frozen_forwards"] is None and t["cpu_offloaded"] == 0
     assert t["peak_device"] == t["peak"] + CUDA_CONTEXT_BYTES + NCCL_BYTES
 
@@ -150,8 +150,8 @@ def test_frozen_models_are_sharded_and_gathered_in_their_forward(qwen05):
     assert t["frozen_forwards"] == t["weights_and_optimizer"] + _sum(est, "rollout") + (ROOT + 896 + 10 * LAYER) * 2
     # frozen models hold neither gradients nor optimizer state
     assert {r["component"] for r in est["components"] if r["group"] == "gradients"} == {"policy gradients"}
-    # setup loads policy, reference, reward model and the replica's copy whole before sharding
-    assert t["loading"] == (N + N + backbone + N) * 4
+    # setup loads policy, reference and replica in CPU memory; the learned reward loads on the GPU
+    assert t["loading"] == backbone * 4
 
 
 def test_offload_leaves_gathered_layers_and_activations_on_the_gpu(qwen05):

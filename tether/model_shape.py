@@ -1,7 +1,7 @@
 """What `tether memory` knows of a model: its parameter count and its shape (a Llama-like decoder),
 read from a Hugging Face config (a local path or the hub) or guessed from a parameter count alone.
 
-Kept apart from memory.py's accounting (what each component costs): this part answers only which
+Kept apart from memory/'s accounting (what each component costs): this part answers only which
 model and what shape; transformers (and torch, for a count on the meta device) are imported only
 when a config is read.
 """

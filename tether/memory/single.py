@@ -5,8 +5,8 @@ formulas, and why each number is what it is) is written out in docs/memory.md; c
 only why a line is the way it is. GB means 1e9 bytes throughout. `estimate(cfg)` returns a dict
 (the JSON output); `run_memory(cfg)` prints it as a table or as JSON. Which model, and its shape,
 comes from model_shape.py. With `gpus` > 1 (N processes under torchrun, tether/distributed.py) the
-per-GPU accounting is memory_sharded.py's; with gpus=1 nothing of it applies (tether wraps no model
-in one process), so the single-GPU numbers are exactly this module's.
+per-GPU accounting is sharded.py's (the package __init__ picks); with gpus=1 nothing of it applies
+(tether wraps no model in one process), so the single-GPU numbers are exactly this module's.
 """
 
 from __future__ import annotations
@@ -181,9 +181,6 @@ def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
 def estimate(cfg: MemoryConfig) -> dict:
     """Components and totals (bytes and GB) for `cfg`; the JSON output of `tether memory`."""
     info = resolve_model(cfg.model)
-    if cfg.gpus > 1:
-        from tether.memory_sharded import estimate_sharded  # it builds on this module's pieces
-        return estimate_sharded(cfg, info)
     n, shape = info["params"], info["shape"]
     d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
     rows: list[dict] = []
@@ -249,7 +246,7 @@ def estimate(cfg: MemoryConfig) -> dict:
             "totals_bytes": totals, "totals_gb": {k: None if v is None else v / GB for k, v in totals.items()}}
 
 
-def format_table(est: dict) -> str:
+def format_table(est: dict, format_sharded=None) -> str:
     c, s, t = est["config"], est["shape"], est["totals_gb"]
     mode = f"LoRA r={c['lora_rank']}" if c["lora"] else "full fine-tuning"
     lines = [f"tether memory: {est['algo']} on {est['model']} ({fmt_count(est['params'])} params)",
@@ -279,8 +276,7 @@ def format_table(est: dict) -> str:
     def tot(label, value, note=""):
         return f"{label:<{width + 17}} {value:>9.2f}  {note}"
 
-    if est.get("per_gpu"):
-        from tether.memory_sharded import format_sharded
+    if est.get("per_gpu"):  # format_sharded: sharded.py's (it builds on this module; the package passes it)
         return "\n".join(lines + format_sharded(est, [head], row, tot, rule))
     by = {g: [r for r in est["components"] if r["group"] == g] for g in ("resident", "gradients", "training", "rollout")}
     lines += [head, rule, *map(row, by["resident"]), rule,
@@ -301,12 +297,3 @@ def format_table(est: dict) -> str:
     if t["cpu_offloaded"]:
         lines.append(f"(offloaded to CPU memory, not counted above: {t['cpu_offloaded']:.2f} GB)")
     return "\n".join(lines)
-
-
-def run_memory(cfg: MemoryConfig) -> dict:
-    est = estimate(cfg)
-    if cfg.format == "json":
-        print(json.dumps(est, indent=2))
-    else:
-        print(format_table(est))
-    return est

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tether.memory import (DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
+from tether.memory.single import (DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
                            activation_bytes, held_models)
 
 # The constants below are measurements (bench/memory_check.py, 2 x H100 / H200, torch 2.11,
@@ -153,14 +153,15 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
             big = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
             add("replica refresh", "refresh", big * d, big, d, "largest parameter gathered whole (after each step)")
 
-    # setup._setup loads each model whole onto every GPU (load_model(...).to(device)), deep-copies
-    # the reference and the replica from it, and only then shards them: for that moment every GPU
-    # holds them all in the weight dtype (the replica is cast to bf16 after its copy)
-    loaded = sum(m.weights * d + m.adapters * 4 for m in models)
-    if cfg.algo in ONLINE:
-        loaded += (n + (shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0)) * d
+    # setup._setup loads the policy and the reference into CPU memory and fully_shard moves only each
+    # rank's shards to its GPU, so they never sit whole on a GPU. PPO's own build (policy, critic,
+    # reward model) and a learned reward function (rewards/learned.py) load onto the GPU first: that
+    # moment is counted
+    on_gpu = [m for m in models if cfg.algo == "ppo" or m.name == "reward model"]
+    loaded = sum(m.weights * d + m.adapters * 4 for m in on_gpu)
     add("models loaded whole", "load", loaded,
-        note="before sharding: every model held (+ the replica's copy) whole on each GPU, weight dtype")
+        note=f"before sharding: {', '.join(m.name for m in on_gpu) or 'none'} whole on each GPU "
+             f"(setup's models load in CPU memory)")
 
     def total(*groups, device="gpu"):
         return sum(x["bytes"] for x in rows if x["group"] in groups and x["device"] == device)

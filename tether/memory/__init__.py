@@ -1,0 +1,35 @@
+"""`tether memory`: GPU memory per component for an algorithm, a model and a number of GPUs.
+
+single.py is the one-GPU accounting (and the pieces every estimate uses), sharded.py the per-GPU
+accounting of N processes under torchrun; `estimate` picks by `gpus`. docs/memory.md has the formulas.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tether.memory import single
+from tether.memory.sharded import estimate_sharded, format_sharded
+from tether.memory.single import *  # noqa: F401,F403 - the public names (MemoryConfig, Shape, constants...)
+from tether.memory.single import MemoryConfig, resolve_model
+
+
+def estimate(cfg: MemoryConfig) -> dict:
+    """Components and totals (bytes and GB) for `cfg`; the JSON output of `tether memory`."""
+    if cfg.gpus > 1:
+        return estimate_sharded(cfg, resolve_model(cfg.model))
+    return single.estimate(cfg)
+
+
+def format_table(est: dict) -> str:
+    """The estimate as the table `tether memory` prints."""
+    return single.format_table(est, format_sharded)
+
+
+def run_memory(cfg: MemoryConfig) -> dict:
+    est = estimate(cfg)
+    if cfg.format == "json":
+        print(json.dumps(est, indent=2))
+    else:
+        print(format_table(est))
+    return est
