@@ -145,3 +145,20 @@ def test_two_nodes_by_rendezvous_on_one_host(world, one):
     run = world / "runs" / "nodes"
     assert_same_metrics(one, run)
     assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
+
+
+@pytest.mark.parametrize("shape", ["llama tied", "qwen2 untied"])
+def test_chunked_lm_head_of_a_sharded_model_equals_the_plain_forward(shape):
+    """The chunked LM head (no [N, V] logits held) runs inside the root module's FSDP2 call
+    (models/logprobs._sharded_chunked_head): log-probs, entropy and every gradient — the head's
+    and the tied embedding's included — equal the unsharded model's full-logits forward."""
+    from dist_support import _free_port
+    script = os.path.join(os.path.dirname(__file__), "dist_head_check.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), script, *shape.split()],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert out["lp_err"] < 1e-5 and out["ent_err"] < 1e-6 and out["grad_err"] < 1e-6, out
+    assert out["head_grad_norm"] > 0.1  # the head did learn through the swapped forward

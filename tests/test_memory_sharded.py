@@ -218,3 +218,14 @@ def test_bench_dry_run_plans_every_configuration(capsys):
     # two GPUs hold half of that each, plus what is not sharded
     big = [x["predicted"]["peak_gb"] for x in lines if "qwen2.5-7b" in x["command"]]
     assert big[0] > 7.6e9 * 16 / 1e9 > big[1] > 7.6e9 * 8 / 1e9
+
+
+def test_sharded_rl_and_dpo_hold_one_logit_chunk_as_on_one_gpu(qwen05):
+    """The chunked LM head runs under FSDP2 too (models/logprobs._sharded_chunked_head): only SFT
+    holds whole logits; the others hold the one-GPU chunk whatever the number of GPUs."""
+    for algo in ("grpo", "dpo"):
+        one = _row(_est(qwen05, algo=algo), "policy logits")
+        four = _row(_est(qwen05, algo=algo, gpus=4), "policy logits")
+        assert four == one
+    sft4 = _est(qwen05, algo="sft", gpus=4)
+    assert _row(sft4, "policy logits") > _row(_est(qwen05, algo="grpo", gpus=4), "policy logits")

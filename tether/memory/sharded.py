@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tether.memory.single import (DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
+from tether.memory.single import (HEAD_CHUNK_BYTES_PER_LOGIT, HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
                            activation_bytes, held_models)
 
 # The constants below are measurements (bench/memory_check.py, 2 x H100 / H200, torch 2.11,
@@ -33,8 +33,9 @@ FSDP_LIVE_LAYERS = 10
 # (0.5B: +1.98 GB = 2 x 0.99 over resharding, which itself holds the whole model without checkpointing)
 NO_RESHARD_WHOLE_MODELS = 3
 # Bytes per logit per compute-dtype byte: the logits and their gradient (tether's token_logps is
-# tiled and keeps no fp32 copy); a sharded model takes the plain HF forward, never the chunked
-# head (models/logprobs.py). Measured: 3.96 B/logit in bf16 (0.5B, batch 4 vs 1).
+# tiled and keeps no fp32 copy), where the whole logits are held: SFT's forward, and the others'
+# when their logits fit one chunk (else the chunked head runs inside the root's FSDP2 call,
+# models/logprobs._sharded_chunked_head). Measured: 3.96 B/logit in bf16 (0.5B, batch 4 vs 1).
 LOGIT_COPIES = 2
 # Outside the caching allocator, so outside torch.cuda.max_memory_allocated (what `peak` predicts):
 # the device's used memory minus torch's reserved memory. CUDA context with cuBLAS handles: 0.72 GB
@@ -136,9 +137,15 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     for m in (m for m in models if m.activations):
         add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs, c),
             note=f"{seqs} seq x {cfg.seq_len} tok per GPU, {ckpt}, {cfg.attention}, {cdt}")
-        if m.activations == "lm":  # every trainer, not only sft: a sharded model skips the chunked head
-            add(f"{m.name} logits", "training", seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES,
-                note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
+        if m.activations == "lm":
+            full = seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES
+            chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
+            if cfg.algo == "sft" or full <= chunk:
+                add(f"{m.name} logits", "training", full,
+                    note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
+            else:  # the chunked head, as in one process
+                add(f"{m.name} logits", "training", chunk,
+                    note=f"chunked LM head: {HEAD_CHUNK_LOGITS} logits at a time (no [N, V] held)")
     if cfg.algo in ONLINE:
         lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
         # setup_training(rollout_replica=True): a plain copy of the (PEFT) policy, bf16 under mixed

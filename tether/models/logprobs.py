@@ -40,8 +40,6 @@ def _split_head(model):
     m = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(m.config, "model_type", None) not in _HEAD_FAMILIES:
         return None
-    if is_sharded(model):  # FSDP2 gathers the embeddings and head only in the root module's own call
-        return None
     if getattr(m.config, "final_logit_softcapping", None) or getattr(m.config, "logit_scale", None):
         return None
     body, head = getattr(m, getattr(m, "base_model_prefix", ""), None), m.get_output_embeddings()
@@ -145,6 +143,29 @@ def _chunked_head(h, head, targets, temperature: float, entropy: str):
     return lp, (None if not entropy else ent.detach() if entropy == "detached" else ent)
 
 
+def _sharded_chunked_head(model, head, batch, idx, targets, temperature: float, mode: str):
+    """`_chunked_head` for an FSDP2-sharded model. The embeddings, final norm and head belong to the
+    root's FSDP unit, whose weights are gathered only inside the root module's own call (and freed
+    after it); so the head runs *as* the model's `lm_head` during that call (its `forward` swapped
+    for the chunked one, which returns the log-probs and entropies in place of logits). Being the
+    root's output, they get FSDP2's pre-backward hook: the head's weight is gathered again before
+    `_HeadLogps.backward` reads it, and its gradient is reduce-scattered with the root's."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+
+    def chunked(hidden):
+        lp, ent = _chunked_head(hidden.reshape(B * T, -1).index_select(0, idx), head, targets,
+                                temperature, mode)
+        return torch.stack([lp.float(), ent.float() if ent is not None else torch.zeros_like(lp, dtype=torch.float32)])
+    head.forward = chunked  # an instance attribute: nn.Module.__call__ finds it before the class's
+    try:
+        out = model(input_ids=ids, attention_mask=batch["attention_mask"],
+                    position_ids=batch.get("position_ids"), use_cache=False).logits
+    finally:
+        del head.forward
+    return out[0], (out[1] if mode else None)
+
+
 def completion_token_logps(model, batch: dict, temperature: float, amp, want_entropy: bool = False,
                            entropy_grad: bool = False):
     """Per-token log-probs [B, T] aligned with `input_ids` (0 outside the completions: at prompt and
@@ -170,12 +191,16 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
         body, head = split
         # flat positions t whose hidden state predicts a completion token t + 1 (one host sync)
         idx = torch.nn.functional.pad(cmask[:, 1:].bool(), (0, 1)).flatten().nonzero().squeeze(1)
+        targets = ids.flatten().index_select(0, idx + 1)
+        mode = ("grad" if entropy_grad and torch.is_grad_enabled() else "detached") if want_entropy else ""
         with amp:
-            h = body(input_ids=ids, attention_mask=batch["attention_mask"],
-                     position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
-            mode = ("grad" if entropy_grad and torch.is_grad_enabled() else "detached") if want_entropy else ""
-            lp, ent = _chunked_head(h.reshape(B * T, -1).index_select(0, idx), head,
-                                    ids.flatten().index_select(0, idx + 1), temperature, mode)
+            if is_sharded(model):
+                lp, ent = _sharded_chunked_head(model, head, batch, idx, targets, temperature, mode)
+            else:
+                h = body(input_ids=ids, attention_mask=batch["attention_mask"],
+                         position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+                lp, ent = _chunked_head(h.reshape(B * T, -1).index_select(0, idx), head, targets,
+                                        temperature, mode)
         logps = torch.zeros(B * T, dtype=torch.float32, device=ids.device)
         logps = logps.index_copy(0, idx + 1, lp.float()).view(B, T)
         return logps, (ent.mean() if ent is not None and ent.numel() else
