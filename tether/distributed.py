@@ -207,6 +207,10 @@ def cat_ranks(t: torch.Tensor) -> torch.Tensor:
 # --- sharding ------------------------------------------------------------------------------------
 
 def is_sharded(model) -> bool:
+    """`model` or a submodule is wrapped by FSDP2 (only possible inside a process group; without
+    one this never imports FSDP2, whose public API needs torch >= 2.6)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
     from torch.distributed.fsdp import FSDPModule
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
