@@ -76,6 +76,7 @@ def test_resume_in_another_number_of_processes(world, one, first, then):
     assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_replicated_and_lora_runs_equal_one_process(world):
     for extra, name in (({"fsdp": "false"}, "ddp"), ({"lora_r": 4, "lr": 1e-2}, "lora")):
         args1 = _args(world, name + "1", max_steps=3, save_every=0, **extra)
@@ -97,6 +98,7 @@ def test_a_bad_input_is_reported_once(world, tmp_path):
     assert len(lines) == 1 and "bad.jsonl" in lines[0] and "completion" in lines[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_kill_9_of_one_rank_stops_the_job_and_resume_finishes_it(world, one):
     from dist_support import _free_port
     args = _args(world, "killed", max_steps=400, save_every=5, eval_every=0, log_every=1)
@@ -126,6 +128,7 @@ def test_kill_9_of_one_rank_stops_the_job_and_resume_finishes_it(world, one):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 401))  # each step once
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_two_nodes_by_rendezvous_on_one_host(world, one):
     """Multi-node as on a cluster: two torchrun agents ("nodes", one process each) meet through
     the c10d rendezvous at one endpoint; the run equals the one-process run."""

@@ -141,6 +141,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(world, one, two):
     assert_same_weights(one / "checkpoints" / last / "value", run / "checkpoints" / last / "value")
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_lora_ppo_in_two_processes_equals_one_process(world):
     # Adapters on the sharded policy, the reference as the base with them disabled, the critic
     # trained in full; the checkpoint holds the adapter (gathered) and the critic.
@@ -154,6 +155,7 @@ def test_lora_ppo_in_two_processes_equals_one_process(world):
     assert (b / "checkpoints" / "step-2" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_best_of_n_in_two_processes_writes_what_one_process_writes(world):
     def bon(name, nproc):
         args = dict(model=world / "model", data=world / "prompts.jsonl", runs_dir=world / "runs",
