@@ -27,6 +27,7 @@ only the policy gets adapters; the critic is trained in full.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -144,15 +145,21 @@ def load_value_model(cfg: PPOConfig, ckpt: Path | None) -> ScalarHeadModel:
     else:
         rms = _rm_dirs(cfg.reward.reward_funcs)
         src = Path(rms[0]) if rms and value_model != "policy" else Path(cfg.model.path)
-    value = ScalarHeadModel.from_pretrained(src, kind="value", dtype=cfg.model.dtype, device=cfg.model.device)
+    value = ScalarHeadModel.from_pretrained(src, kind="value", dtype=cfg.model.dtype, device=_load_device(cfg))
     value.offset = 0.0  # reward centering is an RM property; returns are learned from scratch anyway
     return value
+
+
+def _load_device(cfg: PPOConfig) -> str:
+    """Under torchrun on GPUs the models load into CPU memory and sharding moves each rank's shards
+    to its GPU (as setup_training's own build does): policy and critic never sit whole on a GPU."""
+    return "cpu" if distributed.active() and distributed.uses_cuda() else cfg.model.device
 
 
 def build_policy_and_critic(cfg: PPOConfig, ckpt: Path | None):
     """(policy, {policy, value}): one optimizer, one clip and one step cover both networks, while
     the checkpoint holds the policy (its adapter under LoRA) and `save_ppo_state` adds the critic."""
-    policy = load_policy(cfg.model, ckpt)
+    policy = load_policy(dataclasses.replace(cfg.model, device=_load_device(cfg)), ckpt)
     critic = load_value_model(cfg, ckpt)  # a fresh head draws from the RNG after the policy loads
     if cfg.model.compile:  # setup_training compiles the policy and the reference
         compile_layers(critic)
