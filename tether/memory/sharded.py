@@ -160,11 +160,10 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
             big = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
             add("replica refresh", "refresh", big * d, big, d, "largest parameter gathered whole (after each step)")
 
-    # setup._setup loads the policy and the reference into CPU memory and fully_shard moves only each
-    # rank's shards to its GPU, so they never sit whole on a GPU. PPO's own build (policy, critic,
-    # reward model) and a learned reward function (rewards/learned.py) load onto the GPU first: that
-    # moment is counted
-    on_gpu = [m for m in models if cfg.algo == "ppo" or m.name == "reward model"]
+    # setup._setup (and PPO's build, for policy and critic) loads into CPU memory and fully_shard
+    # moves only each rank's shards to its GPU, so they never sit whole on a GPU. A learned reward
+    # model (rewards/learned.py) loads onto the GPU first: that moment is counted
+    on_gpu = [m for m in models if m.name == "reward model"]
     loaded = sum(m.weights * d + m.adapters * 4 for m in on_gpu)
     add("models loaded whole", "load", loaded,
         note=f"before sharding: {', '.join(m.name for m in on_gpu) or 'none'} whole on each GPU "
