@@ -18,6 +18,7 @@ LAYERS = [
     ["cli", "__main__"],
     ["quickstart", "studies", "init_model"],
     ["trainers"],
+    ["evaluation"],  # held-out metrics: `tether eval`, and the trainers' eval points
     ["rollout", "rewards"],
     ["tasks"],
     ["models", "data"],

@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "bon": ("tether.trainers.best_of_n", "BoNConfig", "run_bon",
             "best-of-n sampling with any reward (gold vs proxy vs KL_BoN); rft=true fine-tunes on the best"),
     "init-model": ("tether.init_model", "InitModelConfig", "init_model", "a small random-init model + character tokenizer from your data's characters, to train from scratch"),
+    "eval": ("tether.evaluation.command", "EvalConfig", "run_eval",
+             "evaluate on held-out data: pass@k + rewards (greedy, sampled), RM / DPO preference accuracy, perplexity"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",
                "estimate GPU memory per component for an algorithm and model size"),
 }
