@@ -141,6 +141,9 @@ CONFIG_CASES = [
     ("study overoptimization", "rm_lr=0", "'rm_lr' must be > 0"),
     ("study overoptimization", "label_temperature=nan", "'label_temperature' must be > 0 and finite"),
     ("study overoptimization", "betas=", "'betas' must list at least one"),
+    ("eval", "n=0", "'generation.n' must be >= 1"),
+    ("eval", "k=[1,9]", "'generation.k' must be <= generation.n"),
+    ("eval", "top_p=0", "'generation.top_p' must be in (0, 1]"),
     ("init-model", "hidden_size=0", "hidden_size must be >= 1"),
     ("init-model", "heads=3", "hidden_size 128 is not a multiple of heads 3"),
 ]
