@@ -146,8 +146,8 @@ class EvalConfig:
         m, g = self.model, self.generation
         if not self.data.path:
             raise ConfigError("config key 'data.path' is required: data=<file or dataset>")
-        if m.path.startswith("rm:") and m.rm:
-            raise ConfigError("give the reward model once: model=rm:<dir> or rm=<dir>, not both")
+        if m.path and m.rm:
+            raise ConfigError("give the model once: model=rm:<dir> or rm=<dir>, not both")
         if m.policy and m.path:
             raise ConfigError("give the policy once: policy=<dir> or model=<dir> (with ref), not both")
         if m.policy and not m.ref:
