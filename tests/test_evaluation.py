@@ -268,3 +268,32 @@ def test_bad_input_is_one_line_before_any_model_loads(world, tmp_path, capsys, a
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == code and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+# -- a trainer's eval points ----------------------------------------------------------------------
+
+def test_grpo_eval_points_equal_tether_eval_on_the_checkpoint(world, tmp_path):
+    from tether.run import latest_checkpoint
+    from tether.trainers.online import GRPOConfig, train_grpo
+
+    root = world["root"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = train_grpo(GRPOConfig(
+            model=world["m"], data=str(root / "prompts.jsonl"), eval_data=str(root / "prompts.jsonl"),
+            runs_dir=str(tmp_path / "runs"), name="g", batch_size=4, num_generations=4, max_new_tokens=6,
+            max_steps=2, eval_every=1, lr=1e-2, device="cpu", progress=False,
+            reward_funcs=[f"{root / 'reward.py'}:parity"]))
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "g" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/greedy/pass@1" in r]
+    assert [r["step"] for r in evals] == [1, 2]  # every step, the last one once (the final eval)
+    # the last eval point is the final policy's: `tether eval` on the saved checkpoint agrees exactly
+    got = _eval([f"model={latest_checkpoint(tmp_path / 'runs' / 'g')}", f"data={root / 'prompts.jsonl'}",
+                 f"reward_funcs=[{root / 'reward.py'}:parity]", "decoding=greedy", "max_new_tokens=6"],
+                tmp_path / "o")
+    for key in ("pass@1", "reward", "rewards/parity/mean", "completions/mean_length", "completions/clipped_ratio"):
+        assert evals[-1][f"eval/greedy/{key}"] == got["metrics"][f"greedy/{key}"], key
+        assert summary[f"eval/greedy/{key}"] == got["metrics"][f"greedy/{key}"], key

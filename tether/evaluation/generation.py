@@ -12,7 +12,7 @@ completions). A trainer passes its own Sampler (the model in memory, its KV stor
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 import torch

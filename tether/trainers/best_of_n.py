@@ -171,7 +171,8 @@ class BoNConfig:
 
     UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n",
                               "reward.eval_reward_funcs": "the reward reported next to the proxy is bon.gold_reward",
-                              "run.eval_every": "best-of-n has no evaluation pass"}
+                              "run.eval_every": "best-of-n has no evaluation pass",
+                              "data.eval_data": "best-of-n has no evaluation pass (tether eval scores a model)"}
 
 
 def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tuple[list, list | None]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -47,6 +47,7 @@ from tether.objectives.policy import kl_penalized_rewards
 from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
 from tether.trainers.common import lend_gradients
+from tether.trainers.online_eval import HeldOut, check_eval, eval_rewards, load_eval_prompts
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
@@ -122,10 +123,8 @@ class GRPOConfig:
     grpo: GRPOSection = field(default_factory=GRPOSection)
     "the algorithm: estimator, surrogate, KL, reuse, DAPO options"
 
-    UNUSED: ClassVar[dict] = {"run.eval_every": "grpo has no evaluation pass (yet)",
-                              "reward.eval_reward_funcs": "grpo logs only the rewards it trains on (yet)"}
-
     def __post_init__(self):
+        check_eval(self)  # eval_every / eval_reward_funcs need data.eval_data
         if not 0 <= self.grpo.overlong_buffer < self.rollout.max_new_tokens:
             raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
         if self.grpo.dynamic_sampling and self.rollout.num_generations < 2:
@@ -316,13 +315,14 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     """
     grpo, rollout_cfg, prompts_per_step = cfg.grpo, cfg.rollout, cfg.data.batch_size
     funcs, weights, names = reward_functions(cfg, reward_funcs, reward_weights)
+    eval_funcs, eval_weights = eval_rewards(cfg, funcs, weights)  # held-out scoring (online_eval)
 
     def load(tokenizer):
         rows, report = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
                                                 rename=cfg.data.columns),
                                       tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
                                       source=cfg.data.path)
-        return Data(rows, report=report)
+        return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
     # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
     # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)
     t = setup_training(cfg, load, reference=grpo.beta > 0, rows_per_step=prompts_per_step,
@@ -351,6 +351,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         mine = t.order.part(list(range(len(batch))), distributed.rank()) if distributed.active() else None
         return batch, mine
 
+    held_out = HeldOut(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
     history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
     last: dict = {}
     while t.step < t.total_steps:
@@ -380,11 +381,15 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         if t.log_due():
             t.log(last)
             t.add_samples(samples(batch, cfg.run.num_samples))
+        if t.due(cfg.run.eval_every):
+            t.log(held_out(t, sampler))
         if t.due(cfg.run.save_every):
             t.checkpoint()
-        t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0)})
+        t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0), **held_out.shown})
 
+    final_eval = held_out(t, sampler)
+    t.log(final_eval)
     report = t.data.report
-    return t.finish({"prompts": len(prompts), "final_reward": last.get("reward"), "reward_history": history,
-                     "data": {"summary": report.summary(), "rows": report.total,
-                              "truncated": report.truncated, "dropped": report.dropped}})
+    return t.finish({**final_eval, "prompts": len(prompts), "final_reward": last.get("reward"),
+                     "reward_history": history, "data": {"summary": report.summary(), "rows": report.total,
+                                                         "truncated": report.truncated, "dropped": report.dropped}})

@@ -115,7 +115,8 @@ class PPOConfig:
     ppo: PPOSection = field(default_factory=PPOSection)
     "reward shaping, GAE, the PPO update, β"
 
-    UNUSED: ClassVar[dict] = {"run.eval_every": "ppo logs eval_reward_funcs on every step's samples instead"}
+    UNUSED: ClassVar[dict] = {"run.eval_every": "ppo logs eval_reward_funcs on every step's samples instead",
+                              "data.eval_data": "ppo has no held-out evaluation yet (tether eval scores a checkpoint)"}
 
     def __post_init__(self):
         if self.ppo.num_minibatches > self.data.batch_size * self.rollout.num_generations:

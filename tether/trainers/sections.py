@@ -172,6 +172,8 @@ class PromptSection:
     "prompt-only data: a `prompt` column (+ extra columns, passed to reward functions by name)"
     split: str = "train"
     "split to read when `data` is a dataset directory or hub name"
+    eval_data: Optional[str] = None
+    "held-out prompts in the same format (columns renamed alike): greedy pass@1 and mean rewards logged as eval/greedy/... every run.eval_every steps and at the end (tether.evaluation, as `tether eval`)"
     max_prompt_length: PositiveInt = 512
     "longest prompt in tokens (longer ones keep their end, or are dropped per `truncation`)"
     truncation: Literal["truncate", "drop"] = "truncate"
@@ -214,4 +216,4 @@ class RewardSection:
     reward_weights: list[float] = field(default_factory=list)
     "weight of each reward function (default: all 1.0)"
     eval_reward_funcs: list[str] = field(default_factory=list)
-    "rewards logged but not trained on (e.g. a gold reward next to a learned proxy): eval_rewards/<name>/mean"
+    "rewards not trained on (e.g. a gold reward next to a learned proxy): ppo logs them on its samples (eval_rewards/<name>/mean); grpo scores the held-out prompts (data.eval_data) with them instead of the training rewards"
