@@ -60,5 +60,5 @@ class HeldOut:
         t.rollout_model()  # the sampler's copy up to date (torchrun: collective, every rank calls)
         metrics, _ = evaluate_generation(sampler, self.rows, self.funcs, self.weights, self.settings, self.names)
         self.shown = {"eval_pass@1": metrics["greedy/pass@1"]}
-        # the prompt / completion counts are constants of the run (summary.json has them): not curves
+        # the prompt / completion counts are constants of the run: not curves
         return {f"eval/{k}": v for k, v in metrics.items() if not k.endswith(("/prompts", "/completions"))}
