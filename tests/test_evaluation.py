@@ -114,7 +114,10 @@ def test_greedy_pass_at_1_equals_an_independent_generate_and_score(world, tmp_pa
     assert got["metrics"]["greedy/completions"] == len(PROMPTS)
     records = [json.loads(x) for x in (tmp_path / "o" / "completions.jsonl").read_text().splitlines()]
     assert [r["completion"] for r in records] == texts and [r["passed"] for r in records] == passed
+    assert set(got) == {"mode", "kind", "metrics", "settings", "model", "data", "seconds", "config"}
     assert got["mode"] == "generation" and got["data"]["rows"] == len(PROMPTS)
+    assert got["data"]["kept"] == len(PROMPTS) and got["data"]["truncated"] == got["data"]["dropped"] == 0
+    assert got["config"]["generation"]["max_new_tokens"] == 6 and got["settings"]["threshold"] == 1.0
     assert got["settings"]["decoding"] == ["greedy"] and got["model"]["path"] == world["m"]
     assert "sampled/pass@1" not in got["metrics"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
-from tether.config import ConfigError, flat_init, save_config, to_dict
+from tether.config import ConfigError, flat_init, to_dict
 from tether.constraints import DirPath, NonNegativeInt, Positive, PositiveInt, Range, Seed
 from tether.data.pipeline import load_data
 from tether.errors import UserError
@@ -32,7 +32,7 @@ SFT_FORMATS = ("language-modeling", "prompt-completion")
 
 @dataclass
 class EvalModelSection:
-    PRIMARY = "path"  # `model=<dir>` sets model.path
+    PRIMARY: ClassVar[str] = "path"  # `model=<dir>` sets model.path
 
     path: str = ""
     "the model: a causal LM directory or hub id, or 'rm:<dir>[,<dir>...]' for a reward model (or ensemble)"
@@ -52,7 +52,7 @@ class EvalModelSection:
 
 @dataclass
 class EvalDataSection:
-    PRIMARY = "path"
+    PRIMARY: ClassVar[str] = "path"  # `data=<file>` sets data.path
 
     path: str = ""
     "held-out data: .jsonl/.json/.parquet/.csv, a save_to_disk directory or a hub dataset"
@@ -121,7 +121,7 @@ class EvalOutputSection:
     runs_dir: DirPath = "runs"
     "parent directory of run directories"
     out: Optional[str] = None
-    "output directory (default <runs_dir>/<name>/); eval.json, completions.jsonl and config.yaml go there"
+    "output directory (default <runs_dir>/<name>/; a training run's directory is fine): eval.json and completions.jsonl go there"
     table: bool = True
     "print the metrics as a table"
 
@@ -241,8 +241,9 @@ def run_eval(cfg: EvalConfig) -> dict:
                     **result.pop("data", {})},
            **result, "seconds": round(time.time() - started, 3), "config": to_dict(cfg)}
     path = cfg.out_dir()
+    # the config goes inside eval.json, not into config.yaml: `out` may be a training run's
+    # directory, whose config.yaml a resume checks against
     write_eval(path, out, records)
-    save_config(cfg, path / "config.yaml")
     if cfg.output.table:
         print_table(out, path / "eval.json")
     return out
