@@ -16,7 +16,7 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 # own package (tether.<name>). Keep in step with docs/architecture.md, "Layers".
 LAYERS = [
     ["cli", "__main__"],
-    ["quickstart", "studies", "init_model"],
+    ["quickstart", "studies", "init_model", "convert"],
     ["trainers"],
     ["evaluation"],  # held-out metrics: `tether eval`, and the trainers' eval points
     ["rollout", "rewards"],

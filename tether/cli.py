@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "bon": ("tether.trainers.best_of_n", "BoNConfig", "run_bon",
             "best-of-n sampling with any reward (gold vs proxy vs KL_BoN); rft=true fine-tunes on the best"),
     "init-model": ("tether.init_model", "InitModelConfig", "init_model", "a small random-init model + character tokenizer from your data's characters, to train from scratch"),
+    "convert": ("tether.convert", "ConvertConfig", "run_convert", "a GGUF checkpoint as a bf16 HF folder with its tokenizer and chat template (needs `pip install gguf`)"),
     "eval": ("tether.evaluation.command", "EvalConfig", "run_eval",
              "evaluate on held-out data: pass@k + rewards (greedy, sampled), RM / DPO preference accuracy, perplexity"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",

@@ -119,9 +119,9 @@ class ScalarHeadModel(nn.Module):
         LM (then the head is fresh: how a reward/value model starts from the SFT policy)."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        from tether.models.load import load_model, resolve_device, resolve_dtype
+        from tether.models.load import load_model, model_source, resolve_device, resolve_dtype
 
-        path = Path(path)
+        path = Path(model_source(str(path)))  # a .gguf file: its converted folder
         if (path / HEAD_WEIGHTS).exists():
             meta = json.loads((path / HEAD_CONFIG).read_text()) if (path / HEAD_CONFIG).exists() else {}
             body = load_model(str(path), dtype=dtype, device=device, attn_implementation=attn_implementation)

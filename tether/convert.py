@@ -1,0 +1,46 @@
+"""`tether convert model=<file.gguf> out=<dir>`: a GGUF checkpoint (llama.cpp's quantized
+single-file format) as a normal bf16 Hugging Face folder with its tokenizer and chat template,
+which every command then takes as `model=` with no gguf package involved.
+
+The conversion itself is tether.models.gguf (dequantized by transformers' own GGUF loader, the
+quantizer detached). Trainers do not need this command: a `model=` path ending in .gguf is
+converted on first use into a cache (docs/models.md); this command is for a folder of your own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tether.errors import UserError
+from tether.models.gguf import convert_gguf
+
+
+@dataclass
+class ConvertConfig:
+    model: str = ""
+    "the GGUF file to convert (*.gguf; reading it needs `pip install gguf`)"
+    out: str = ""
+    "directory to write the bf16 HF model to (config.json, model.safetensors, tokenizer files); must not hold a model unless overwrite=true"
+    overwrite: bool = False
+    "replace a model already in `out`"
+
+
+def run_convert(cfg: ConvertConfig) -> dict:
+    if not cfg.model:
+        raise UserError("convert: `model` is required (the .gguf file to convert)")
+    if not cfg.out:
+        raise UserError("convert: `out` is required (the directory to write the model to)")
+    out = Path(cfg.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out '{cfg.out}' is a file, not a directory")
+    if (out / "config.json").exists() and not cfg.overwrite:
+        raise UserError(f"'{cfg.out}' already holds a model; choose another out= or "
+                        f"replace it with overwrite=true")
+    t0 = time.perf_counter()
+    convert_gguf(cfg.model, out)  # checks the file (exists, GGUF, gguf installed) before writing
+    seconds = time.perf_counter() - t0
+    print(f"convert: wrote {out} (bf16) from {cfg.model} in {seconds:.1f} s", file=sys.stderr)
+    return {"out": str(out), "model": cfg.model, "seconds": round(seconds, 1)}

@@ -1,0 +1,155 @@
+"""GGUF checkpoints (llama.cpp's quantized single-file format) as normal Hugging Face folders.
+
+`convert_gguf(path, out)` dequantizes a `.gguf` file through transformers' own GGUF loader
+(`from_pretrained(dir, gguf_file=name)`, model and tokenizer alike), detaches the quantizer and
+writes a bf16 HF folder with the tokenizer and its chat template: from then on nothing about the
+model is GGUF, and every command loads it like any other checkpoint. `ensure_converted(path)` does
+that once per distinct file into a cache, so `model=<file.gguf>` works anywhere a model path goes
+(tether.models.load.model_source is the one place that calls it).
+
+Why bf16: GGUF weights are low-bit blocks; dequantized they carry no more precision than bf16
+holds for training, at half the size of fp32 on disk (`dtype=fp32` still loads them widened).
+The `gguf` package is needed only here and imported lazily: the core install does not need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from tether.errors import UserError
+
+MAGIC = b"GGUF"  # the first four bytes of every GGUF file (all versions)
+DONE = "tether_gguf_source.txt"  # written last into a converted folder: its presence = complete
+
+# (resolved path, size, mtime_ns) -> sha256: a run loads the model path several times (tokenizer,
+# model, reference, stored dtype); the file is hashed once per process, not once per load.
+_HASHES: dict[tuple, str] = {}
+
+
+def is_gguf(path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def cache_root() -> Path:
+    """Where converted files live: $TETHER_GGUF_CACHE, else $XDG_CACHE_HOME/tether/gguf (default
+    ~/.cache/tether/gguf). Not next to the file: GGUFs often sit where writing is wrong or
+    impossible (inside an installed package, which a reinstall wipes; a read-only mount; a shared
+    models directory), and a per-user cache keyed by content is shared by every copy of a file."""
+    if os.environ.get("TETHER_GGUF_CACHE"):
+        return Path(os.environ["TETHER_GGUF_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tether" / "gguf"
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise UserError(f"GGUF file '{path}' does not exist" if not path.exists()
+                        else f"GGUF path '{path}' is not a file")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise UserError(f"'{path}' is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        import gguf  # noqa: F401 - transformers' GGUF loader reads the file through it
+    except ImportError:
+        raise UserError(f"reading GGUF file '{path}' needs the gguf package: pip install gguf") from None
+
+
+def file_sha256(path: Path) -> str:
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def load_dequantized(path, dtype=None):
+    """(model, tokenizer) from a GGUF file through transformers, every weight unpacked into a plain
+    dense tensor (fp32 unless `dtype`) and the quantizer detached, so the model trains and saves as
+    any other. One-line UserErrors name the file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    path = Path(path).expanduser()
+    _check_file(path)
+    where, name = str(path.resolve().parent), path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        # dequantize=True: transformers otherwise keeps the weights in packed GGUF blocks behind
+        # its own matmul kernels when they are installed, which can be neither trained nor saved.
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, dtype=dtype or torch.float32,
+            quantization_config=GgufConfig(dequantize=True))
+    except Exception as e:  # noqa: BLE001 - unsupported architecture, corrupt file: one line
+        raise UserError(f"cannot convert GGUF file '{path}': {_one_line(e)}") from None
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def convert_gguf(path, out) -> Path:
+    """Write the GGUF file `path` as a bf16 HF folder (config, model.safetensors, tokenizer with its
+    chat template) at `out`; returns `out`. The folder loads with `from_pretrained` and no gguf."""
+    import torch
+
+    path, out = Path(path).expanduser(), Path(out).expanduser()
+    model, tokenizer = load_dequantized(path)  # fp32: each weight rounded to bf16 once, below
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    if tokenizer.pad_token is None:  # as tether.models.load_tokenizer does: EOS stands in
+        tokenizer.pad_token = tokenizer.eos_token
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / DONE).write_text(f"{path.resolve()}\nsha256 {file_sha256(path)}\n")
+    return out
+
+
+def ensure_converted(path) -> Path:
+    """The converted folder of the GGUF file `path`, converting it on first use only: the cache
+    entry is named by the file's sha256, so an unchanged file (under any name) is never converted
+    twice, and a changed one gets a new entry. Processes that ask at once (torchrun ranks) wait
+    on a lock and the first converts; a conversion is renamed into place only once complete."""
+    path = Path(path).expanduser()
+    _check_file(path)
+    digest = file_sha256(path)
+    root = cache_root()
+    target = root / digest[:24]
+    if (target / DONE).exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{digest[:24]}.lock", "w") as lock:
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no fcntl (Windows): ranks may convert twice; the rename below is safe
+            pass
+        if (target / DONE).exists():  # another process converted it while we waited
+            return target
+        print(f"converting GGUF {path} -> {target} (once; later runs reuse it)", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}.", dir=root))
+        try:
+            convert_gguf(path, tmp)
+            if target.exists():  # a partial folder left by a killed conversion
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
