@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tether.errors import UserError
@@ -142,7 +143,7 @@ def ensure_converted(path) -> Path:
             pass
         if (target / DONE).exists():  # another process converted it while we waited
             return target
-        print(f"converting GGUF {path} -> {target} (once; later runs reuse it)", file=sys.stderr)
+        t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}.", dir=root))
         try:
             convert_gguf(path, tmp)
@@ -152,4 +153,7 @@ def ensure_converted(path) -> Path:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+    # said after, not before: a file that fails to convert gets its one-line error and nothing else
+    print(f"converted GGUF {path} -> {target} in {time.perf_counter() - t0:.0f} s (once; later "
+          f"uses of this file load the folder)", file=sys.stderr)
     return target

@@ -1,0 +1,137 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct from its GGUF (tests/real_model.py)
+becomes a plain bf16 HF folder that loads, chats and answers like the GGUF itself, and a `.gguf`
+path works wherever a model path does, converted once. Bad input is one line naming the file."""
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import tether.models.gguf as gguf_mod
+from real_model import smollm2, smollm2_cache, smollm2_gguf  # noqa: F401 - pytest fixtures
+from tether.cli import main
+from tether.models import load_model, load_tokenizer
+from tether.models.load import stored_dtype
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_converted_smollm2_is_a_plain_bf16_model_that_chats(smollm2):
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    with safe_open(str(smollm2 / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert stored_dtype(str(smollm2)) == torch.bfloat16
+    model = load_model(str(smollm2), dtype="bf16", device="cpu").eval()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert getattr(model, "hf_quantizer", None) is None
+    tok = load_tokenizer(str(smollm2))
+    assert tok.chat_template
+    enc = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    assert tok.decode(enc["input_ids"][0]).endswith("<|im_start|>assistant\n")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_converted_logits_equal_the_gguf_loaded_models(smollm2, smollm2_gguf):
+    """The folder holds exactly the weights transformers' GGUF loader gives in bf16, so the
+    next-token logits agree bit for bit (measured: max |diff| 0.0; against the fp32 GGUF load the
+    bf16 rounding alone moves them by up to 0.48)."""
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(str(smollm2), dtype="bf16", device="cpu").eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                               dtype=torch.bfloat16).eval()
+    tok = load_tokenizer(str(smollm2))
+    enc = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    with torch.no_grad():
+        a, b = ours(**enc).logits[0, -1], ref(**enc).logits[0, -1]
+    assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    ref_state = ref.state_dict()
+    assert all(torch.equal(v, ref_state[k]) for k, v in ours.state_dict().items())
+
+
+def test_a_gguf_path_trains_straight_from_the_cache(smollm2, smollm2_gguf, tmp_path, monkeypatch):
+    """`model=<file.gguf>` to a trainer: tokenizer, model and checkpoint dtype all resolve to the
+    session's converted folder; no second conversion (convert_gguf would raise)."""
+    from tether.trainers.sft import SFTConfig, train_sft
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the GGUF was converted a second time")
+    monkeypatch.setattr(gguf_mod, "convert_gguf", no_conversion)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "completion": f" {2 * i}"}) + "\n"
+                            for i in range(4)))
+    summary = train_sft(SFTConfig(model=str(smollm2_gguf), data=str(data), runs_dir=str(tmp_path / "runs"),
+                                  name="gguf", max_steps=2, batch_size=2, lr=1e-5, device="cpu",
+                                  progress=False, num_samples=0, log_every=1))
+    ckpt = tmp_path / "runs" / "gguf" / "checkpoints" / "step-2"
+    assert summary["steps"] == 2 and summary["checkpoint"] == str(ckpt), summary
+    assert (ckpt / "config.json").exists()
+    assert stored_dtype(str(ckpt)) == torch.bfloat16  # saved as the source was published
+    assert load_tokenizer(str(ckpt)).chat_template
+
+
+def test_each_distinct_gguf_file_is_converted_once(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    calls = []
+
+    def fake_convert(path, out):
+        calls.append(path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / gguf_mod.DONE).write_text("x")
+        return out
+    monkeypatch.setattr(gguf_mod, "convert_gguf", fake_convert)
+    monkeypatch.setenv("TETHER_GGUF_CACHE", str(tmp_path / "cache"))
+    a = tmp_path / "a.gguf"
+    a.write_bytes(b"GGUF" + b"\0" * 64)
+    first = gguf_mod.ensure_converted(a)
+    assert gguf_mod.ensure_converted(a) == first and len(calls) == 1  # unchanged: the cache
+    b = tmp_path / "b.gguf"
+    b.write_bytes(a.read_bytes())
+    assert gguf_mod.ensure_converted(b) == first and len(calls) == 1  # same content, other name
+    a.write_bytes(b"GGUF" + b"\1" * 64)
+    assert gguf_mod.ensure_converted(a) != first and len(calls) == 2  # changed: converted again
+
+
+def _unsupported(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "no-such-arch")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", "does not exist"),
+    ("not-gguf", "is not a GGUF file"),
+    ("unsupported", "no-such-arch is not supported"),
+    ("no-gguf-package", "pip install gguf"),
+])
+def test_bad_gguf_input_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys, case, words):
+    path = tmp_path / "m.gguf"
+    if case == "not-gguf":
+        path.write_text("{}")
+    elif case == "unsupported":
+        path = _unsupported(tmp_path)
+    elif case == "no-gguf-package":
+        path.write_bytes(b"GGUF" + b"\0" * 64)
+        monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    monkeypatch.setenv("TETHER_GGUF_CACHE", str(tmp_path / "cache"))
+    assert main(["convert", f"model={path}", f"out={tmp_path / 'out'}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and str(path) in err, err
+    assert not (tmp_path / "out").exists()
+    # the same file as a trainer's model: the same line, before any run directory is made
+    assert main(["sft", f"model={path}", f"data={tmp_path / 'd.jsonl'}", f"runs_dir={tmp_path / 'runs'}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and str(path) in err, err
