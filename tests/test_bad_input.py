@@ -146,13 +146,15 @@ CONFIG_CASES = [
     ("eval", "top_p=0", "'generation.top_p' must be in (0, 1]"),
     ("init-model", "hidden_size=0", "hidden_size must be >= 1"),
     ("init-model", "heads=3", "hidden_size 128 is not a multiple of heads 3"),
+    ("convert", "overwrite=maybe", "config key 'overwrite' expects bool, got 'maybe'"),
 ]
 
 
 @pytest.mark.parametrize("command, arg, needle", CONFIG_CASES, ids=[f"{c}:{a}" for c, a, _ in CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_writes_nothing(capsys, tmp_path, command, arg, needle):
     runs = tmp_path / "runs"  # where the command would write
-    base = {"memory": [], "init-model": [f"out={runs}"], "quickstart": [f"runs_dir={runs}"],
+    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"],
+            "quickstart": [f"runs_dir={runs}"],
             "study frontier": [f"runs_dir={runs}"], "study overoptimization": [f"runs_dir={runs}"]}
     argv = command.split() + base.get(command, ["model=m", "data=d.jsonl", f"runs_dir={runs}"]) + [arg]
     _refused(capsys, argv, needle, code=2)

@@ -3,6 +3,8 @@ becomes a plain bf16 HF folder that loads, chats and answers like the GGUF itsel
 path works wherever a model path does, converted once. Bad input is one line naming the file."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -135,3 +137,23 @@ def test_bad_gguf_input_is_one_line_naming_the_file(tmp_path, monkeypatch, capsy
     assert main(["sft", f"model={path}", f"data={tmp_path / 'd.jsonl'}", f"runs_dir={tmp_path / 'runs'}"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and str(path) in err, err
+
+
+def test_the_core_install_needs_no_gguf(tmp_path):
+    """With `gguf` unimportable, tether, its CLI and a normal model folder all work; only reading
+    a GGUF file asks for it."""
+    code = f"""
+import sys
+sys.modules["gguf"] = None  # `import gguf` raises ImportError, as on a core install
+from tether.cli import main
+from tether.models import load_model, make_tiny_model
+make_tiny_model({str(tmp_path / "m")!r}, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+load_model({str(tmp_path / "m")!r}, device="cpu")
+open({str(tmp_path / "x.gguf")!r}, "wb").write(b"GGUF" + bytes(64))
+sys.exit(main(["convert", "model={tmp_path / 'x.gguf'}", "out={tmp_path / 'out'}"]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
+    # the lines before it are the tiny model's save/load progress bars, where HF draws them
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1:] == [
+        f"tether convert: error: reading GGUF file '{tmp_path / 'x.gguf'}' needs the gguf package: pip install gguf"], r.stderr

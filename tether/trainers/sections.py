@@ -24,7 +24,7 @@ class ModelSection:
     PRIMARY: ClassVar[str] = "path"  # `model=<dir>` sets model.path
 
     path: str = ""
-    "model to train: a local HF directory or a hub id (also the frozen reference, when there is one)"
+    "model to train: a local HF directory, a hub id, or a .gguf file (converted once to a bf16 folder in a cache; docs/models.md) (also the frozen reference, when there is one)"
     dtype: str = "fp32"
     "weight dtype: fp32 (master weights; use with mixed_precision) | bf16 | fp16 | auto"
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
