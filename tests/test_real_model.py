@@ -98,8 +98,15 @@ def test_each_distinct_gguf_file_is_converted_once(tmp_path, monkeypatch):
     b = tmp_path / "b.gguf"
     b.write_bytes(a.read_bytes())
     assert gguf_mod.ensure_converted(b) == first and len(calls) == 1  # same content, other name
+    from tether.trainers.offline_reference import model_fingerprint
+    before = model_fingerprint(str(a))  # the offline trainers' cached reference log-probs, by content
     a.write_bytes(b"GGUF" + b"\1" * 64)
+    # a file is known changed by its stat (file_sha256's memo): make sure the rewrite, done within
+    # the same clock tick here, shows as one, as a real replacement of a model file would
+    st = a.stat()
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert gguf_mod.ensure_converted(a) != first and len(calls) == 2  # changed: converted again
+    assert model_fingerprint(str(a)) != before and model_fingerprint(str(b)) == before
 
 
 def _unsupported(tmp_path):

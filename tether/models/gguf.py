@@ -27,8 +27,9 @@ from tether.errors import UserError
 MAGIC = b"GGUF"  # the first four bytes of every GGUF file (all versions)
 DONE = "tether_gguf_source.txt"  # written last into a converted folder: its presence = complete
 
-# (resolved path, size, mtime_ns) -> sha256: a run loads the model path several times (tokenizer,
-# model, reference, stored dtype); the file is hashed once per process, not once per load.
+# (resolved path, inode, size, mtime, ctime) -> sha256: a run loads the model path several times
+# (tokenizer, model, reference, stored dtype); a file (4 GB for a 7B model: seconds to hash) is
+# hashed once per process while its stat says it is unchanged, as make decides what to rebuild.
 _HASHES: dict[tuple, str] = {}
 
 
@@ -64,7 +65,7 @@ def _check_file(path: Path) -> None:
 def file_sha256(path: Path) -> str:
     path = Path(path).resolve()
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _HASHES:
         h = hashlib.sha256()
         with open(path, "rb") as f:

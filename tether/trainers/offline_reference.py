@@ -163,6 +163,9 @@ def model_fingerprint(path: str) -> dict:
     """What identifies a model without reading its weights: config + weight-file names and sizes
     (a hub id is taken as is)."""
     p = Path(path)
+    if p.suffix.lower() == ".gguf" and p.is_file():  # a GGUF file: its content, as its conversion cache
+        from tether.models.gguf import file_sha256
+        return {"gguf": file_sha256(p)}
     if not p.is_dir():
         return {"id": path}
     cfg = (p / "config.json").read_text() if (p / "config.json").exists() else ""
