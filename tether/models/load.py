@@ -84,8 +84,9 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto",
     kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
+    if gguf_file:  # unpacked into dense tensors, as tether.models.gguf does: trainable and savable
+        from transformers import GgufConfig
+        kwargs.update(gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as e:  # noqa: BLE001
