@@ -446,6 +446,7 @@ def agrees(metric: str, row: dict, c: dict) -> tuple[bool, str]:
     - DPO rewards/*: beta * (log pi - log pi_ref) is a small difference of two ~100-nat sums, so its
       relative difference is not meaningful near 0: it agrees when the absolute difference is
       <= 1e-3 * beta * |logps| (1e-3 relative on the log-probs it is made of);
+    - GRPO loss: agrees when the absolute difference is <= 1e-3 * the step's max |advantage|;
     - DPO rewards/accuracies: a pair whose margin is within 1e-5 of 0 (step 1: the policy is the
       reference) counts as accurate or not by float noise; agrees when both margins are that small.
     """
@@ -455,6 +456,11 @@ def agrees(metric: str, row: dict, c: dict) -> tuple[bool, str]:
         scale = 0.1 * max(abs(row.get(k, {}).get("tether", 0.0)) for k in ("logps/chosen", "logps/rejected"))
         if c["abs"] <= TOL * scale:
             return True, "abs<=1e-3*beta*|logps|"
+    if metric == "loss" and "advantages" in row:
+        # GRPO: the loss is a token mean of -ratio * A terms; at a step where they nearly cancel
+        # (exactly 0 in exact arithmetic) its relative difference is noise over noise
+        if c["abs"] <= TOL * abs(row["advantages"]["trl"]):
+            return True, "abs<=1e-3*max|A|"
     if metric == "rewards/accuracies":
         m = row.get("rewards/margins")
         if m and max(abs(m["tether"]), abs(m["trl"])) < 1e-5:
@@ -475,25 +481,43 @@ def table(name: str, res: dict) -> dict:
             if ours in r and theirs in t:
                 row[ours] = {"tether": r[ours], "trl": t[theirs], "rel": rel(r[ours], t[theirs]),
                              "abs": abs(r[ours] - t[theirs])}
-        for m in res["metrics"]:
-            if m in row:
-                row[m]["ok"], row[m]["rule"] = agrees(m, row, row[m])
         steps.append(row)
-    mx = {m: max((s[m]["rel"] for s in steps if m in s), default=float("nan")) for m in res["metrics"]}
-    mabs = {m: max((s[m]["abs"] for s in steps if m in s), default=float("nan")) for m in res["metrics"]}
-    failures = [{"step": s["step"], "metric": m, **s[m]} for s in steps for m in res["metrics"]
-                if m in s and not s[m]["ok"]]
-    exceptions = [{"step": s["step"], "metric": m, "rule": s[m]["rule"]} for s in steps for m in res["metrics"]
-                  if m in s and s[m]["ok"] and s[m]["rule"] != "rel"]
-    return {"trainer": name, "steps": steps, "max_rel": mx, "max_abs": mabs, "tokens": res["tokens"],
-            "seconds": res.get("seconds", {}), "failures": failures, "exceptions": exceptions,
-            "agree": not failures and res["tokens"]["ids_identical"] and bool(steps)}
+    return judge({"trainer": name, "steps": steps, "tokens": res["tokens"], "seconds": res.get("seconds", {}),
+                  "metrics": list(res["metrics"])})
+
+
+def judge(t: dict) -> dict:
+    """(Re)compute each step-metric's agreement and the summary fields of one trainer's table."""
+    steps, metrics = t["steps"], t.get("metrics") or list(t["max_rel"])
+    for s in steps:
+        for m in metrics:
+            if m in s:
+                s[m]["ok"], s[m]["rule"] = agrees(m, s, s[m])
+    t["metrics"] = metrics
+    t["max_rel"] = {m: max((s[m]["rel"] for s in steps if m in s), default=float("nan")) for m in metrics}
+    t["max_abs"] = {m: max((s[m]["abs"] for s in steps if m in s), default=float("nan")) for m in metrics}
+    t["failures"] = [{"step": s["step"], "metric": m, **s[m]} for s in steps for m in metrics
+                     if m in s and not s[m]["ok"]]
+    t["exceptions"] = [{"step": s["step"], "metric": m, "rule": s[m]["rule"]} for s in steps for m in metrics
+                       if m in s and s[m]["ok"] and s[m]["rule"] != "rel"]
+    t["agree"] = not t["failures"] and t["tokens"]["ids_identical"] and bool(steps)
+    return t
+
+
+def commands(results: list[dict], meta: dict) -> str:
+    """The distinct commands that produced these results (a run may redo only some trainers)."""
+    seen = []
+    for r in results:
+        c = r.get("meta", meta)["command"]
+        if c not in seen:
+            seen.append(c)
+    return ", ".join(f"`{c}`" for c in seen)
 
 
 def markdown(results: list[dict], meta: dict) -> str:
     out = [f"# Parity with TRL {meta['trl']} on SmolLM2-135M-Instruct (CPU, fp32)", "",
            f"{meta['date']} · {meta['host']} · torch {meta['torch']} · transformers {meta['transformers']} · "
-           f"{meta['threads']} thread(s) · `{meta['command']}`", "",
+           f"{meta['threads']} thread(s) · {commands(results, meta)}", "",
            "Relative difference = |tether − TRL| / max(|tether|, |TRL|), per step.", ""]
     out += ["| trainer | steps | identical tokens | max rel. diff (metric) | agree (1e-3 or the stated rule) "
             "| seconds tether / TRL |", "|---|---|---|---|---|---|"]
@@ -537,7 +561,7 @@ def results_section(results: list[dict], meta: dict) -> str:
     """The summary for benchmarks/RESULTS.md (the per-step tables are in benchmarks/parity/)."""
     lines = [f"## Parity with TRL {meta['trl']} — SmolLM2-135M-Instruct, CPU fp32, per step", "",
              f"Date: {meta['date']}. {meta['host']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-             f"{meta['threads']} thread(s). Command: `{meta['command']}`. Per-step tables: "
+             f"{meta['threads']} thread(s). Commands: {commands(results, meta)}. Per-step tables: "
              "benchmarks/parity/parity.md; every difference explained in docs/parity.md.", "",
              "| trainer | steps | identical token ids | max rel. diff per metric | agree |", "|---|---:|---|---|---|"]
     for r in results:
@@ -578,6 +602,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.render:
         doc = json.loads((Path(a.out) / "parity.json").read_text())
+        for r in doc["results"]:
+            judge(r)
+        (Path(a.out) / "parity.json").write_text(json.dumps(doc, indent=1))
         (Path(a.out) / "parity.md").write_text(markdown(doc["results"], doc["meta"]))
         write_results_md(results_section(doc["results"], doc["meta"]))
         return doc
@@ -589,7 +616,34 @@ def main(argv=None):
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     model = str(model_dir(cache))
+    meta = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "host": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "command": "OMP_NUM_THREADS=%s python bench/parity.py %s" % (os.environ.get("OMP_NUM_THREADS", "?"),
+                                                                        " ".join(argv if argv is not None else sys.argv[1:]))}
     results = []
+
+    def save(results):
+        """Write after each trainer, so a later failure keeps the earlier tables."""
+        doc = {"meta": meta, "results": results}
+        if a.json:
+            Path(a.json).write_text(json.dumps(doc, indent=1))
+        if not a.no_write:
+            out = Path(a.out)
+            out.mkdir(parents=True, exist_ok=True)
+            old = out / "parity.json"
+            if old.exists():  # keep the other trainers' standing results (a run may redo only some)
+                prev = json.loads(old.read_text())
+                mine = {r["trainer"] for r in results}
+                kept = [dict(r, meta=r.get("meta", prev["meta"])) for r in prev["results"] if r["trainer"] not in mine]
+                results = kept + [dict(r, meta=meta) for r in results]
+                results.sort(key=lambda r: ["sft", "dpo", "rm", "grpo"].index(r["trainer"]))
+                doc = {"meta": meta, "results": results}
+            old.write_text(json.dumps(doc, indent=1))
+            (out / "parity.md").write_text(markdown(results, meta))
+            write_results_md(results_section(results, meta))
+        return doc, results
+
     for name in a.trainers.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
@@ -612,28 +666,7 @@ def main(argv=None):
             results.append(t)
             print(json.dumps({"trainer": name, "identical_tokens": t["tokens"]["identical"],
                               "max_rel": t["max_rel"]}), flush=True)
-    meta = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "host": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
-            "command": "OMP_NUM_THREADS=%s python bench/parity.py %s" % (os.environ.get("OMP_NUM_THREADS", "?"),
-                                                                        " ".join(argv if argv is not None else sys.argv[1:]))}
-    doc = {"meta": meta, "results": results}
-    if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1))
-    if not a.no_write:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        old = out / "parity.json"
-        if old.exists():  # keep the other trainers' standing results (a run may redo only some)
-            prev = json.loads(old.read_text())
-            mine = {r["trainer"] for r in results}
-            kept = [dict(r, meta=r.get("meta", prev["meta"])) for r in prev["results"] if r["trainer"] not in mine]
-            results = kept + [dict(r, meta=meta) for r in results]
-            results.sort(key=lambda r: ["sft", "dpo", "rm", "grpo"].index(r["trainer"]))
-            doc = {"meta": meta, "results": results}
-        old.write_text(json.dumps(doc, indent=1))
-        (out / "parity.md").write_text(markdown(results, meta))
-        write_results_md(results_section(results, meta))
+            doc, _ = save(list(results))
     print(markdown(results, meta))
     return doc
 
