@@ -135,12 +135,15 @@ def worker(a) -> None:
         args += [f"max_length={a.dpo_len + 8}", f"grad_accum={a.per_gpu * N // pairs}"]
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    keep = cli._leave_process_group
     code = cli.main(args) if not distributed.active() else _in_group(cli, args)
     mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) \
         if a.device == "cuda" else (0.0, 0.0)
     peaks = distributed.all_gather_object(mem) if distributed.active() else [mem]
     if distributed.rank() == 0:
         Path(a.work, f"{a.algo}{N}.json").write_text(json.dumps({"code": code, "peaks": peaks}))
+    if distributed.active():
+        keep()  # the group left as the CLI leaves it (barrier, destroy)
     sys.exit(code)
 
 

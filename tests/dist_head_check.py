@@ -53,7 +53,7 @@ n_mine = float(mine["completion_mask"][:, 1:].sum())
 ((lp * weights[rows]).sum() / n_global + 0.1 * ent * n_mine / n_global).backward()
 
 lp_err = float((lp - ref_lp[rows]).detach().abs().max())
-ent_all = distributed.sum_floats([float(ent) * n_mine])[0] / n_global
+ent_all = distributed.sum_floats([float(ent.detach()) * n_mine])[0] / n_global
 grads = {n: distributed.full(p.grad) for n, p in model.named_parameters()}
 grad_err = max(float((grads[n] - p.grad).abs().max()) for n, p in plain.named_parameters())
 errs = distributed.all_gather_object(lp_err)
@@ -61,3 +61,5 @@ if distributed.rank() == 0:
     print(json.dumps({"lp_err": max(errs), "ent_err": abs(ent_all - float(ref_ent)), "grad_err": grad_err,
                       "head_grad_norm": float(grads["lm_head.weight"].norm())
                       if "lm_head.weight" in grads else float(grads["model.embed_tokens.weight"].norm())}))
+torch.distributed.barrier()  # both ranks done before either tears its gloo pairs down
+torch.distributed.destroy_process_group()

@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     where = f"[rank {rank}] " if rank else ""
     try:
-        return _main(argv)
+        code = _main(argv)
+        _leave_process_group()  # on success only: see _leave_process_group
+        return code
     except KeyboardInterrupt:
         print(f"{where}tether {name}: interrupted", file=sys.stderr)
         return 130
@@ -134,14 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if debug else " (--debug or TETHER_DEBUG=1 for the traceback)"
         print(f"{where}tether {name}: error: {type(e).__name__}{_where(e)}: {text}{hint}", file=sys.stderr)
         return 1
-    finally:
-        _leave_process_group()
 
 
 def _leave_process_group() -> None:
-    """Leave torch.distributed's process group if a command joined one (torchrun): a clean exit."""
+    """Leave torch.distributed's process group if a command joined one (torchrun). Every rank
+    meets at a barrier first: a rank whose peer already tore its gloo pair down can abort in its
+    own teardown ("terminate called without an active exception", SIGABRT), and so can a process
+    that exits without destroying the group. Only after a success: when a rank failed, a barrier
+    or a destroy would wait for peers that are gone, and torchrun stops the job anyway."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
