@@ -150,7 +150,7 @@ def test_two_nodes_by_rendezvous_on_one_host(world, one):
     assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
 
 
-@pytest.mark.parametrize("shape", ["llama tied", "qwen2 untied"])
+@pytest.mark.parametrize("shape", ["llama tied", pytest.param("qwen2 untied", marks=pytest.mark.slow)])
 def test_chunked_lm_head_of_a_sharded_model_equals_the_plain_forward(shape):
     """The chunked LM head (no [N, V] logits held) runs inside the root module's FSDP2 call
     (models/logprobs._sharded_chunked_head): log-probs, entropy and every gradient — the head's

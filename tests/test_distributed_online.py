@@ -103,6 +103,7 @@ def test_grpo_with_kl_and_two_updates(world):
     assert all(r["kl"] > 0 for r in rows[1:])
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_reinforce_pp_whitens_over_the_whole_batch(world):
     # KL in the reward, returns whitened over every token of the global batch. Catches: each rank
     # whitening its own half (its advantages would have mean 0 and std 1 on its own tokens).
@@ -111,6 +112,7 @@ def test_reinforce_pp_whitens_over_the_whole_batch(world):
     assert all("rewards/kl_penalty/mean" in r for r in rows)
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_dapo_token_mean_with_dynamic_sampling(world):
     # DAPO: token-mean loss over the kept, untruncated completions, clip-higher, one round of
     # dynamic sampling (no overlong shaping: its length penalty would give rank 1's groups signal).

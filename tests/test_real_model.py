@@ -40,6 +40,7 @@ def test_converted_smollm2_is_a_plain_bf16_model_that_chats(smollm2):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_converted_logits_equal_the_gguf_loaded_models(smollm2, smollm2_gguf):
     """The folder holds exactly the weights transformers' GGUF loader gives in bf16, so the
     next-token logits agree bit for bit (measured: max |diff| 0.0; against the fp32 GGUF load the
