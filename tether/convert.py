@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from tether.errors import UserError
 from tether.models.gguf import convert_gguf
+from tether.models.load import model_out_dir
 
 
 @dataclass
@@ -31,14 +31,7 @@ class ConvertConfig:
 def run_convert(cfg: ConvertConfig) -> dict:
     if not cfg.model:
         raise UserError("convert: `model` is required (the .gguf file to convert)")
-    if not cfg.out:
-        raise UserError("convert: `out` is required (the directory to write the model to)")
-    out = Path(cfg.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out '{cfg.out}' is a file, not a directory")
-    if (out / "config.json").exists() and not cfg.overwrite:
-        raise UserError(f"'{cfg.out}' already holds a model; choose another out= or "
-                        f"replace it with overwrite=true")
+    out = model_out_dir(cfg.out, cfg.overwrite)
     t0 = time.perf_counter()
     convert_gguf(cfg.model, out)  # checks the file (exists, GGUF, gguf installed) before writing
     seconds = time.perf_counter() - t0

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from tether.data import load_rows
 from tether.errors import UserError
-from tether.models.load import quiet_hf_progress
+from tether.models.load import model_out_dir, quiet_hf_progress
 from tether.models.tiny import CHARS, SPECIAL_TOKENS, make_tiny_model
 
 
@@ -110,14 +110,7 @@ def vocabulary(cfg: InitModelConfig) -> list[str]:
 
 def init_model(cfg: InitModelConfig) -> dict:
     """Write a random-init model + character tokenizer to `cfg.out`; returns what it wrote."""
-    if not cfg.out:
-        raise UserError("`out` is required (the directory to write the model to)")
-    out = Path(cfg.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"out '{cfg.out}' is a file, not a directory")
-    if (out / "config.json").exists() and not cfg.overwrite:
-        raise UserError(f"'{cfg.out}' already holds a model; choose another out= or "
-                        f"replace it with overwrite=true")
+    out = model_out_dir(cfg.out, cfg.overwrite)
     chars = vocabulary(cfg)  # every input is checked before anything is written
     restore = quiet_hf_progress()  # a one-file save: HF's "Writing model shards" bar is noise
     try:

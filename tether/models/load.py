@@ -97,6 +97,20 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto",
     return model.to(dev)
 
 
+def model_out_dir(out: str, overwrite: bool) -> Path:
+    """`out` as the directory a command writes a whole model into (`tether init-model`, `tether
+    convert`): refused in one line when it is a file, or already holds a model and `overwrite` is off."""
+    if not out:
+        raise UserError("`out` is required (the directory to write the model to)")
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"out '{out}' is a file, not a directory")
+    if (path / "config.json").exists() and not overwrite:
+        raise UserError(f"'{out}' already holds a model; choose another out= or "
+                        f"replace it with overwrite=true")
+    return path
+
+
 def quiet_hf_progress() -> Callable[[], None]:
     """Silence the progress bars transformers and huggingface_hub draw themselves ("Loading
     weights", "Writing model shards", downloads) and return a function that puts back the state
