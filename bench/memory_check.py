@@ -45,16 +45,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 # as the tether CLI sets it (tether/cli.py), before torch is imported: the trainers run in-process here
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+from scale import SHAPES as _SCALE  # noqa: E402 - bench/scale.py's shapes, under this script's names
+
 SHAPES = {
-    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+    "tiny": dict(_SCALE["tiny"], vocab_size=512),
+    "qwen2.5-0.5b": _SCALE["qwen0.5b"],
+    "qwen2.5-7b": _SCALE["qwen7b"],
 }
 
 # The configurations to measure on 1, 2 and 4 GPUs (the lead's run list; `--dry` prints them all).
