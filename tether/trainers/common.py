@@ -79,8 +79,10 @@ class EpochSampler:
         return self.position * self.batch_size / self.n
 
 
-def make_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
-    """AdamW with no decay on biases and norms (decaying a norm's gain toward 0 hurts)."""
+def make_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                   fused: bool | None = None):
+    """AdamW with no decay on biases and norms (decaying a norm's gain toward 0 hurts).
+    `fused`: None = the fused kernel on CUDA only; True / False force it on / off."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -88,12 +90,12 @@ def make_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999), ep
         (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # Fused on CUDA only. On CPU it would be faster too (the quickstart's 38 tensors: 2.1 -> 0.4 ms
-    # a step, ~3 s of its 1840 steps) but it rounds differently, and the quickstart's stages are a
-    # knife edge of rounding: with it, the same recipe's SFT stage gave 0.945 instead of 0.480 and
-    # left RL nothing to do (docs/grpo.md, "Quickstart: how fragile"). Kept as measured.
+    # Auto = fused on CUDA only. On CPU it is faster too (the quickstart's 38 tensors: 2.1 -> 0.4 ms
+    # a step) but rounds differently from the per-tensor loop; results must not hang on that
+    # (the quickstart is checked with it on and off), so it stays an explicit choice there.
     params = decay + no_decay
-    fused = bool(params) and all(p.is_cuda for p in params)
+    if fused is None:
+        fused = bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 

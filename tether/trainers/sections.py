@@ -61,6 +61,8 @@ class OptimSection:
     "AdamW weight decay (never applied to norms and biases)"
     adam_betas: list[Beta] = field(default_factory=lambda: [0.9, 0.999])
     "AdamW (beta1, beta2)"
+    fused_adamw: Literal["auto", "on", "off"] = "auto"
+    "AdamW's fused kernel: auto = on CUDA only; on = on CPU too (faster, rounds differently from the per-tensor loop)"
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     "learning-rate shape after warmup"
     warmup_steps: NonNegativeInt = 0

@@ -356,7 +356,8 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
     o = cfg.optim
     total = o.max_steps if o.max_steps > 0 else max(1, math.ceil(o.epochs * len(data.train) / per_step))
     updates = total * updates_per_step
-    optimizer = make_optimizer(trainable, o.lr, o.weight_decay, betas=tuple(o.adam_betas))
+    optimizer = make_optimizer(trainable, o.lr, o.weight_decay, betas=tuple(o.adam_betas),
+                               fused={"auto": None, "on": True, "off": False}[o.fused_adamw])
     scheduler = make_scheduler(optimizer, o.schedule, o.warmup_steps or int(o.warmup_ratio * updates),
                                updates, o.min_lr_ratio)
     t = Training(cfg=cfg, run=run, tokenizer=tokenizer, data=data, model=model, trainable=trainable,
