@@ -183,18 +183,20 @@ def test_help_is_grouped_by_section(capsys):
 
 
 def test_a_shared_key_a_trainer_does_not_use_is_hidden_and_refused(capsys):
-    from tether.trainers.ppo import PPOConfig
-    assert main(["ppo", "--help"]) == 0
-    ppo_help = capsys.readouterr().out
+    from tether.trainers.best_of_n import BoNConfig
+    assert main(["bon", "--help"]) == 0
+    bon_help = capsys.readouterr().out
     assert main(["sft", "--help"]) == 0
-    assert "run.eval_every" in capsys.readouterr().out and "run.eval_every" not in ppo_help
+    assert "run.eval_every" in capsys.readouterr().out and "run.eval_every" not in bon_help
     with pytest.raises(ConfigError, match="run.eval_every is not used here") as e:
-        load_config(PPOConfig, None, ["eval_every=2"])
+        load_config(BoNConfig, None, ["eval_every=2"])
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="not used here"):
-        PPOConfig(model="m", data="d", eval_every=2)
-    assert PPOConfig(model="m", data="d", eval_every=0).run.eval_every == 0  # the default is fine
-    # grpo evaluates held-out prompts (data.eval_data); without them eval_every is refused, saying so
+        BoNConfig(model="m", data="d", eval_every=2)
+    assert BoNConfig(model="m", data="d", eval_every=0).run.eval_every == 0  # the default is fine
+    # grpo and ppo evaluate held-out prompts (data.eval_data); without them eval_every is refused, saying so
     from tether.trainers.online import GRPOConfig
-    with pytest.raises(ConfigError, match="'run.eval_every' needs held-out prompts: data.eval_data"):
-        load_config(GRPOConfig, None, ["eval_every=2"])
+    from tether.trainers.ppo import PPOConfig
+    for config in (GRPOConfig, PPOConfig):
+        with pytest.raises(ConfigError, match="'run.eval_every' needs held-out prompts: data.eval_data"):
+            load_config(config, None, ["eval_every=2"])

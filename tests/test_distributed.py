@@ -35,7 +35,7 @@ def _args(root, name, **kw):
     base = dict(model=root / "model", data=root / "train.jsonl", runs_dir=root / "runs", name=name,
                 batch_size=4, grad_accum=2, lr=3e-3, log_every=1, device="cpu", progress="false",
                 max_steps=6, save_every=3, eval_fraction=0.1, eval_every=3, num_samples=2,
-                warmup_steps=2)
+                warmup_steps=2, keep_best="eval/loss")
     base.update(kw)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -58,6 +58,10 @@ def test_two_processes_compute_what_one_computes(world, one):
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(two / "checkpoints" / "step-6")
     assert len(list((two / "checkpoints" / "step-6" / "optimizer").glob("*.distcp"))) == 2
+    # keep_best: the same best eval point, its model written once (rank 0) after a collective gather
+    best = [json.loads((run / "summary.json").read_text())["best"] for run in (one, two)]
+    assert best[0]["step"] == best[1]["step"] and best[0]["value"] == pytest.approx(best[1]["value"], rel=1e-5)
+    assert_same_weights(one / "checkpoints" / "best", two / "checkpoints" / "best")
     assert len(list((one / "checkpoints" / "step-6" / "optimizer").glob("*.distcp"))) == 1
     # rank 0 alone writes: one summary, one row per logged step, samples once
     steps = [json.loads(r)["step"] for r in (two / "metrics.jsonl").read_text().splitlines()]

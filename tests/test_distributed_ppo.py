@@ -70,7 +70,10 @@ def _ppo(root, name, **kw):
                 max_steps=STEPS, save_every=2, lr=3e-3, kl_coef=0.05, ppo_epochs=2, num_minibatches=4,
                 ent_coef=0.01, device="cpu", progress="false", seed=0, value_model="",
                 reward_funcs=f"[rm:{root / 'rm'},{root / 'reward.py'}:digits]", reward_weights="[1.0,2.0]",
-                num_samples=BATCH * GENERATIONS)
+                num_samples=BATCH * GENERATIONS,
+                # held-out greedy evaluation (every rank scores every prompt, the RM's sharded
+                # forwards included) and keep_best's collective write of checkpoints/best
+                eval_data=root / "prompts.jsonl", eval_every=2, keep_best="eval/reward")
     base.update(kw)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -127,7 +130,13 @@ def test_ppo_in_two_processes_equals_one_process(one, two):
     critic = ScalarHeadModel.from_pretrained(two / "checkpoints" / f"step-{STEPS}" / "value", device="cpu")
     assert critic.kind == "value"
     assert len(list((two / "checkpoints" / f"step-{STEPS}" / "optimizer").glob("*.distcp"))) == 2
-    assert all("gather_time" in json.loads(r) for r in (two / "metrics.jsonl").read_text().splitlines())
+    rows = [json.loads(r) for r in (two / "metrics.jsonl").read_text().splitlines()]
+    assert all("gather_time" in r for r in rows if "objective/kl" in r)
+    # eval points at 2 and 4, compared above with one process's; the same best step and weights
+    assert [r["step"] for r in rows if "eval/greedy/reward" in r] == [2, STEPS]
+    best = [json.loads((run / "summary.json").read_text())["best"] for run in (one, two)]
+    assert best[0]["step"] == best[1]["step"] and best[0]["value"] == pytest.approx(best[1]["value"], rel=1e-5)
+    assert_same_weights(one / "checkpoints" / "best", two / "checkpoints" / "best")
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process(world, one, two):

@@ -264,7 +264,7 @@ class RunDir:
 
     def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2,
                         extra=None, dtype: torch.dtype | None = None, state_dict: dict | None = None,
-                        sharded=None) -> Path:
+                        sharded=None, name: str | None = None) -> Path:
         """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all.
         `extra(dir)` writes a trainer's other state (e.g. PPO's critic) inside the same atomic write.
         `dtype`: write the model's weights in this dtype (see :func:`save_model_as`).
@@ -272,8 +272,10 @@ class RunDir:
         Under torch.distributed every rank calls this: `sharded(dir)` (each rank writes its shards:
         the optimizer state) and `extra(dir)` run on every rank (they may gather; rank 0 writes),
         `state_dict` is the model's gathered on rank 0 (None: the model's own), every rank's RNG
-        state is kept, and only rank 0 writes the rest and renames the directory into place."""
-        final = self.checkpoint_dir(step)
+        state is kept, and only rank 0 writes the rest and renames the directory into place.
+        `name`: write checkpoints/<name> instead of step-<step> (keep_best's `best`), which the
+        `keep_last` rotation of step-* directories never deletes."""
+        final = self.path / "checkpoints" / name if name else self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -292,7 +294,7 @@ class RunDir:
             torch.save({**state, "rng": rngs[0], **extra_rng}, tmp / TRAINER_STATE)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            if keep_last > 0:
+            if keep_last > 0 and not name:
                 ckpts = sorted((p for p in (self.path / "checkpoints").glob("step-*")
                                 if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
                 for old in ckpts[:-keep_last]:

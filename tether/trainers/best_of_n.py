@@ -172,7 +172,8 @@ class BoNConfig:
     UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n",
                               "reward.eval_reward_funcs": "the reward reported next to the proxy is bon.gold_reward",
                               "run.eval_every": "best-of-n has no evaluation pass",
-                              "data.eval_data": "best-of-n has no evaluation pass (tether eval scores a model)"}
+                              "data.eval_data": "best-of-n has no evaluation pass (tether eval scores a model)",
+                              "run.keep_best": "best-of-n has no eval points to choose a checkpoint by"}
 
 
 def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tuple[list, list | None]:

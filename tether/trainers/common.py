@@ -378,13 +378,15 @@ def restore_training(ckpt, run, model, optimizer, scheduler, data_order) -> tupl
 
 def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_order,
                   skipped: int, time_offset: float, keep_last: int, extra=None, carry=None,
-                  dtype=None, trainable=None):
+                  dtype=None, trainable=None, name=None):
     """Checkpoint everything `restore_training` needs for an exact resume. `carry`: plain Python
     state of the loop that logged numbers depend on (a metrics window, a history for the summary).
     `dtype`: the model's weights are written in it (RunDir.save_checkpoint; None = as trained).
     `trainable`: the module the optimizer's parameters belong to (default `model`). The optimizer
     state goes through torch.distributed.checkpoint (keyed by parameter name, resharded on load);
-    a sharded model is gathered onto rank 0 for its Hugging Face folder (collective)."""
+    a sharded model is gathered onto rank 0 for its Hugging Face folder (collective).
+    `name`: a named checkpoint (keep_best's `best`): the model, tokenizer and `extra` only, no
+    optimizer state (it is for evaluating and shipping, never resumed from), outside rotation."""
     trainable = model if trainable is None else trainable
     lora = hasattr(model, "peft_config")
     gathered = distributed.full_state_dict(model, trainable_only=lora) if distributed.is_sharded(model) else None
@@ -392,5 +394,6 @@ def save_training(run, step: int, model, tokenizer, optimizer, scheduler, data_o
         "scheduler": scheduler.state_dict(),
         "data_position": data_order.position, "step": step, "skipped_steps": skipped,
         "time": time_offset + (time.time() - run.t0), "carry": carry or {}},
-        keep_last=keep_last, extra=extra, dtype=dtype, state_dict=gathered,
-        sharded=lambda d: distributed.save_optimizer(d / distributed.OPTIMIZER_DIR, trainable, optimizer))
+        keep_last=keep_last, extra=extra, dtype=dtype, state_dict=gathered, name=name,
+        sharded=None if name else lambda d: distributed.save_optimizer(d / distributed.OPTIMIZER_DIR,
+                                                                       trainable, optimizer))

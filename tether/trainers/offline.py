@@ -32,13 +32,14 @@ from tether import distributed
 from tether.config import flat_init
 from tether.constraints import NonNegative, Positive, PositiveInt, Range
 from tether.errors import NonFiniteLossError
-from tether.objectives import PREFERENCE_LOSSES, kto_kl_reference_point
+from tether.objectives import PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point
 from tether.trainers.common import StepClock, guarded_step
+from tether.trainers.held_out import check_keep_best
 from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
 # train_step looks `objective` up in this module (a test patches offline.objective); PAIR_OBJECTIVES
 # names PreferenceSection.method's choices
-from tether.trainers.offline_objective import (DRIFT_WARNING, PAIR_OBJECTIVES, REFERENCE_FREE, _concat,
-                                               detached, gather_rows, objective, on_cpu, split_rows)
+from tether.trainers.offline_objective import (DRIFT_WARNING, PAIR_OBJECTIVES, REFERENCE_FREE, UnpairedLogps,
+                                               _concat, detached, gather_rows, objective, on_cpu, split_rows)
 from tether.trainers.offline_reference import completion_logps, get_reference, training_forwards
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
@@ -211,6 +212,18 @@ def evaluate_preferences(cfg, model, examples: list[dict], paired: bool, referen
     return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in m.items()}}
 
 
+def eval_metric_names(cfg) -> set[str]:
+    """The names :func:`evaluate_preferences` logs for this method: its objective's metrics on two
+    made-up pairs (and, for KTO, whose held-out rows may be unpaired, on two labelled rows)."""
+    logps, lengths = torch.tensor([-1.0, -2.0]), torch.tensor([2, 3])
+    ref = None if cfg.preference.method in REFERENCE_FREE else logps - 0.5
+    names = set(objective(cfg, PairLogps(logps, logps - 1, ref, None if ref is None else ref - 1,
+                                         lengths, lengths), 0.0)[1])
+    if cfg.preference.method == "kto":
+        names |= set(objective(cfg, UnpairedLogps(logps, torch.tensor([True, False]), logps - 0.5), 0.0)[1])
+    return {"eval/loss"} | {f"eval/{k}" for k in names - {"kl"}}
+
+
 def distinct_prompts(examples: list[dict], count: int) -> list[list[int]]:
     """The first `count` distinct prompts (token ids) of `examples`, to sample completions from."""
     prompts: list[list[int]] = []
@@ -228,6 +241,7 @@ def train_offline(cfg: OfflineConfig) -> dict:
     """Run DPO / KTO / SimPO / ORPO per `cfg`; returns the summary (also written to summary.json),
     whose `model` is the final checkpoint's path (the adapter's under LoRA)."""
     method = cfg.preference.method
+    check_keep_best(cfg, eval_metric_names(cfg), held_out=bool(cfg.data.eval_data or cfg.data.eval_fraction > 0))
 
     def load(tokenizer):
         train, held_out, paired, eval_paired, report = load_offline_data(cfg, tokenizer)
@@ -283,14 +297,15 @@ def train_offline(cfg: OfflineConfig) -> dict:
                    **clock.lap()})
             t.window.reset()
         if t.due(cfg.run.eval_every):
-            t.log(evaluate())
+            t.log_eval(evaluate())
         if t.due(cfg.run.save_every):
             t.checkpoint()
         t.bar.update({"loss": out["loss"], "acc": out.get("rewards/accuracies", math.nan),
-                      **({"drift": out["logps/chosen_drift"]} if "logps/chosen_drift" in out else {})})
+                      **({"drift": out["logps/chosen_drift"]} if "logps/chosen_drift" in out else {}),
+                **t.eval_shown})
 
     final_eval = evaluate()
-    t.log(final_eval)
+    t.log_eval(final_eval)
     return t.finish({
         "method": method, "loss_type": cfg.preference.loss if method == "dpo" else method,
         "train_examples": len(t.data.train), "eval_examples": len(t.data.eval),

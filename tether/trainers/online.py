@@ -47,7 +47,8 @@ from tether.objectives.policy import kl_penalized_rewards
 from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
 from tether.trainers.common import lend_gradients
-from tether.trainers.online_eval import HeldOut, check_eval, eval_rewards, load_eval_prompts
+from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
+                                      load_eval_prompts)
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
@@ -315,7 +316,9 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     """
     grpo, rollout_cfg, prompts_per_step = cfg.grpo, cfg.rollout, cfg.data.batch_size
     funcs, weights, names = reward_functions(cfg, reward_funcs, reward_weights)
-    eval_funcs, eval_weights = eval_rewards(cfg, funcs, weights)  # held-out scoring (online_eval)
+    # held-out scoring (held_out.py): eval_reward_funcs, else the training rewards
+    eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, funcs, weights)
+    check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
 
     def load(tokenizer):
         rows, report = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
@@ -351,7 +354,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         mine = t.order.part(list(range(len(batch))), distributed.rank()) if distributed.active() else None
         return batch, mine
 
-    held_out = HeldOut(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
+    held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
     history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
     last: dict = {}
     while t.step < t.total_steps:
@@ -382,13 +385,13 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             t.log(last)
             t.add_samples(samples(batch, cfg.run.num_samples))
         if t.due(cfg.run.eval_every):
-            t.log(held_out(t, sampler))
+            t.log_eval(held_out(t, sampler))
         if t.due(cfg.run.save_every):
             t.checkpoint()
-        t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0), **held_out.shown})
+        t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0), **t.eval_shown})
 
     final_eval = held_out(t, sampler)
-    t.log(final_eval)
+    t.log_eval(final_eval)
     report = t.data.report
     return t.finish({**final_eval, "prompts": len(prompts), "final_reward": last.get("reward"),
                      "reward_history": history, "data": {"summary": report.summary(), "rows": report.total,

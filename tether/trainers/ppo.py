@@ -11,7 +11,8 @@ The loop, top to bottom (docs/ppo.md; Ziegler et al. 2019, Stiennon et al. 2020,
     -> GAE(γ, λ) → advantages A_t and returns R_t = A_t + V_old,t; A whitened over the batch
     -> `ppo_epochs` passes over shuffled minibatches:
            loss = clipped surrogate(A) + vf_coef · clipped value loss(R) − ent_coef · entropy
-    -> β update (fixed, or adaptive toward `kl_target`), KL-budget early stop, log, checkpoint.
+    -> β update (fixed, or adaptive toward `kl_target`), KL-budget early stop, log, checkpoint;
+       at eval points greedy pass@1 / rewards of held-out prompts (`data.eval_data`, held_out.py).
 
 Why the value is read one position early: log π at input position t is the probability of token t
 given tokens < t, so the state that chooses token t is the hidden state at t − 1. V is taken
@@ -32,7 +33,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ from tether.rewards.scoring import fn_name, resolve_reward_funcs
 from tether.rewards.scoring import score as score_completions
 from tether.rollout import Sampler, logprob_mismatch
 from tether.trainers.common import lend_gradients
+from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, generation_metrics, load_eval_prompts
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
 from tether.trainers.ppo_update import Shares, ppo_epochs
@@ -115,10 +117,8 @@ class PPOConfig:
     ppo: PPOSection = field(default_factory=PPOSection)
     "reward shaping, GAE, the PPO update, β"
 
-    UNUSED: ClassVar[dict] = {"run.eval_every": "ppo logs eval_reward_funcs on every step's samples instead",
-                              "data.eval_data": "ppo has no held-out evaluation yet (tether eval scores a checkpoint)"}
-
     def __post_init__(self):
+        check_eval(self, funcs_need_data=False)  # eval_every needs data.eval_data
         if self.ppo.num_minibatches > self.data.batch_size * self.rollout.num_generations:
             raise ValueError("num_minibatches cannot exceed batch_size × num_generations")
 
@@ -176,7 +176,7 @@ def load_prompts(cfg: PPOConfig, tokenizer) -> Data:
                                   tokenizer, data.max_prompt_length, data.truncation, source=data.path)
     if not rows:
         raise UserError(f"ppo: no prompts left in {data.path} after encoding")
-    return Data(rows, report=report)
+    return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
 
 
 def kl_controller(spec: PPOSection, ckpt: Path | None):
@@ -292,6 +292,11 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     as CleanRL's ppo.py: rollouts into storage -> GAE -> `ppo_epochs` passes of minibatch updates."""
     distributed.init()  # under torchrun, before the reward models load: each rank on its own device
     rewards, spec = Rewards.resolve(cfg, reward_funcs, reward_weights, eval_reward_funcs), cfg.ppo
+    # held-out prompts (held_out.py) are scored with the eval rewards, else the trained ones
+    # (their weights; length_penalty is shaping, not part of the score)
+    eval_funcs, eval_weights = (rewards.evals, [1.0] * len(rewards.evals)) if rewards.evals else \
+        (rewards.funcs, rewards.weights)
+    check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
     t = setup_training(cfg, lambda tokenizer: load_prompts(cfg, tokenizer), build=build_policy_and_critic,
                        reference=True, updates_per_step=spec.ppo_epochs * spec.num_minibatches,
                        rollout_replica=True)
@@ -305,6 +310,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                                      max(len(row["prompt_ids"]) for row in t.data.train))
     kl_control = kl_controller(spec, t.ckpt)
     t.save_extra = lambda path: save_ppo_state(path, critic, kl_control)
+    held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
     last, stopped_early = {}, None
     while t.step < t.total_steps:
         started, gathered = time.perf_counter(), t.gather_seconds
@@ -364,16 +370,20 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
             t.log(last)
             t.add_samples([{"prompt": prompt, "completion": text, "score": float(value)}
                            for prompt, text, value in zip(seen["prompts"], seen["texts"], seen["scores"])])
-        t.bar.update({"score": last["objective/scores"], "kl": mean_kl})
+        t.bar.update({"score": last["objective/scores"], "kl": mean_kl, **t.eval_shown})
         if spec.kl_budget > 0 and mean_kl > spec.kl_budget:
             stopped_early = t.step  # the policy left the region the reward model can be trusted in
             if t.step % cfg.run.log_every:
                 t.log(last)
             break
+        if t.due(cfg.run.eval_every):
+            t.log_eval(held_out(t, sampler))
         if t.due(cfg.run.save_every):
             t.checkpoint()
+    final_eval = held_out(t, sampler)
+    t.log_eval(final_eval)
     report = t.data.report
-    return t.finish({"prompts": len(t.data.train), "stopped_early_at": stopped_early,
+    return t.finish({**final_eval, "prompts": len(t.data.train), "stopped_early_at": stopped_early,
                      "final_kl": last.get("objective/kl"), "final_scores": last.get("objective/scores"),
                      "final_rlhf_reward": last.get("objective/rlhf_reward"),
                      "final_kl_coef": kl_control.value,

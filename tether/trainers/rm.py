@@ -37,6 +37,7 @@ from tether.models.heads import ScalarHeadModel
 from tether.objectives import bradley_terry_loss
 from tether.rewards.learned import encode_scored
 from tether.trainers.common import StepClock
+from tether.trainers.held_out import check_keep_best
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
 
@@ -188,6 +189,12 @@ def pair_metrics(examples: list[dict], chosen: torch.Tensor, rejected: torch.Ten
     return {prefix + k: v for k, v in out.items()}
 
 
+# what pair_metrics logs on any pairs (+ bayes_accuracy, gold_agreement where the data has the
+# gold-reward lab's columns)
+EVAL_METRICS = ("loss", "accuracy", "margin", "reward_mean", "reward_std", "reward_min", "reward_max",
+                "bayes_accuracy", "gold_agreement")
+
+
 def evaluate_pairs(model, examples: list[dict], batch_size: int, pad_id: int, device, amp,
                    prefix: str = "eval/") -> dict:
     """:func:`pair_metrics` of the model's rewards on `examples` ({} when there are none)."""
@@ -249,6 +256,8 @@ def load_reward_model(cfg: RMConfig, ckpt) -> ScalarHeadModel:
 
 def train_rm(cfg: RMConfig) -> dict:
     """Train a Bradley–Terry reward model per `cfg`; returns the summary (also summary.json)."""
+    check_keep_best(cfg, [f"eval/{k}" for k in EVAL_METRICS],
+                    held_out=bool(cfg.data.eval_data or cfg.data.eval_fraction > 0))
     t = setup_training(cfg, lambda tokenizer: load_rm_data(cfg, tokenizer), build=load_reward_model)
     # Under torchrun a rank's pairs are a block of the global batch: whole micro-batches of one
     # process when grad_accum is a multiple of the processes, and gathered rewards in its order.
@@ -291,18 +300,18 @@ def train_rm(cfg: RMConfig) -> dict:
         if t.log_due():
             t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped, **clock.lap()})
         if t.due(cfg.run.eval_every):
-            t.log(evaluate(t.data.eval))
+            t.log_eval(evaluate(t.data.eval))
             write_samples()
         if t.due(cfg.run.save_every):
             t.checkpoint()
-        t.bar.update({"loss": loss_sum, "acc": accuracy})
+        t.bar.update({"loss": loss_sum, "acc": accuracy, **t.eval_shown})
 
     if cfg.rm.center:
         # Idempotent: re-centering a centered model adds ~0, so a resume at the end is harmless.
         model.offset += mean_reward(model, t.data.train[:2048], pad_id, device, amp)
     final_eval = evaluate(t.data.eval)
     train_eval = evaluate(t.data.train[:len(t.data.eval) or 512], prefix="train/")
-    t.log({**final_eval, **train_eval})
+    t.log_eval({**final_eval, **train_eval})
     write_samples()
     report = t.data.report
     return t.finish({"train_pairs": len(t.data.train), "eval_pairs": len(t.data.eval),

@@ -108,7 +108,11 @@ class RunSection:
     save_every: NonNegativeInt = 0
     "checkpoint every N steps (0 = only at the end)"
     keep_last: NonNegativeInt = 2
-    "checkpoints to keep (older ones are deleted; 0 = keep all)"
+    "step-N checkpoints to keep (older ones are deleted; 0 = keep all); checkpoints/best is never deleted"
+    keep_best: Optional[str] = None
+    "keep the policy of the eval point with the best value of this eval metric as checkpoints/best (e.g. eval/pass@1 = eval/greedy/pass@1, eval/loss, eval/rewards/accuracies, eval/accuracy); its step and value go to checkpoints/best/best.json and summary.json's `best`"
+    keep_best_mode: Literal["auto", "max", "min"] = "auto"
+    "is keep_best's metric better high (max) or low (min)? auto: by its name (accuracy, pass@k, reward, margin: max; loss, perplexity, kl: min)"
     resume: bool = False
     "continue from the latest checkpoint in the run directory"
     log_with: Literal["none", "tensorboard"] = "none"
@@ -123,8 +127,8 @@ class RunSection:
     # Fields a resumed run may change: where and how often it logs, evaluates and saves, and
     # how it shows progress; none of them changes what is trained.
     RESUMABLE: ClassVar[tuple[str, ...]] = ("name", "runs_dir", "log_every", "eval_every", "num_samples",
-                                            "save_every", "keep_last", "resume", "log_with",
-                                            "progress", "overwrite", "save_dtype")
+                                            "save_every", "keep_last", "keep_best", "keep_best_mode", "resume",
+                                            "log_with", "progress", "overwrite", "save_dtype")
 
 
 def check_columns(columns: dict) -> None:
@@ -147,7 +151,7 @@ class DataSection:
     split: str = "train"
     "split to read when `data` is a dataset directory or hub name"
     eval_data: Optional[str] = None
-    "held-out data in the same format (default: carve eval_fraction out of `data`)"
+    "held-out data in the same format (default: carve eval_fraction out of `data`), evaluated every run.eval_every steps and at the end: eval/loss (+ eval/perplexity for sft, eval/rewards/... for dpo-family, eval/accuracy for rm)"
     eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.0
     "fraction of `data` held out for eval when eval_data is not given"
     max_length: PositiveInt = 1024
@@ -175,7 +179,7 @@ class PromptSection:
     split: str = "train"
     "split to read when `data` is a dataset directory or hub name"
     eval_data: Optional[str] = None
-    "held-out prompts in the same format (columns renamed alike): greedy pass@1 and mean rewards logged as eval/greedy/... every run.eval_every steps and at the end (tether.evaluation, as `tether eval`)"
+    "held-out prompts in the same format (columns renamed alike): greedy pass@1 and mean rewards (reward.eval_reward_funcs, default the training rewards) logged as eval/greedy/... every run.eval_every steps and at the end (tether.evaluation, as `tether eval`)"
     max_prompt_length: PositiveInt = 512
     "longest prompt in tokens (longer ones keep their end, or are dropped per `truncation`)"
     truncation: Literal["truncate", "drop"] = "truncate"
@@ -218,4 +222,4 @@ class RewardSection:
     reward_weights: list[float] = field(default_factory=list)
     "weight of each reward function (default: all 1.0)"
     eval_reward_funcs: list[str] = field(default_factory=list)
-    "rewards not trained on (e.g. a gold reward next to a learned proxy): ppo logs them on its samples (eval_rewards/<name>/mean); grpo scores the held-out prompts (data.eval_data) with them instead of the training rewards"
+    "rewards not trained on (e.g. a gold reward next to a learned proxy), each weight 1.0: the held-out prompts (data.eval_data) are scored with them instead of the training rewards (eval/greedy/...); ppo also logs them on its training samples (eval_rewards/<name>/mean)"

@@ -42,6 +42,7 @@ from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weigh
 from tether.trainers.common import (EpochSampler, Progress, Window, all_finite, autocast_context,
                                     guarded_step, make_optimizer, make_scheduler, restore_training,
                                     save_training)
+from tether.trainers.held_out import Best, shown
 from tether.trainers.resume_check import check_resumable
 
 
@@ -120,6 +121,10 @@ class Training:
     replica_stale: bool = True
     gather_seconds: float = 0.0
     "time spent gathering the shards into the replica (reported as gather_time)"
+    best: Optional[Best] = None
+    "run.keep_best's race: the best eval value so far and its step (held_out.Best); checkpointed"
+    eval_shown: dict = field(default_factory=dict)
+    "the last eval point's headline number, for the progress bar's postfix"
 
     def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss, gradient norm and the updated weights are finite (else the
@@ -184,6 +189,14 @@ class Training:
                 if isinstance(value, (int, float)) and value < floor:  # NaN never warns
                     self.warn(name, message.format(key=key, value=value, step=self.step, floor=floor))
 
+    def log_eval(self, metrics: dict) -> None:
+        """Log an eval point's metrics; keep its policy as checkpoints/best when it holds the best
+        value of run.keep_best so far (collective under torchrun: every rank calls this)."""
+        self.log(metrics)
+        self.eval_shown = shown(metrics, self.best.metric if self.best else None) or self.eval_shown
+        if self.best is not None:
+            self.best.update(self, metrics)
+
     def watch(self, name: str, keys: tuple, floor: float, message: str) -> None:
         """Warn (once, see `warn`) when a logged metric of `keys` falls below `floor`; `message` is
         formatted with key, value, step and floor. A trainer's early alarm on a number that looks
@@ -214,7 +227,9 @@ class Training:
             return generate(model, self.tokenizer, prompts, max_new_tokens, do_sample=True,
                             temperature=1.0)
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self, name: Optional[str] = None, extra: Optional[Callable[[Path], None]] = None) -> Path:
+        """checkpoints/step-<step> (exactly resumable; rotated by keep_last), or with `name` the
+        model alone as checkpoints/<name> (+ `extra(dir)`; keep_best's `best`, never rotated)."""
         # The step guard keeps weights finite; this is the last line, for anything that changes
         # them outside it (a trainer's own edit, a broken load): never write a poisoned checkpoint.
         if not all_finite(self.trainable.parameters()):
@@ -222,12 +237,13 @@ class Training:
             raise TrainingDiverged(f"{self.cfg.run.name}: step {self.step}: parameter {bad} is not "
                                    f"finite; checkpoint not written")
         carry = {"window": self.window.state_dict(), "history": self.history,
-                 "skipped_in_a_row": self.skipped_in_a_row}
+                 "skipped_in_a_row": self.skipped_in_a_row,
+                 **({"best": self.best.state_dict()} if self.best is not None else {})}
         with hf_progress(self.cfg.run.progress):  # "Writing model shards"
             return save_training(self.run, self.step, self.model, self.tokenizer, self.optimizer,
                                  self.scheduler, self.order, self.skipped, self.time_offset,
-                                 self.cfg.run.keep_last, extra=self.save_extra, carry=carry,
-                                 dtype=self.save_dtype, trainable=self.trainable)
+                                 self.cfg.run.keep_last, extra=extra if name else self.save_extra,
+                                 carry=carry, dtype=self.save_dtype, trainable=self.trainable, name=name)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict, temperature: float) -> torch.Tensor:
@@ -243,6 +259,8 @@ class Training:
         path = self.checkpoint()
         summary = {"steps": self.step, "skipped_steps": self.skipped, **summary,
                    "checkpoint": str(path)}
+        if self.best is not None:
+            summary["best"] = self.best.summary(self.run.path)
         if self.warnings:
             summary["warnings"] = list(self.warnings.values())
         self.run.write_summary(summary)
@@ -366,13 +384,16 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
                  order=EpochSampler(len(data.train), per_step, cfg.run.seed, rank=distributed.rank(),
                                     world_size=distributed.world_size()),
                  total_steps=total, ckpt=ckpt,
-                 save_dtype=checkpoint_dtype(cfg, model))
+                 save_dtype=checkpoint_dtype(cfg, model),
+                 best=Best(cfg.run.keep_best, cfg.run.keep_best_mode) if cfg.run.keep_best else None)
     if ckpt:
         t.step, t.time_offset, t.skipped, carry = restore_training(ckpt, run, trainable, optimizer, scheduler,
                                                                    t.order)
         if "window" in carry:  # checkpoints older than the carried state have none
             t.window.load_state_dict(carry["window"])
         t.history, t.skipped_in_a_row = carry.get("history", {}), carry.get("skipped_in_a_row", 0)
+        if t.best is not None and "best" in carry:
+            t.best.load_state_dict(carry["best"])
     run.write_config(cfg)
     t.bar = Progress(total, t.step, cfg.run.name, enabled=cfg.run.progress and run.is_main)
     return t

@@ -4,7 +4,9 @@ The loop, top to bottom:
     load model + tokenizer  ->  load, validate and tokenize data (errors before any training)
     -> for each optimizer step: draw a batch, split into micro-batches, token-mean NLL over the
        completion mask of the *whole* accumulated batch, clip, step (finite-checked)
-    -> log / eval (loss + sampled completions) / checkpoint (exactly resumable).
+    -> log / eval (held-out loss and perplexity; with sft.eval_reward_funcs greedy pass@1 and
+       rewards of the held-out prompts, held_out.py; sampled completions) / checkpoint (exactly
+       resumable; run.keep_best keeps the best eval point's model as checkpoints/best).
 """
 
 from __future__ import annotations
@@ -12,16 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import math
+
 import torch
 
 from tether import distributed
-from tether.config import flat_init
+from tether.config import ConfigError, flat_init
 from tether.constraints import PositiveInt
+from tether.data import encode_prompts
+from tether.errors import UserError
 from tether.objectives import sft_loss
 from tether.trainers.common import StepClock
+from tether.trainers.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
-from tether.trainers.sft_data import load_sft_data, pad_batch
+from tether.trainers.sft_data import load_sft_split, pad_batch
 
 
 @dataclass
@@ -29,7 +36,9 @@ class SFTSection:
     completion_only: bool = True
     "train only on completion / assistant tokens (prompt tokens are masked out of the loss)"
     sample_max_new_tokens: PositiveInt = 128
-    "generation length of the completions sampled from eval prompts (run.num_samples of them)"
+    "generation length of the completions sampled from eval prompts (run.num_samples of them), and of the greedy ones eval_reward_funcs score"
+    eval_reward_funcs: list[str] = field(default_factory=list)
+    "reward functions (as grpo's reward_funcs; each weight 1.0) scoring greedy completions of the held-out rows' prompts at eval points: eval/greedy/pass@1, eval/greedy/reward, ... (prompt-completion data; extra columns reach the functions)"
 
 
 @flat_init
@@ -45,6 +54,11 @@ class SFTConfig:
     "run directory, seed, logging, evaluation, checkpoints"
     sft: SFTSection = field(default_factory=SFTSection)
     "supervised fine-tuning"
+
+    def __post_init__(self):
+        if self.sft.eval_reward_funcs and not (self.data.eval_data or self.data.eval_fraction > 0):
+            raise ConfigError("config key 'sft.eval_reward_funcs' needs held-out rows: data.eval_data=<file> "
+                              "(or data.eval_fraction)")
 
 
 def _micro_loss(model, batch: dict, device, amp) -> tuple[torch.Tensor, int]:
@@ -81,16 +95,36 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
 
     `eval_hook(model, tokenizer, step) -> dict` adds task metrics (e.g. accuracy) at eval points.
     """
+    d = cfg.data
+    has_eval = bool(d.eval_data or d.eval_fraction > 0)
+    funcs, _ = eval_rewards(cfg.sft.eval_reward_funcs, [], [])  # resolved before anything loads
+    # an eval_hook's metric names are known only when it runs: then the first eval point checks
+    check_keep_best(cfg, None if eval_hook else {"eval/loss", "eval/perplexity"} | generation_metrics(funcs),
+                    held_out=has_eval or eval_hook is not None)
+
     def load(tokenizer):
-        train_ex, eval_ex, prompts, report = load_sft_data(cfg, tokenizer)
-        return Data(train_ex, eval_ex, report, {"prompts": prompts})
-    t = setup_training(cfg, load)
+        train_ex, eval_ex, prompts, report, held_rows = load_sft_split(cfg, tokenizer)
+        prompt_rows = []
+        if funcs:
+            if not all("prompt" in row for row in held_rows):
+                raise UserError(f"sft: sft.eval_reward_funcs needs prompts: the held-out data "
+                                f"({d.eval_data or d.path}) is language-modeling; use prompt-completion rows")
+            prompt_rows, _ = encode_prompts(held_rows, tokenizer, d.max_length, d.truncation,
+                                            source=d.eval_data or d.path)
+        return Data(train_ex, eval_ex, report, {"prompts": prompts, "prompt_rows": prompt_rows})
+    # greedy sampling needs a whole model: under torchrun the replica (setup_training)
+    t = setup_training(cfg, load, rollout_replica=bool(funcs))
     model, tok, device, amp, bs = t.model, t.tokenizer, t.device, t.amp, cfg.data.batch_size
+    held_out = HeldOut(t.data.extra["prompt_rows"], funcs, [1.0] * len(funcs), cfg.sft.sample_max_new_tokens,
+                       batch_size=bs)
 
     def evaluate() -> dict:
         out = {}
         if t.data.eval:
             out["eval/loss"] = evaluate_loss(model, t.data.eval, bs, tok.pad_token_id, device, amp)
+            # `tether eval`'s perplexity on these rows (inf past exp's range, as a diverged loss)
+            out["eval/perplexity"] = math.inf if out["eval/loss"] > 700 else math.exp(out["eval/loss"])
+        out.update(held_out(t))
         prompts = t.data.extra["prompts"][:cfg.run.num_samples]
         completions = t.sample(prompts, cfg.sft.sample_max_new_tokens)
         t.add_samples([{"prompt": p, "completion": c} for p, c in zip(prompts, completions)])
@@ -123,12 +157,12 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
         if t.log_due():
             t.log({**last, "epoch": t.order.epoch, "skipped_steps": t.skipped, **clock.lap()})
         if t.due(cfg.run.eval_every):
-            t.log(evaluate())
+            t.log_eval(evaluate())
         if t.due(cfg.run.save_every):
             t.checkpoint()
-        t.bar.update({"loss": loss, "lr": last["lr"]})
+        t.bar.update({"loss": loss, "lr": last["lr"], **t.eval_shown})
 
     final_eval = evaluate()
-    t.log(final_eval)
+    t.log_eval(final_eval)
     return t.finish({"train_examples": len(t.data.train), "eval_examples": len(t.data.eval),
                      "final_loss": last.get("loss"), "data": t.data.report, **final_eval})

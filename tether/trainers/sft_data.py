@@ -10,7 +10,7 @@ from tether.data.tokenize import encode_sft
 
 SFT_FORMATS = ("language-modeling", "prompt-completion")
 
-__all__ = ["load_sft_data", "pad_batch", "sample_prompt"]
+__all__ = ["load_sft_data", "load_sft_split", "pad_batch", "sample_prompt"]
 
 
 def sample_prompt(row: dict, tokenizer) -> str | None:
@@ -33,6 +33,12 @@ def sample_prompt(row: dict, tokenizer) -> str | None:
 def load_sft_data(cfg, tokenizer):
     """Returns (train_examples, eval_examples, eval_prompts, report_dict); raises DataError.
     `cfg`: the SFT config (its `data` section, `sft.completion_only` and `run.seed`)."""
+    return load_sft_split(cfg, tokenizer)[:4]
+
+
+def load_sft_split(cfg, tokenizer):
+    """:func:`load_sft_data` + the held-out rows as read (eval_data's, or those of the
+    eval_fraction split; [] without either): their prompts are sampled for eval/greedy/..."""
     d, completion_only, seed = cfg.data, cfg.sft.completion_only, cfg.run.seed
     rows = load_data(d.path, expect=SFT_FORMATS, split=d.split, rename=d.columns)
     eval_rows = load_data(d.eval_data, expect=SFT_FORMATS, rename=d.columns) if d.eval_data else None
@@ -44,7 +50,7 @@ def load_sft_data(cfg, tokenizer):
         eval_ex, erep = encode_sft(eval_rows, tokenizer, d.max_length, d.truncation,
                                    completion_only_loss=completion_only)
         report["eval"] = erep.summary()
-        prompt_rows = list(eval_rows)
+        prompt_rows = held_rows = list(eval_rows)
     elif d.eval_fraction > 0:
         # A seeded split of the *encoded* examples, so the eval set is the same on resume.
         order = list(range(len(train_ex)))
@@ -54,8 +60,8 @@ def load_sft_data(cfg, tokenizer):
         eval_ex = [train_ex[i] for i in sorted(held)]
         train_ex = [ex for i, ex in enumerate(train_ex) if i not in held]
         # examples[j] came from rows[kept_index[j]] (rows can be dropped when tokenizing).
-        prompt_rows = [rows[rep.kept_index[i]] for i in sorted(held)]
+        prompt_rows = held_rows = [rows[rep.kept_index[i]] for i in sorted(held)]
     else:
-        eval_ex, prompt_rows = [], list(rows)[:64]
+        eval_ex, prompt_rows, held_rows = [], list(rows)[:64], []
     prompts = [p for p in (sample_prompt(r, tokenizer) for r in prompt_rows[:64]) if p]
-    return train_ex, eval_ex, prompts, report
+    return train_ex, eval_ex, prompts, report, held_rows
