@@ -102,6 +102,8 @@ def test_sft_eval_points_equal_tether_eval_on_each_checkpoint(world, tmp_path):
     assert all(torch.equal(best[k], same[k]) for k in same)
     assert json.loads((run / "checkpoints" / "best" / "best.json").read_text())["step"] == best_step
     assert not (run / "checkpoints" / "best" / "optimizer").exists()  # for evaluating, not resuming
+    # plotted: one curve per eval metric, and train vs held-out loss on one figure
+    assert (run / "plots" / "eval_greedy_pass_1.png").exists() and (run / "plots" / "panel_loss_vs_eval.png").exists()
 
 
 def test_ppo_eval_points_and_best_checkpoint_equal_tether_eval(world, tmp_path):
@@ -229,3 +231,31 @@ def test_what_can_never_work_is_refused_in_one_line(world, tmp_path, capsys, com
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "runs").exists()  # refused before the run directory
+
+
+def test_the_progress_bar_shows_the_last_eval_number(world, tmp_path, capsys):
+    from tether.trainers.sft import SFTConfig, train_sft
+
+    root = world["root"]
+    cfg = SFTConfig(**{**_common(world, tmp_path, "bar"), "progress": True}, data=str(root / "sft.jsonl"),
+                    eval_data=str(root / "sft.jsonl"), batch_size=4, max_steps=4, eval_every=2, lr=1e-2)
+    train_sft(cfg)
+    err = capsys.readouterr().err
+    logged = dict(_evals(tmp_path / "runs" / "bar", "eval/loss"))
+    assert f"eval_loss={logged[2]:.4g}" in err  # the postfix after step 2's eval point
+
+
+@pytest.mark.parametrize("metric, mode", [
+    ("eval/greedy/pass@1", "max"), ("eval/pass@4", "max"), ("eval/greedy/reward", "max"),
+    ("eval/greedy/rewards/parity/mean", "max"), ("eval/rewards/accuracies", "max"),
+    ("eval/rewards/margins", "max"), ("eval/accuracy", "max"), ("eval/gold_agreement", "max"),
+    ("eval/loss", "min"), ("eval/nll_loss", "min"), ("eval/perplexity", "min"), ("eval/kl", "min"),
+])
+def test_the_direction_follows_the_name(metric, mode):
+    from tether.config import ConfigError
+    from tether.trainers.held_out import best_mode
+
+    assert best_mode(metric) == mode and best_mode(metric, "min") == "min"
+    for unclear in ("eval/rewards/chosen", "eval/greedy/completions/mean_length", "eval/score"):
+        with pytest.raises(ConfigError, match="keep_best_mode"):
+            best_mode(unclear)

@@ -15,6 +15,11 @@ _SKIP = {"step", "time", "epoch"}
 PANELS = {
     "logps": (("logps/chosen", "logps/rejected", "eval/logps/chosen", "eval/logps/rejected"), None),
     "chosen_drift": (("logps/chosen_drift", "eval/logps/chosen_drift"), 0.0),
+    # a training number next to its held-out counterpart (eval points: held_out.py), where the
+    # gap between them is the thing to read (overfitting, reward hacking)
+    "loss_vs_eval": (("loss", "eval/loss"), None),
+    "accuracy_vs_eval": (("rewards/accuracies", "eval/rewards/accuracies", "accuracy", "eval/accuracy"), None),
+    "reward_vs_eval": (("reward", "eval/greedy/reward"), None),
 }
 
 
