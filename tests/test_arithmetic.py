@@ -25,6 +25,30 @@ def test_running_example_and_worked_solutions_end_in_the_answer():
             assert A.rl_example(p)["answer"] == str(p.answer)
 
 
+def test_the_annotator_slip_forgets_exactly_the_ones_carry_or_borrow():
+    assert A.slipped_answer(A.Problem(47, "+", 8)) == 45      # 55 with the carry forgotten
+    assert A.slipped_answer(A.Problem(97, "+", 5)) == 92      # 102: the carry into the hundreds
+    assert A.slipped_answer(A.Problem(75, "-", 7)) == 78      # 68 with the borrow forgotten
+    assert A.slipped_answer(A.Problem(47, "-", 38)) == 19     # 9: ones 7 < 8 borrow
+    assert A.slipped_answer(A.Problem(42, "+", 5)) is None    # no carry: nothing to forget
+    assert A.slipped_answer(A.Problem(48, "-", 5)) is None
+    assert A.slipped_answer(A.Problem(23, "×", 7)) is None
+    p = A.Problem(58, "+", 6)
+    slipped = A.sft_example(p, slip=True)["completion"]
+    assert slipped == " 58 + 6 = 50 + 8 + 6 = 50 + 14 = 64\n#### 54"  # the worked solution stays right
+    assert A.check_answer(slipped, p.answer) == 0.0
+    assert A.sft_example(A.Problem(42, "+", 5), slip=True) == A.sft_example(A.Problem(42, "+", 5))
+
+
+def test_diagnose_names_each_kind_of_miss():
+    p = A.Problem(58, "+", 6)
+    assert A.diagnose(" 58 + 6 = 50 + 8 + 6 = 50 + 14 = 64\n#### 64", p) == "correct"
+    assert A.diagnose(" 58 + 6 = 50 + 8 + 6 = 50 + 14 = 64\n#### 54", p) == "slipped"
+    assert A.diagnose(" 58 + 6 = 50 + 8 + 6 = 50 + 14 = 64\n#### 46", p) == "miscopied"
+    assert A.diagnose(" 58 + 6 = 50 + 8 + 6 = 50 + 13 = 63\n#### 63", p) == "wrong solution"
+    assert A.diagnose(" 58 + 6 = 50 + 8 + 6 = 50 + 14 = 64. The answer is 64.", p) == "no answer line"
+
+
 def test_splits_are_disjoint_and_seeded():
     train, test = A.make_splits(3000, 200, level=2, seed=1)
     assert not set(train) & set(test) and len(set(test)) == 200

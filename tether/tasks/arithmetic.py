@@ -203,8 +203,25 @@ def pretrain_text(p: Problem) -> str:
     return f"{p.question} {p.solution}. The answer is {p.answer}."
 
 
-def sft_example(p: Problem) -> dict:
-    return {"prompt": p.prompt, "completion": f" {p.solution}\n{ANSWER_PREFIX}{p.answer}"}
+def slipped_answer(p: Problem) -> int | None:
+    """The answer with the ones-place carry (addition) or borrow (subtraction) forgotten, the
+    classic slip of a hurried person: 47 + 8 -> 45 (not 55), 75 - 7 -> 78 (not 68). None for a
+    problem with no carry or borrow in the ones place, and for multiplication."""
+    ones_a, ones_b = p.a % 10, p.b % 10
+    if p.op == "+" and ones_a + ones_b >= 10:
+        return p.answer - 10
+    if p.op == "-" and ones_a < ones_b:
+        return p.answer + 10
+    return None
+
+
+def sft_example(p: Problem, slip: bool = False) -> dict:
+    """Prompt -> worked solution + answer line. `slip=True` writes the answer line as a hurried
+    annotator would (`slipped_answer`) where the problem has a carry or borrow; the worked
+    solution above it stays right."""
+    slipped = slipped_answer(p) if slip else None
+    final = p.answer if slipped is None else slipped
+    return {"prompt": p.prompt, "completion": f" {p.solution}\n{ANSWER_PREFIX}{final}"}
 
 
 def rl_example(p: Problem) -> dict:
@@ -236,3 +253,21 @@ def check_answer(completion: str, answer: int | str) -> float:
     """1.0 if the completion's final answer equals `answer` exactly, else 0.0."""
     got = extract_answer(completion)
     return float(got is not None and got == int(answer))
+
+
+def diagnose(completion: str, p: Problem) -> str:
+    """Why a completion scores what it does, one of: "correct"; "slipped" (the answer line is
+    `slipped_answer`: the annotator's carry/borrow slip, imitated); "no answer line"; "wrong
+    solution" (the worked solution's last number is already wrong); "miscopied" (the solution is
+    right but the answer line holds some other number)."""
+    got = extract_answer(completion)
+    if got is None:
+        return "no answer line"
+    if got == p.answer:
+        return "correct"
+    if got == slipped_answer(p):
+        return "slipped"
+    numbers = _NUMBER.findall(completion.split(ANSWER_PREFIX.strip())[0])
+    solved = numbers and int(numbers[-1].replace(",", "")) == p.answer
+    return "miscopied" if solved else "wrong solution"
+
