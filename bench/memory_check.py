@@ -72,7 +72,7 @@ PLAN = [
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algo", choices=["sft", "dpo", "grpo"], default="sft")
+    p.add_argument("--algo", choices=["sft", "dpo", "grpo", "ppo"], default="sft")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     p.add_argument("--sharding", choices=["fsdp", "replicate"], default="fsdp", help="replicate = fsdp=false")
     p.add_argument("--fsdp-offload", action="store_true")
@@ -86,13 +86,20 @@ def parse(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=384)
     p.add_argument("--micro-batch", type=int, default=0, help="grpo: sequences per forward/backward (0 = all)")
+    p.add_argument("--minibatches", type=int, default=4, help="ppo: minibatches per rollout batch (one update each)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora-r", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tether_memory_check"))
+    p.add_argument("--weights-from", default=None,
+                   help="a model folder of the same shape (bench/scale.py --keep-model): its weights are linked, "
+                        "not rebuilt (a 7B build costs a minute)")
     p.add_argument("--out", default="benchmarks/memory_check.jsonl")
     p.add_argument("--dry", action="store_true", help="print configurations and predictions only (no GPU)")
+    p.add_argument("--scale-json", action="append", default=[],
+                   help="bench/scale.py --json results: the planner's prediction beside each run's measured "
+                        "per-GPU peak (no GPU; one JSON line per run, as the measured ones)")
     p.add_argument("--gpus", default="1,2,4", help="--dry: GPU counts to predict for")
     p.add_argument("--snapshot", action="store_true",
                    help="record allocations; on out-of-memory print what is live, grouped by where it was allocated")
@@ -104,14 +111,18 @@ def parse(argv=None):
 def memory_config(a, gpus: int, model: str):
     """The `tether memory` question that matches this run (tether.memory.MemoryConfig)."""
     from tether.memory import MemoryConfig
-    online = a.algo == "grpo"
+    online = a.algo in ("grpo", "ppo")
+    # ppo: one forward/backward per minibatch (a rank takes its rows of it); the KL penalty needs
+    # the reference (ppo.kl_coef 0.05, the default), a separate value model is built from the policy
+    micro = a.prompts * a.generations // a.minibatches if a.algo == "ppo" else (a.micro_batch or a.prompts * a.generations)
     return MemoryConfig(
         model=model, algo=a.algo, weight_dtype=a.dtype, optimizer="adamw" if a.dtype == "fp32" else "adamw_bf16",
         lora=a.lora_r > 0, lora_rank=max(a.lora_r, 1), gradient_checkpointing=a.gradient_checkpointing,
-        batch_size=(a.micro_batch or a.prompts * a.generations) if online else a.batch_size,
+        batch_size=micro if online else a.batch_size,
         grad_accum=1 if online else a.grad_accum,
         seq_len=a.prompt_len + a.new_tokens if online else a.seq_len,
-        rollout_batch=a.prompts, num_generations=a.generations, reward="verifier", beta=0,
+        rollout_batch=a.prompts, num_generations=a.generations, reward="verifier",
+        beta=0.05 if a.algo == "ppo" else 0, value_init="separate",
         precompute_ref=True, gpus=gpus, sharding=a.sharding if gpus > 1 else "none",
         fsdp_offload=a.fsdp_offload, fsdp_reshard=not a.no_reshard, format="json")
 
@@ -123,7 +134,7 @@ def write_config(shape: str, out: Path) -> Path:
     return out
 
 
-def build_model(shape: str, out: Path, device: str) -> None:
+def build_model(shape: str, out: Path, device: str, weights_from: str | None = None) -> None:
     """Random-init Qwen2 weights (bf16 on disk; the trainer loads them as --dtype) and a word-level
     tokenizer over the whole vocabulary: "<0>" ... "<V-1>", pad <0>, EOS <1> (inside the vocabulary:
     SFT appends it to completions; GRPO samples it with probability ~1/V)."""
@@ -134,12 +145,20 @@ def build_model(shape: str, out: Path, device: str) -> None:
     if (out / "done").exists():
         return
     cfg = qwen2_config(shape)
-    torch.manual_seed(0)
-    with torch.device(device):  # on the GPU: a 7B init takes seconds instead of minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    model.save_pretrained(out)
-    del model
+    if weights_from:  # the same shape's weights (bench/scale.py's model): linked; config and tokenizer ours
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(weights_from).glob("*.safetensors*"):
+            (out / f.name).unlink(missing_ok=True)
+            (out / f.name).symlink_to(f.resolve())
+        cfg.torch_dtype = "bfloat16"
+        cfg.save_pretrained(out)
+    else:
+        torch.manual_seed(0)
+        with torch.device(device):  # on the GPU: a 7B init takes seconds instead of minutes
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+        model.save_pretrained(out)
+        del model
     V = cfg.vocab_size
     tok = Tokenizer(models.WordLevel(vocab={f"<{i}>": i for i in range(V)}, unk_token="<2>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -171,7 +190,7 @@ def write_data(a, path: Path, rows: int) -> None:
             elif a.algo == "dpo":
                 row = {"prompt": words(rng, 16, V), "chosen": words(rng, a.seq_len, V),
                        "rejected": words(rng, a.seq_len, V)}
-            else:
+            else:  # grpo, ppo
                 row = {"prompt": words(rng, a.prompt_len, V)}
             f.write(json.dumps(row) + "\n")
 
@@ -196,6 +215,12 @@ def trainer(a, model_dir: Path, data: Path, runs: Path):
             "max_prompt_length": a.prompt_len, "micro_batch_size": a.micro_batch, "beta": 0.0,
             "skip_zero_advantage": False, "log_entropy": False})
         return cfg, lambda: train_grpo(cfg, reward_funcs=[reward])
+    if a.algo == "ppo":
+        from tether.trainers.ppo import PPOConfig, train_ppo
+        cfg = load_config(PPOConfig, overrides={
+            **common, "batch_size": a.prompts, "num_generations": a.generations, "max_new_tokens": a.new_tokens,
+            "max_prompt_length": a.prompt_len, "ppo_epochs": 1, "num_minibatches": a.minibatches})
+        return cfg, lambda: train_ppo(cfg, reward_funcs=[reward])
     over = {**common, "batch_size": a.batch_size, "grad_accum": a.grad_accum, "max_length": a.seq_len}
     if a.algo == "sft":
         from tether.trainers.sft import SFTConfig, train_sft
@@ -240,6 +265,43 @@ def dry(a, argv) -> None:
                 except ValueError as e:  # e.g. a global batch that does not divide among n GPUs
                     pred = {"error": str(e)}
                 print(json.dumps({"command": command(line, n), "gpus": n, "predicted": pred}))
+
+
+def from_scale(path: str) -> list[dict]:
+    """Predicted vs measured for the runs of one bench/scale.py --json file. Its runs are
+    configurations of their own: GRPO (per GPU `per_gpu` prompts x G, micro-batch 8, beta 0, one
+    process sampling from the training model, N from the bf16 replica) and DPO (pairs of `dpo_len`
+    tokens, reference log-probs precomputed), fp32 weights, gradient checkpointing as given. The
+    peak there is max_memory_allocated over the whole rank process, in GiB (converted to GB here)."""
+    from tether.memory import MemoryConfig, estimate
+    d = json.loads(Path(path).read_text())
+    a = d["args"]
+    shape = {"qwen0.5b": "qwen2.5-0.5b", "qwen7b": "qwen2.5-7b"}.get(a["shape"], a["shape"])
+    per_gpu, micro, G = int(a["per_gpu"]), int(a["micro_batch"]), int(a["generations"])
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config_dir = str(write_config(shape, Path(tmp)))
+        for algo, runs in d["results"].items():
+            for r in runs:
+                if r.get("who", "tether") != "tether" or r.get("peak_alloc_gib") is None:
+                    continue
+                N = r["gpus"]
+                common = dict(model=config_dir, algo=algo, weight_dtype="fp32", optimizer="adamw",
+                              gradient_checkpointing=a["grad_ckpt"] == "true", gpus=N,
+                              sharding="fsdp" if N > 1 else "none", format="json")
+                if algo == "grpo":
+                    cfg = MemoryConfig(**common, batch_size=micro, seq_len=int(a["prompt_len"]) + int(a["new_tokens"]),
+                                       rollout_batch=per_gpu * N, num_generations=G, reward="verifier", beta=0)
+                else:
+                    pairs = max(1, min(per_gpu, micro // 2))
+                    cfg = MemoryConfig(**common, batch_size=pairs, grad_accum=per_gpu * N // pairs,
+                                       seq_len=int(a["dpo_len"]), precompute_ref=True)
+                pred = estimate(cfg)["totals_gb"]["peak"]
+                meas = r["peak_alloc_gib"] * 2**30 / 1e9
+                out.append({"bench": "scale", "source": path, "shape": shape, "algo": algo, "gpus": N,
+                            "grad_ckpt": a["grad_ckpt"], "predicted_peak_gb": round(pred, 3),
+                            "measured_peak_gb": round(meas, 3), "measured_over_predicted": round(meas / pred, 3)})
+    return out
 
 
 def outside_allocator_gb(device: str):
@@ -291,8 +353,8 @@ def measure(a) -> None:
     model_dir, data = work / f"model-{a.shape}", work / f"{a.algo}-{a.shape}-{a.seq_len}-{a.prompt_len}.jsonl"
     if rank == 0:  # the others wait: one copy of the model on disk
         work.mkdir(parents=True, exist_ok=True)
-        build_model(a.shape, model_dir, a.device)
-        rows_per_step = a.prompts if a.algo == "grpo" else a.batch_size * a.grad_accum
+        build_model(a.shape, model_dir, a.device, a.weights_from)
+        rows_per_step = a.prompts if a.algo in ("grpo", "ppo") else a.batch_size * a.grad_accum
         write_data(a, data, rows_per_step * (a.steps + 1))
     distributed.barrier()
 
@@ -329,6 +391,11 @@ def measure(a) -> None:
             print("\n".join(live_by_site(torch.cuda.memory._snapshot())), flush=True)
         raise
     seconds = time.perf_counter() - t0
+    step_times = []
+    if rank == 0:
+        metrics = work / f"runs-{world}" / a.algo / "metrics.jsonl"
+        if metrics.exists():
+            step_times = [r["step_time"] for r in map(json.loads, metrics.read_text().splitlines()) if "step_time" in r]
     mine = {"rank": rank, "load_peak_gb": load_peak.get("gb"), "seconds": round(seconds, 1),
             "run_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None,
             "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if a.device == "cuda" else None,
@@ -343,6 +410,7 @@ def measure(a) -> None:
                 "gpus": world, "args": {k: v for k, v in vars(a).items() if k not in ("dry", "gpus", "workdir", "out")},
                 "predicted": pred, "measured": ranks,
                 "measured_peak_gb": max(peaks) if a.device == "cuda" else None,
+                "step_times": [round(t, 4) for t in step_times],
                 "measured_over_predicted": round(max(peaks) / pred["peak_gb"], 3) if a.device == "cuda" else None}
         print(json.dumps(line))
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -355,6 +423,11 @@ def measure(a) -> None:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = parse(argv)
+    if a.scale_json:
+        for path in a.scale_json:
+            for row in from_scale(path):
+                print(json.dumps(row))
+        return
     if a.dry:
         dry(a, argv)
     else:

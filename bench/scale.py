@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +68,8 @@ def build(shape: str, out: Path, device: str) -> None:
     model.generation_config.pad_token_id = 0
     model.save_pretrained(out)
     del model
+    if device == "cuda":  # this process stays alive through the runs: give the GPU's memory back
+        torch.cuda.empty_cache()
     V = spec["vocab_size"]
     vocab = {f"<{i}>": i for i in range(V)}
     vocab["<eos>"] = V
@@ -136,11 +139,13 @@ def worker(a) -> None:
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     keep = cli._leave_process_group
+    distributed.init()  # joined here, so the CLI keeps the group and the peaks gather over every rank
     code = cli.main(args) if not distributed.active() else _in_group(cli, args)
     mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) \
         if a.device == "cuda" else (0.0, 0.0)
     peaks = distributed.all_gather_object(mem) if distributed.active() else [mem]
-    if distributed.rank() == 0:
+    if distributed.rank() == 0:  # (before the fix above every rank left the group first and wrote here)
+        assert len(peaks) == N, f"peaks of {len(peaks)} ranks, {N} expected"
         Path(a.work, f"{a.algo}{N}.json").write_text(json.dumps({"code": code, "peaks": peaks}))
     if distributed.active():
         keep()  # the group left as the CLI leaves it (barrier, destroy)
@@ -171,7 +176,10 @@ def launch(a, N: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if a.device == "cpu":
         env["TETHER_DIST_BACKEND"] = "gloo"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = run_capped(cmd, cwd=ROOT, env=env, timeout=a.run_timeout)
+    if a.log_dir:
+        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+        Path(a.log_dir, f"{a.shape}-{a.algo}{N}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode:
         said = [ln for ln in proc.stderr.splitlines() if "error:" in ln] or proc.stderr.splitlines()[-1:]
         return {"error": " / ".join(said)[-1500:]}
@@ -180,17 +188,38 @@ def launch(a, N: int) -> dict:
     warm = rows[a.warmup:]
     step = statistics.median(r["step_time"] for r in warm)
     peaks = json.loads((a.work / f"{a.algo}{N}.json").read_text())["peaks"]
-    P = non_embedding_params(a.shape)
     trained = tokens_per_step(a, N)
-    if a.algo == "grpo":
-        flops = 8 * P * trained  # 6·P trained + 2·P sampled, per token (prompt + completion)
-        gather = statistics.median(r.get("gather_time", 0.0) for r in warm)
-    else:
-        flops, gather = 6 * P * trained, 0.0
+    gather = statistics.median(r.get("gather_time", 0.0) for r in warm) if a.algo == "grpo" else 0.0
     return {"gpus": N, "step_s": step, "tokens_per_s": trained / step, "gather_s": gather,
-            "mfu": flops / (step * N * peak_flops(a.device)),
+            "mfu": mfu(a, N, step), "steps": len(warm),
             "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks),
             "rollout_s": statistics.median(r.get("rollout/seconds", 0.0) for r in warm)}
+
+
+def run_capped(cmd, timeout=None, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process session; past `timeout` seconds the whole session (the
+    launcher and its ranks) is killed and the result says so (returncode 124, stderr "error: timeout")."""
+    import signal
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout or None)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, 124, out, (err or "") + f"\nerror: timeout after {timeout:.0f} s")
+    except BaseException:  # this process stopped (SIGTERM from an outer timeout, ^C): its runs too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def mfu(a, N: int, step: float) -> float:
+    """Model FLOPs per step over what N cards do in `step` seconds: GRPO 6·P per trained token +
+    2·P per sampled one (prompt + completion counted for both), DPO 6·P per trained token."""
+    P = non_embedding_params(a.shape)
+    flops = (8 if a.algo == "grpo" else 6) * P * tokens_per_step(a, N)
+    return flops / (step * N * peak_flops(a.device))
 
 
 def tokens_per_step(a, N: int) -> int:
@@ -215,6 +244,12 @@ def peak_flops(device: str) -> float:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0) * 1e12
 
 
+def peak(r: dict) -> str:
+    if r.get("peak_alloc_gib") is None:
+        return "— (run cut off)"
+    return f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f}"
+
+
 def render(a, results: dict) -> str:
     name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU (gloo)"
     lines = [f"## scale-out: {a.shape}, weak scaling (per GPU: GRPO {a.per_gpu} prompts × "
@@ -234,9 +269,11 @@ def render(a, results: dict) -> str:
             base = next((r for r in mine if r.get("gpus") == 1 and "error" not in r), None)
             for r in mine:
                 label = algo if who == "tether" else f"TRL {algo}"
-                if "error" in r:
+                if "error" in r and "step_s" not in r:
                     lines.append(f"| {label} | {r['gpus']} | failed: {r['error'][:300]} |")
                     continue
+                if r.get("steps") is not None:
+                    label += f" ({r['steps']} step{'s' if r['steps'] != 1 else ''})"
                 up = r["tokens_per_s"] / base["tokens_per_s"] if base else None
                 speed = f"{up:.2f}×" if up else "—"
                 eff = f"{up / r['gpus']:.0%}" if up else "—"
@@ -245,13 +282,14 @@ def render(a, results: dict) -> str:
                 rollout = f"{r['rollout_s']:.3f}" if "rollout_s" in r else "—"
                 lines.append(f"| {label} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                              f"{speed} | {eff} | {mfu} | {gather} | {rollout} | "
-                             f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} |")
+                             f"{peak(r)} |")
         ours = {r["gpus"]: r for r in runs if r.get("who", "tether") == "tether" and "step_s" in r}
         for r in runs:
             if r.get("who") == "trl" and "step_s" in r and r["gpus"] in ours:
+                theirs = "?" if r.get("peak_alloc_gib") is None else f"{r['peak_alloc_gib']:.1f}"
                 notes.append(f"- {algo} on {r['gpus']} GPU(s): tether {r['step_s'] / ours[r['gpus']]['step_s']:.2f}× "
                              f"TRL's speed at {ours[r['gpus']]['peak_alloc_gib']:.1f} vs "
-                             f"{r['peak_alloc_gib']:.1f} GiB peak allocated per GPU")
+                             f"{theirs} GiB peak allocated per GPU")
     return "\n".join(lines + [""] + notes) + "\n"
 
 
@@ -278,7 +316,19 @@ def main(argv=None):
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--trl", action="store_true", help="also run TRL's trainers (bench/scale_trl.py)")
+    ap.add_argument("--trl-only", action="store_true", help="TRL's runs alone (with --trl; tether's skipped)")
+    ap.add_argument("--trl-steps", type=int, default=None, help="TRL's measured steps (default --steps)")
+    ap.add_argument("--trl-warmup", type=int, default=None, help="TRL's warm-up steps (default --warmup)")
+    ap.add_argument("--trl-timeout", type=float, default=0, help="seconds before a TRL run is killed (0: none); "
+                    "the steps it finished are still reported")
+    ap.add_argument("--log-dir", default=None, help="write each run's stdout and stderr here")
+    ap.add_argument("--run-timeout", type=float, default=0, help="seconds before one tether run is killed (0: none)")
+    ap.add_argument("--keep-model", default=None, help="build the model into this folder once and reuse it "
+                    "(a later call with the same folder skips the build); default: a temporary folder")
     a = ap.parse_args(argv)
+    if not a.worker:  # an outer `timeout` sends SIGTERM: exit through run_capped, which kills the runs
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     big = a.shape == "qwen7b"
     a.per_gpu = a.per_gpu or (2 if big else 8 if a.shape == "qwen0.5b" else 2)
     a.new_tokens = a.new_tokens or (512 if big else 256 if a.shape == "qwen0.5b" else 16)
@@ -290,23 +340,30 @@ def main(argv=None):
     results = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TETHER_BENCH_TMP")) as tmp:
         a.work = Path(tmp)
-        a.model_dir = a.work / "model"
-        build(a.shape, a.model_dir, a.device)
+        a.model_dir = Path(a.keep_model) if a.keep_model else a.work / "model"
+        if not (a.model_dir / "tokenizer.json").exists():  # the tokenizer is written last
+            t0 = time.perf_counter()
+            build(a.shape, a.model_dir, a.device)
+            print(f"built {a.shape} in {time.perf_counter() - t0:.1f} s -> {a.model_dir}", flush=True)
         for algo in a.algos.split(","):
             a.algo = algo
             results[algo] = []
             for N in (int(n) for n in a.gpus.split(",")):
                 a.data = write_data(a, a.work, N)
-                r = launch(a, N)
-                r["gpus"] = N
-                results[algo].append(r)
-                print(f"{algo} × {N}: {json.dumps(r)[:400]}", flush=True)
+                if not a.trl_only:
+                    t0 = time.perf_counter()
+                    r = launch(a, N)
+                    r.update(gpus=N, wall_s=round(time.perf_counter() - t0, 1))
+                    results[algo].append(r)
+                    print(f"{algo} × {N}: {json.dumps(r)[:400]}", flush=True)
                 if a.trl:
                     import scale_trl
+                    t0 = time.perf_counter()
                     t = scale_trl.launch(a, N)
-                    t.update(gpus=N, who="trl")
+                    t.update(gpus=N, who="trl", wall_s=round(time.perf_counter() - t0, 1))
                     if "step_s" in t:
                         t["tokens_per_s"] = tokens_per_step(a, N) / t["step_s"]
+                        t["mfu"] = mfu(a, N, t["step_s"])
                     results[algo].append(t)
                     print(f"trl {algo} × {N}: {json.dumps(t)[:400]}", flush=True)
     table = render(a, results)

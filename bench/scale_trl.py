@@ -20,10 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
@@ -45,24 +46,41 @@ fsdp_config:
 
 def launch(a, N: int) -> dict:
     """One TRL run on N GPUs (accelerate launch); its numbers, or {"error": ...}."""
+    from scale import run_capped
     cfg = Path(a.work) / f"accelerate{N}.yaml"
     cfg.write_text(ACCELERATE_FSDP2.format(n=N, port=29600 + N))
+    steps = a.steps if getattr(a, "trl_steps", None) is None else a.trl_steps
+    warmup = a.warmup if getattr(a, "trl_warmup", None) is None else a.trl_warmup
+    out, partial = Path(a.work) / f"trl-{a.algo}{N}.json", Path(a.work) / f"trl-{a.algo}{N}.steps.json"
+    for f in (out, partial):
+        f.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), __file__,
            "--worker", "--algo", a.algo, "--model-dir", str(a.model_dir), "--data", str(a.data),
            "--work", str(a.work), "--per-gpu", str(a.per_gpu), "--generations", str(a.generations),
            "--new-tokens", str(a.new_tokens), "--dpo-len", str(a.dpo_len),
-           "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    out = Path(a.work) / f"trl-{a.algo}{N}.json"
+           "--micro-batch", str(a.micro_batch), "--steps", str(steps), "--warmup", str(warmup),
+           "--device", getattr(a, "device", "cuda")]
+    t0 = time.perf_counter()
+    proc = run_capped(cmd, timeout=getattr(a, "trl_timeout", 0) or None)
+    if getattr(a, "log_dir", None):
+        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+        Path(a.log_dir, f"trl-{a.algo}{N}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode or not out.exists():
         tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln][-3:]
-        return {"error": " / ".join(tail)[-1500:] or proc.stderr[-1500:]}
+        res = {"error": " / ".join(tail)[-1500:] or proc.stderr[-1500:], "wall_s": round(time.perf_counter() - t0, 1)}
+        if partial.exists():  # a run cut off: the steps it finished (rank 0 writes them as they end)
+            times = json.loads(partial.read_text())["times"]
+            if times:
+                warm = times[warmup:] or times
+                res.update(step_s=statistics.median(warm), first_s=times[0], times=times, steps=len(warm),
+                           peak_alloc_gib=None, peak_reserved_gib=None)
+        return res
     return json.loads(out.read_text())
 
 
 def worker(a) -> None:
     import torch
-    from datasets import Dataset
+    from datasets import load_dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -70,15 +88,28 @@ def worker(a) -> None:
             self.times, self.t = [], None
 
         def on_step_begin(self, args, state, control, **kw):
-            torch.cuda.synchronize()
+            sync()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            torch.cuda.synchronize()
+            sync()
             self.times.append(time.perf_counter() - self.t)
+            if int(os.environ.get("RANK", "0")) == 0:
+                Path(a.work, f"trl-{a.algo}{N}.steps.json").write_text(json.dumps({"times": self.times}))
+            print(f"[trl] step {len(self.times)}: {self.times[-1]:.2f} s", file=sys.stderr, flush=True)
+
+    cuda = a.device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
 
     N = int(os.environ["WORLD_SIZE"])
-    rows = [json.loads(x) for x in Path(a.data).read_text().splitlines()]
+    # from the file, with a cache folder every rank sees: TRL maps (tokenizes, caches reference
+    # log-probs) on the main process first and the others read its cache files; an in-memory
+    # Dataset's cache lives in a per-process temporary folder (rank 1 then fails to open it)
+    data = load_dataset("json", data_files=str(a.data), split="train",
+                        cache_dir=str(Path(a.work) / f"hf-cache-{a.algo}{N}"))
     tok = PreTrainedTokenizerFast.from_pretrained(a.model_dir)
     tok.padding_side = "left" if a.algo == "grpo" else "right"
     if a.algo == "dpo":
@@ -88,8 +119,9 @@ def worker(a) -> None:
     common = dict(output_dir=str(Path(a.work) / f"trl-{a.algo}{N}"), learning_rate=1e-6,
                   max_steps=a.warmup + a.steps, bf16=True, logging_steps=1, report_to="none",
                   save_strategy="no", gradient_checkpointing=True, seed=0, disable_tqdm=True,
-                  dataloader_num_workers=0)
-    torch.cuda.reset_peak_memory_stats()
+                  dataloader_num_workers=0, use_cpu=not cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     if a.algo == "grpo":
         from trl import GRPOConfig, GRPOTrainer
         seqs = a.per_gpu * a.generations
@@ -103,7 +135,7 @@ def worker(a) -> None:
         def reward(completions, **_):
             return [float(len(c) % 7) for c in completions]
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
-                              train_dataset=Dataset.from_list(rows), callbacks=[timer])
+                              train_dataset=data, callbacks=[timer])
     else:
         from trl import DPOConfig, DPOTrainer
         pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
@@ -111,15 +143,15 @@ def worker(a) -> None:
                          max_length=a.dpo_len + 8, beta=0.1, loss_type=["sigmoid"],
                          precompute_ref_log_probs=True, **common)
         trainer = DPOTrainer(model=model, args=args, processing_class=tok,
-                             train_dataset=Dataset.from_list(rows), callbacks=[timer])
+                             train_dataset=data, callbacks=[timer])
     trainer.train()
-    mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+    mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) if cuda else (0.0, 0.0)
     peaks = [None] * N
     torch.distributed.all_gather_object(peaks, mem)
     if int(os.environ.get("RANK", "0")) == 0:
         warm = timer.times[a.warmup:] or timer.times
         Path(a.work, f"trl-{a.algo}{N}.json").write_text(json.dumps({
-            "step_s": statistics.median(warm), "first_s": timer.times[0],
+            "step_s": statistics.median(warm), "first_s": timer.times[0], "times": timer.times, "steps": len(warm),
             "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks)}))
 
 
@@ -130,6 +162,7 @@ def main(argv=None):
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--device", default="cuda")
     for k in ("per-gpu", "generations", "new-tokens", "dpo-len", "micro-batch", "steps", "warmup"):
         ap.add_argument(f"--{k}", type=int, required=True)
     a = ap.parse_args(argv)

@@ -229,3 +229,19 @@ def test_sharded_rl_and_dpo_hold_one_logit_chunk_as_on_one_gpu(qwen05):
         assert four == one
     sft4 = _est(qwen05, algo="sft", gpus=4)
     assert _row(sft4, "policy logits") > _row(_est(qwen05, algo="grpo", gpus=4), "policy logits")
+
+
+# One process, fp32 weights under bf16 autocast (the trainers' default), measured on 1 x H200
+# (bench/memory_check.py, 2026-11-27, benchmarks/memory_check.jsonl): peak max_memory_allocated in GB.
+@pytest.mark.parametrize("kw, measured", [
+    (dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024), 18.21),
+    (dict(algo="grpo", batch_size=16, seq_len=512, rollout_batch=16, num_generations=8, reward="verifier", beta=0), 22.88),
+    (dict(algo="ppo", batch_size=4, seq_len=512, rollout_batch=16, num_generations=1, reward="verifier", beta=0.05), 25.96),
+    (dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024, lora=True, gradient_checkpointing=True), 5.52),
+])
+def test_one_gpu_fp32_autocast_within_ten_percent_of_measured(qwen05, kw, measured):
+    est = _est(qwen05, gpus=1, weight_dtype="fp32", optimizer="adamw", **kw)
+    assert 0.9 <= measured / est["totals_gb"]["peak"] <= 1.1
+    assert _row(est, "policy bf16 weight casts") > 0  # autocast's saved bf16 weights
+    # bf16 (no autocast) keeps the single-GPU formulas as they were: no cast row
+    assert not [x for x in _est(qwen05, gpus=1, **kw)["components"] if "casts" in x["component"]]

@@ -206,10 +206,31 @@ def estimate(cfg: MemoryConfig) -> dict:
             "same dtype as the trained weights")
     seqs = cfg.batch_size * (2 if cfg.algo in PAIRWISE else 1)
     ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
+    # fp32 weights train under bf16 autocast (trainers/common.autocast_context, model.mixed_precision):
+    # activations and logits are bf16, and every matmul saves the bf16 cast of its weight for backward
+    # (measured, 1 x H200, bench/memory_check.py: the plain formulas over-predicted such runs by 11-47 %)
+    mixed = d == 4 and cfg.mixed_precision != "no"
+    c = 2 if mixed else d
+    if mixed:
+        unit = shape.layer_params() + (shape.lora_params(cfg.lora_rank, cfg.lora_targets) // shape.layers
+                                       if cfg.lora else 0)
+        for m in (m for m in models if m.activations and m.layered):
+            whole = m.weights + m.adapters
+            kept = whole if not cfg.gradient_checkpointing else max(0, whole - shape.layers * unit) + unit
+            add(f"{m.name} bf16 weight casts", "training", kept * c,
+                note="autocast: " + ("every layer's bf16 weights, saved for backward" if not cfg.gradient_checkpointing
+                                     else "the root's and one recomputed layer's bf16 weights"))
     for m in (m for m in models if m.activations):
-        add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs),
-            note=f"{seqs} seq x {cfg.seq_len} tok, {ckpt}, {cfg.attention}")
-        if m.activations == "lm":
+        add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs, c),
+            note=f"{seqs} seq x {cfg.seq_len} tok, {ckpt}, {cfg.attention}" + (", bf16 autocast" if mixed else ""))
+        if m.activations == "lm" and mixed:  # as per GPU (sharded.py): bf16 logits + their gradient
+            full = seqs * cfg.seq_len * shape.vocab * c * 2
+            chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
+            lb = full if cfg.algo == "sft" or full <= chunk else chunk
+            add(f"{m.name} logits", "training", lb,
+                note=(f"chunked LM head: {HEAD_CHUNK_LOGITS} logits at a time" if lb < full else
+                      f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, bf16 logits + their gradient"))
+        elif m.activations == "lm":
             lb = logits_bytes(cfg, shape, seqs)
             chunked = lb < seqs * cfg.seq_len * shape.vocab * (d + 8)
             add(f"{m.name} logits", "training", lb,
