@@ -13,6 +13,7 @@
 
 import copy
 import json
+import math
 import random
 import subprocess
 import sys
@@ -345,3 +346,12 @@ def test_grpo_reward_history_survives_a_resume(root, monkeypatch):
     cut = train_grpo(cfg("grpo-cut", resume=True), reward_funcs=[reward])
     assert len(full["reward_history"]) == 4
     assert cut["reward_history"] == full["reward_history"]
+
+
+def test_max_abs_skips_empty_shards():
+    """Under FSDP2 a rank's shard of a small parameter can be empty; the max-abs behind
+    update_is_bounded must skip it (CUDA's inf-norm refuses one), keep NaN, and give 0 for none."""
+    from tether.trainers.common import _max_abs
+    assert _max_abs([torch.empty(0), torch.tensor([1.0, -3.0]), torch.empty(0, 4)]) == 3.0
+    assert _max_abs([torch.empty(0)]) == 0.0
+    assert math.isnan(_max_abs([torch.empty(0), torch.tensor([float("nan"), 1.0])]))

@@ -172,9 +172,13 @@ def _max_abs(tensors) -> float:
         by_device.setdefault(t.device, []).append(t)
     out = 0.0
     for device, ts in by_device.items():
+        # Empty tensors out: a rank's shard of a small parameter can be empty under FSDP2 (a norm
+        # weight of 64 over 128 ranks), and CUDA's inf-norm refuses an empty tensor.
+        ts = [t for t in ts if t.numel()]
+        if not ts:
+            continue
         if device.type == "cpu":  # torch's CPU inf-norm is ~5x slower than abs().amax() (quickstart
-            ts = [t for t in ts if t.numel()]  # model: 1.9 vs 0.37 ms a step); amax keeps NaN
-            m = float(torch.stack([t.abs().amax() for t in ts]).max()) if ts else 0.0
+            m = float(torch.stack([t.abs().amax() for t in ts]).max())  # model: 1.9 vs 0.37 ms); amax keeps NaN
         else:  # one fused kernel, no temporary the size of a weight
             m = float(torch.stack(torch._foreach_norm(ts, math.inf)).max())
         out = m if math.isnan(m) else max(out, m)
