@@ -60,7 +60,7 @@ GRPO_METRICS = {"loss": "loss", "reward": "reward", "entropy": "entropy",
 
 
 def run_grpo(model: str, work: Path, steps: int) -> dict:
-    import parity as P  # bench/parity.py (on sys.path as the running script's directory)
+    import parity_common as P  # bench/parity_common.py (bench/ is on sys.path: bench/parity.py puts it there)
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig as TRLGRPOConfig, GRPOTrainer
