@@ -57,3 +57,27 @@ def test_save_load_round_trip_keeps_scores_and_offset(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(rm.score(ids, m), back.score(ids, m))
     assert back.offset == 0.25 and back.kind == "reward"
+
+
+def test_the_head_computes_in_fp32_under_autocast_and_with_a_bf16_gathered_weight():
+    """FSDP2's bf16 mixed precision hands the head a bf16 weight (it crashed PPO's `rm:` reward on
+    CUDA: fp32 input, bf16 weight); autocast would run it in bf16. Both: an fp32 matmul."""
+    model, tok = _tiny()
+    rm = ScalarHeadModel(model.eval(), offset=0.25)
+    with torch.no_grad():
+        rm.head.weight.normal_()
+        rm.head.bias.fill_(0.5)
+    ids = torch.tensor([tok("hello world").input_ids])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        h = rm._base()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1].float()
+        fp32 = h @ rm.head.weight.float().T + 0.5 - 0.25
+        plain = rm.score(ids, mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = rm(ids, mask)[:, -1]
+        rm.head.to(torch.bfloat16)  # what the gathered weight looks like under FSDP2 mixed precision
+        gathered = rm.score(ids, mask)
+    torch.testing.assert_close(plain, fp32.squeeze(-1), atol=1e-5, rtol=1e-5)
+    assert auto.dtype == torch.float32 and gathered.dtype == torch.float32
+    bf16_weight = h @ rm.head.weight.float().T + 0.5 - 0.25  # the bf16-rounded weight, fp32 matmul
+    torch.testing.assert_close(gathered, bf16_weight.squeeze(-1), atol=1e-5, rtol=1e-5)

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -86,8 +87,13 @@ class ScalarHeadModel(nn.Module):
                            position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         # The head runs in fp32: scores are compared across sequences, bf16 rounding of a scalar
-        # (8 bits of mantissa) would flip close pairs.
-        return self.head(h.float()).squeeze(-1) - self.offset
+        # (8 bits of mantissa) would flip close pairs. Explicitly, not by the head's dtype: autocast
+        # would run the matmul in bf16, and under FSDP2's bf16 mixed precision the gathered head
+        # weight *is* bf16 (an fp32 input then fails the matmul).
+        w, b = self.head.weight, self.head.bias
+        with torch.autocast(h.device.type, enabled=False):
+            score = F.linear(h.float(), w.float(), None if b is None else b.float())
+        return score.squeeze(-1) - self.offset
 
     def score(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """Sequence score r(x, y) [B]: the scalar at each row's last non-pad token."""

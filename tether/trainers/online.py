@@ -248,10 +248,11 @@ def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
     whole = distributed.active() and (estimator.whitened or options.get("scale") == "batch")
     if not (valid.any() or whole):
         return
-    if estimator.needs_greedy:
-        options["greedy_rewards"] = greedy_scores(batch.collected.prompt_rows)[rollout.group][valid].to(device)
-    groups = rollout.group[valid].to(device) if estimator.grouped else None
     on_device = valid.to(device)
+    if estimator.needs_greedy:  # the scores come back on the CPU, the rollout's indices may not
+        scores = torch.as_tensor(greedy_scores(batch.collected.prompt_rows)).to(device)
+        options["greedy_rewards"] = scores[rollout.group.to(device)][on_device]
+    groups = rollout.group[valid].to(device) if estimator.grouped else None
     inputs = (rewards[on_device], groups, batch.mask[on_device], options)
     if whole:
         *inputs, mine = gather_for_advantages(*inputs)
