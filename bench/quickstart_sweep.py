@@ -7,9 +7,13 @@ The quickstart's stage accuracies must not hang on float rounding (issue 16/17):
 [0.3, 0.7] and RL at least 15 points above it in *every* run. Each combination is one ordinary
 `tether quickstart` process (its own runs dir under --work); with --parallel > 1 several run at
 once, each pinned to its own CPU cores (taskset, as many cores as it has threads) so that the
-threads setting means what it does on a 2-core machine. Seconds are only comparable between runs
-of the same sweep on an otherwise idle machine; --parallel 1 on the target machine gives the
-honest time. Writes a markdown table (stdout and --md) and --json.
+threads setting means what it does on a 2-core machine (--no-pin runs them unpinned: more runs
+than cores; the accuracies do not change, since a run's rounding depends on its thread count, not
+on how the OS schedules it). Seconds are only comparable between runs of the same sweep on an
+otherwise idle machine; --parallel 1 on the target machine gives the honest time. A combination
+whose summary.json is already in --work is not run again (an interrupted sweep resumes; a final
+call over all combinations builds the whole table). Writes a markdown table (stdout and --md) and
+--json.
 """
 from __future__ import annotations
 
@@ -36,9 +40,14 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _name(combo) -> str:
+    seed, threads, fused = combo
+    return f"s{seed}-t{threads}-{'fused' if fused else 'loop'}"
+
+
 def _launch(combo, work: Path, extra: list[str], cores: list[int] | None):
     seed, threads, fused = combo
-    name = f"s{seed}-t{threads}-{'fused' if fused else 'loop'}"
+    name = _name(combo)
     cmd = [sys.executable, "-m", "tether", "quickstart", f"runs_dir={work}", f"name={name}",
            f"seed={seed}", f"threads={threads}", f"fused_adamw={str(fused).lower()}", "progress=false",
            *extra]
@@ -55,6 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--fused", default="off,on")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (each pinned to its own cores)")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin runs to cores (allows more runs than cores)")
     ap.add_argument("--work", default="/tmp/quickstart_sweep")
     ap.add_argument("--md", default=None, help="also write the table here")
     ap.add_argument("--json", default=None)
@@ -67,14 +77,24 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     ncpu = os.cpu_count() or 1
-    pending, running, results = list(combos), [], {}
+    pending, running, results = [], [], {}
+    for combo in combos:  # already done in this work dir: read, not rerun
+        name = _name(combo)
+        summary = work / name / "summary.json"
+        if summary.exists():
+            done = json.loads(summary.read_text())
+            results[name] = {"seed": combo[0], "threads": combo[1], "fused_adamw": combo[2], "returncode": 0,
+                             "wall_s": None, "stages": done["stages"], "seconds": done["seconds"]}
+        else:
+            pending.append(combo)
+    pin = args.parallel > 1 and not args.no_pin
     free = list(range(ncpu))
     while pending or running:
         while pending and len(running) < args.parallel:
             threads = pending[0][1]
-            if args.parallel > 1 and len(free) < threads:
+            if pin and len(free) < threads:
                 break
-            cores = [free.pop(0) for _ in range(threads)] if args.parallel > 1 else None
+            cores = [free.pop(0) for _ in range(threads)] if pin else None
             combo = pending.pop(0)
             running.append((combo, cores, *_launch(combo, work, args.extra, cores)))
         time.sleep(2)
