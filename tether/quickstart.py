@@ -154,7 +154,8 @@ def _rl_stage(cfg: QuickstartConfig, model_path: str, root: Path) -> dict:
                     max_steps=cfg.rl_steps, lr=cfg.rl_lr, beta=cfg.rl_beta, advantage="grpo",
                     warmup_steps=cfg.rl_warmup_steps, schedule="cosine",
                     loss_agg="token-mean", device="cpu", seed=cfg.seed, log_every=5,
-                    adam_betas=[0.9, 0.99], fused_adamw="on" if cfg.fused_adamw else "off", progress=cfg.progress, log_entropy=False, overwrite=True)
+                    adam_betas=[0.9, 0.99], fused_adamw="on" if cfg.fused_adamw else "off",
+                    progress=cfg.progress, log_entropy=False, overwrite=True)
     out = train_grpo(rl, reward_funcs=[verifier])
     model, tok = load_model(out["checkpoint"], device="cpu"), load_tokenizer(out["checkpoint"])
     acc, comps = accuracy(model, tok, test, cfg.max_new_tokens)
