@@ -12,13 +12,8 @@ import torch
 from tether.cli import main
 from tether.models import make_tiny_model
 
-SHAPE = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-             max_position_embeddings=128)
-PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(3)]  # 12 prompts
-REWARD = '''
-def parity(prompts, completions, completion_ids, answer, **kw):
-    return [float(len(c) > 0 and (ord(c[0]) + int(a)) % 2 == 0) for c, a in zip(completions, answer)]
-'''
+# The same tiny world as `tether eval`'s tests, so the two compare like with like.
+from test_evaluation import PROMPTS, REWARD, SHAPE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
