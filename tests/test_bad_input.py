@@ -234,7 +234,7 @@ def test_config_file_unreadable_or_missing(capsys, tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["nope"], "unknown command 'nope'"),
     (["study", "nope"], "studies: overoptimization, frontier"),
-    (["study"], "name a study: overoptimization, frontier"),
+    (["study"], "name one of the studies: overoptimization, frontier"),
     (["sft", "lr"], "'lr' is not key=value"),
     (["sft", "lr=1e-4", "optim.lr=2e-4"], "'optim.lr' is given twice"),
     (["sft", "x=1"], "unknown config key 'x'"),

@@ -77,16 +77,20 @@ def _command_help(name: str) -> str:
                       COMMANDS[name][3], "", "options:", format_help(cfg_cls)])
 
 
-def _studies() -> dict[str, str]:
-    return {n.split(" ", 1)[1]: doc for n, (_, _, _, doc) in COMMANDS.items() if n.startswith("study ")}
+# two-word commands: `tether study frontier`, `tether label pairs`; the group word -> what it lists
+GROUPS = {"study": "studies", "label": "labelers"}
 
 
-def _studies_help() -> str:
-    studies = _studies()
-    width = max(len(n) for n in studies)
-    return "\n".join(["usage: tether study <name> [--config file.yaml] [key=value ...]", "", "studies:"]
-                     + [f"  {n:<{width}}  {doc}" for n, doc in studies.items()]
-                     + ["", "options of a study: tether study <name> --help"])
+def _members(group: str) -> dict[str, str]:
+    return {n.split(" ", 1)[1]: doc for n, (_, _, _, doc) in COMMANDS.items() if n.startswith(group + " ")}
+
+
+def _group_help(group: str) -> str:
+    members = _members(group)
+    width = max((len(n) for n in members), default=4)
+    return "\n".join([f"usage: tether {group} <name> [--config file.yaml] [key=value ...]", "", f"{GROUPS[group]}:"]
+                      + [f"  {n:<{width}}  {doc}" for n, doc in members.items()]
+                      + ["", f"options of one: tether {group} <name> --help"])
 
 
 def _where(e: BaseException) -> str:
@@ -159,15 +163,17 @@ def _main(argv: list[str]) -> int:
         print(f"tether {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
-    if name == "study" and rest and not rest[0].startswith("-") and "=" not in rest[0]:
-        name, rest = f"study {rest[0]}", rest[1:]  # studies are two-word commands
-    if name == "study":  # `tether study --help`: what studies there are
+    if name in GROUPS and rest and not rest[0].startswith("-") and "=" not in rest[0]:
+        name, rest = f"{name} {rest[0]}", rest[1:]  # `study x`, `label x`: two-word commands
+    if name in GROUPS:  # `tether study --help`: what studies there are
         if not any(a in ("-h", "--help") for a in rest):
-            raise ConfigError(f"name a study: {', '.join(_studies())} (tether study --help)")
-        print(_studies_help())
+            raise ConfigError(f"name one of the {GROUPS[name]}: {', '.join(_members(name))} (tether {name} --help)")
+        print(_group_help(name))
         return 0
     if name not in COMMANDS:
-        known = f"studies: {', '.join(_studies())}" if name.startswith("study ") else f"commands: {', '.join(COMMANDS)}"
+        group = name.split(" ", 1)[0]
+        known = (f"{GROUPS[group]}: {', '.join(_members(group))}" if group in GROUPS and " " in name
+                 else f"commands: {', '.join(COMMANDS)}")
         print(f"tether: error: unknown command '{name}'; {known}", file=sys.stderr)
         return 2
     if any(a in ("-h", "--help") for a in rest):
