@@ -271,3 +271,114 @@ def diagnose(completion: str, p: Problem) -> str:
     solved = numbers and int(numbers[-1].replace(",", "")) == p.answer
     return "miscopied" if solved else "wrong solution"
 
+
+
+# --- steps: the truth a process reward model is measured against ----------------------------
+#
+# A worked solution is a chain of expressions joined by "=": '47 + 8 = 40 + 7 + 8 = 40 + 15 = 55'
+# then the answer line '\n#### 55'. For a process reward model (PRM) a *step* is one expression of
+# the chain closed by the separator "=" that follows it: the PRM reads the text up to and
+# including that "=" and scores the step there (TRL's stepwise format: each step followed by the
+# separator; the last step, which carries the answer line, gets a separator appended). So
+#     ' 47 + 8 = 40 + 7 + 8 = 40 + 15 = 55\n#### 55'
+# has the steps ' 47 + 8 ', ' 40 + 7 + 8 ', ' 40 + 15 ', ' 55\n#### 55': step 0 restates the
+# question, step i >= 1 is the "=" link from expression i-1 to expression i, and the last step also
+# commits to the answer line. Every step's truth is exact integer arithmetic.
+
+STEP_SEPARATOR = "="
+_EXPR_TOKEN = re.compile(r"\s*(\d+|[+\-×])")
+
+
+def evaluate_expression(text: str) -> int | None:
+    """The exact value of an expression of integers joined by '+', '-' and '×' ('40 + 7 + 8' -> 55,
+    '23 × 10 + 23 × 7' -> 391; × binds tighter; a '-' where a number is due is its sign, as in the
+    level-3 solutions' '60 + -6'), or None when the text is not such an expression (empty, a
+    dangling operator, any other character)."""
+    tokens, pos, text = [], 0, text.strip()
+    while pos < len(text):
+        m = _EXPR_TOKEN.match(text, pos)
+        if not m:
+            return None
+        tokens.append(m.group(1))
+        pos = m.end()
+    numbers, ops, sign = [], [], 1
+    for t in tokens:
+        if len(numbers) == len(ops):  # a number is due
+            if t == "-":
+                sign = -sign
+                continue
+            if not t.isdigit():
+                return None
+            numbers.append(sign * int(t))
+            sign = 1
+        elif t.isdigit():
+            return None
+        else:
+            ops.append(t)
+    if not numbers or len(numbers) != len(ops) + 1:
+        return None
+    total, term, sign = 0, numbers[0], 1
+    for op, num in zip(ops, numbers[1:]):
+        if op == "×":
+            term *= num
+        else:
+            total += sign * term
+            sign, term = (1 if op == "+" else -1), num
+    return total + sign * term
+
+
+def split_solution(completion: str) -> list[str]:
+    """A completion's steps: its text cut at every STEP_SEPARATOR (the separators removed, as in
+    TRL's stepwise `completions`); an empty piece after a final separator is no step."""
+    pieces = completion.split(STEP_SEPARATOR)
+    return pieces[:-1] if len(pieces) > 1 and not pieces[-1].strip() else pieces
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """One step of a worked solution, checked exactly."""
+    text: str
+    "the step's text (between separators; the last one holds the answer line)"
+    value: int | None
+    "the step's expression evaluated exactly (None: not an expression)"
+    valid: bool
+    "the '=' link holds: value equals the previous expression's (step 0: the question's value); the last step's answer line must also repeat its value"
+    correct: bool
+    "the solution is still right after this step: value equals the problem's answer (the last step: and so does its answer line). The PRM's truth label"
+
+
+def check_steps(completion: str, p: Problem) -> list[StepCheck]:
+    """Split `completion` into steps (:func:`split_solution`) and check each exactly.
+
+    `valid` is the local check of the link, `correct` is whether the chain is still on the
+    problem's answer: after a wrong link every later step is incorrect (even one whose own link is
+    valid) until an error happens to cancel it. `correct` is what a PRM is trained and measured on,
+    and what Math-Shepherd's Monte-Carlo labels estimate (can the right answer still be reached?).
+    """
+    steps, out, previous = split_solution(completion), [], p.answer
+    for i, text in enumerate(steps):
+        last = i == len(steps) - 1
+        expression = text.split("\n", 1)[0] if last else text
+        value = evaluate_expression(expression)
+        valid = value is not None and value == previous
+        correct = value is not None and value == p.answer
+        if last:  # the answer line must exist and repeat the chain's result
+            line = extract_answer(text)
+            valid = valid and line == value
+            correct = correct and line == p.answer
+        out.append(StepCheck(text, value, valid, correct))
+        previous = value
+    return out
+
+
+def stepwise_example(p: Problem, completion: str) -> dict:
+    """A completion as one row of TRL's stepwise format with the exact truth labels:
+    {"prompt", "completions": steps, "labels": [step.correct, ...]}."""
+    checks = check_steps(completion, p)
+    return {"prompt": p.prompt, "completions": [c.text for c in checks],
+            "labels": [c.correct for c in checks]}
+
+
+def first_error(labels) -> int | None:
+    """Index of the first false step label (None when every step is right)."""
+    return next((i for i, ok in enumerate(labels) if not ok), None)
