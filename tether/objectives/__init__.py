@@ -17,6 +17,7 @@ from .advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from .importance import IS_CORRECTIONS, IS_LEVELS, Correction, importance_weights, is_metrics, masked_is, truncated_is
 from .logprobs import entropy_from_logits, sequence_logps, sft_loss, token_entropy, token_logps
 from .policy import (
     KL_ESTIMATORS,
@@ -52,6 +53,7 @@ __all__ = [
     "AGG_MODES", "aggregate_loss", "as_bool", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
     "ADVANTAGE_ESTIMATORS", "Estimator", "compute_advantages", "discounted_returns", "gae", "group_stats",
     "grpo_advantages", "reinforce_pp_advantages", "remax_advantages", "rloo_advantages",
+    "IS_CORRECTIONS", "IS_LEVELS", "Correction", "importance_weights", "is_metrics", "masked_is", "truncated_is",
     "entropy_from_logits", "sequence_logps", "sft_loss", "token_entropy", "token_logps",
     "KL_ESTIMATORS", "SURROGATES", "Surrogate", "AdaptiveKLController", "FixedKLController", "best_of_n_kl", "kl_k1", "kl_k2",
     "kl_k3", "kl_penalized_rewards", "last_token_index", "policy_loss", "value_loss",

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._masks import AGG_MODES, aggregate_loss, as_bool, masked_mean
+from .importance import importance_weights, is_metrics
 
 
 # ---- KL estimators (Schulman 2020, "Approximating KL divergence", the k1/k2/k3 of that note) -----
@@ -151,7 +152,9 @@ SURROGATES: dict[str, Callable[..., Surrogate]] = {
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float | None = None, agg: str = "token-mean",
                 ref_logps: Tensor | None = None, beta: float = 0.0, kl_estimator: str = "k3",
-                importance_level: str = "token", norm_length: int | float | None = None):
+                importance_level: str = "token", norm_length: int | float | None = None,
+                behavior_logps: Tensor | None = None, is_correction: str = "none", is_level: str = "token",
+                is_cap: float = 2.0):
     """Clipped surrogate policy loss (PPO, Schulman et al. 2017, eq. 7) and its variants.
 
     Per token:  L_t = surrogate_t + β·KL_t, the surrogate from :data:`SURROGATES`
@@ -174,7 +177,14 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     ``approx_kl`` = mean ½(log π − log π_old)² (k2 vs the sampling policy, as PPO
     implementations report it), ``kl`` = mean KL_t vs the reference (whenever ``ref_logps`` is
     given, even with β = 0; 0 without a reference), ``pg_loss`` (the surrogate part, aggregated),
-    ``ratio/mean``. Half-precision inputs are computed (and the loss returned) in float32: a bf16
+    ``ratio/mean``.
+
+    Off-policy correction (:mod:`tether.objectives.importance`): with ``is_correction`` = ``"tis"``
+    or ``"mis"`` and the sampler's ``behavior_logps`` μ, every advantage is multiplied by the
+    weight w = IS_CORRECTIONS[is_correction](log π_old − log μ) at ``is_level`` (token / sequence)
+    with cap ``is_cap``: A_t ← w_t A_t (the surrogate's clip stays relative to π_old); metrics
+    ``is_weight/mean``, ``is_weight/max``, ``is_weight/frac_truncated`` | ``frac_masked``.
+    Half-precision inputs are computed (and the loss returned) in float32: a bf16
     ratio exp(log π − log π_old) is only resolved to ~0.4–0.8 % near 1.
     """
     if agg not in AGG_MODES:
@@ -190,6 +200,13 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     logps, old_logps = _clean(logps, m), _clean(old_logps, m)
     log_ratio = logps - old_logps
     adv = _clean(_per_token(advantages, logps.shape), m)
+    is_stats = {}
+    if is_correction != "none":
+        if behavior_logps is None:
+            raise ValueError(f"is_correction={is_correction!r} needs behavior_logps (the sampler's)")
+        correction = importance_weights(is_correction, old_logps, _clean(_f32(behavior_logps), m), m,
+                                        is_level, is_cap)
+        adv, is_stats = adv * correction.weights, is_metrics(is_correction, correction, m)
     surrogate = SURROGATES[importance_level](log_ratio, logps, adv, m, eps_low, eps_high)
 
     pg_mat = surrogate.loss
@@ -210,6 +227,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
         "clip_ratio/region_mean": masked_mean((low | high).to(r.dtype), m),
         "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, m),
         "ratio/mean": masked_mean(r, m),
+        **is_stats,
     })
     return loss, metrics
 
