@@ -329,9 +329,11 @@ def evaluate_expression(text: str) -> int | None:
 
 def split_solution(completion: str) -> list[str]:
     """A completion's steps: its text cut at every STEP_SEPARATOR (the separators removed, as in
-    TRL's stepwise `completions`); an empty piece after a final separator is no step."""
-    pieces = completion.split(STEP_SEPARATOR)
-    return pieces[:-1] if len(pieces) > 1 and not pieces[-1].strip() else pieces
+    TRL's stepwise `completions`; tether.data.steps.split_steps, as the PRM reward cuts any text)."""
+    # here, not at the top: the data layer imports torch, which the verifiers built on this module
+    # (tether.rewards) do not need
+    from tether.data.steps import split_steps
+    return split_steps(completion, STEP_SEPARATOR)
 
 
 @dataclass(frozen=True)
