@@ -87,6 +87,10 @@ def load_reward(spec: str | RewardFn, **options) -> RewardFn:
         from tether.rewards.learned import LearnedReward, parse_rm_spec  # imports torch: lazily
         paths, opts = parse_rm_spec(spec)
         return LearnedReward(paths, **{**opts, **options})
+    if spec.startswith("prm:"):  # a process reward model: 'prm:<path>[?aggregate=min|last|prod|mean]'
+        from tether.rewards.process import ProcessReward, parse_prm_spec  # imports torch: lazily
+        path, opts = parse_prm_spec(spec)
+        return ProcessReward(path, **{**opts, **options})
     if ":" not in spec:
         raise UserError(f"reward {spec!r} is neither a built-in ({', '.join(sorted(builtins))}) "
                         f"nor 'module:function' / 'path/to/file.py:function'")
