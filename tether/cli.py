@@ -42,6 +42,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "orpo": ("tether.trainers.offline", "ORPOConfig", "train_offline", "ORPO: SFT + odds-ratio preference term, no reference"),
     "rm": ("tether.trainers.rm", "RMConfig", "train_rm",
            "reward model: Bradley-Terry on preference pairs (margin, centering; ensembles = runs by seed)"),
+    "prm": ("tether.trainers.prm", "PRMConfig", "train_prm",
+            "process reward model: per-step BCE on stepwise data (TRL format); use as prm:<run>?aggregate=min"),
     "bon": ("tether.trainers.best_of_n", "BoNConfig", "run_bon",
             "best-of-n sampling with any reward (gold vs proxy vs KL_BoN); rft=true fine-tunes on the best"),
     "init-model": ("tether.init_model", "InitModelConfig", "init_model", "a small random-init model + character tokenizer from your data's characters, to train from scratch"),
