@@ -1,0 +1,182 @@
+"""Page 1, Runs: every run under runs_dir (command, status, last step, headline metric); a run's
+curves, smoothed (series.ema) and downsampled (series.downsample) server-side, polled while the
+run writes; its samples, filterable by step and sortable by reward.
+
+Everything read here goes through common.py's run lookup (a run id, never a path) and its
+incremental JSONL reader (a file being appended, a corrupt line, a file replaced on resume)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import yaml
+from fastapi import APIRouter, Query, Request
+
+from tether.studio import series
+from tether.studio.common import get_studio, known_runs, read_json, resolve_run, run_file, run_status, tail_of
+
+TITLE = "Runs"
+router = APIRouter(prefix="/api/runs")
+
+# The metric a run's row shows, first one logged wins: the training reward of RL, held-out
+# pass@1, a reward model's or DPO's accuracy, then the loss every trainer logs.
+HEADLINE = ("reward", "eval/pass@1", "pass@1", "eval/accuracy", "accuracy", "rewards/accuracies",
+            "eval/loss", "loss")
+# The curves the page draws first (the rest are one click away), in this order.
+DEFAULT_CURVES = ("reward", "kl", "loss", "entropy", "lr", "grad_norm", "eval/pass@1", "pass@1",
+                  "accuracy", "eval/accuracy")
+
+
+def _flat(tree, out=None) -> dict:
+    """A config.yaml's leaves by their last name (sections flattened, as the CLI accepts them)."""
+    out = {} if out is None else out
+    for k, v in (tree or {}).items():
+        if isinstance(v, dict):
+            _flat(v, out)
+        else:
+            out[str(k)] = v
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _command_signatures() -> dict:
+    """{command: {leaf name: default as describe() shows it}} for every command with a config
+    (tether.cli.COMMANDS: the registry is the one list of commands)."""
+    from tether.cli import COMMANDS, _load
+    from tether.config import describe
+
+    sigs = {}
+    for name in COMMANDS:
+        try:
+            cfg_cls, _ = _load(name)
+        except Exception:  # noqa: BLE001 - a command whose optional extra is missing is just not guessed
+            continue
+        sigs[name] = {key.rsplit(".", 1)[-1]: default for key, _, default, _ in describe(cfg_cls)}
+    return sigs
+
+
+def infer_command(config: dict) -> str:
+    """The command that wrote a run's config.yaml. config.yaml is the resolved config with no
+    command name in it, so: the command whose option names match the file's best (Jaccard), ties
+    broken by how many values equal that command's defaults (rloo's preset vs grpo's)."""
+    leaves = _flat(config)
+    if not leaves:
+        return "?"
+    best, best_key = "?", (0.0, -1)
+    for name, sig in _command_signatures().items():
+        keys = set(sig)
+        jaccard = len(keys & set(leaves)) / len(keys | set(leaves))
+        same = sum(1 for k, v in leaves.items() if k in sig and sig[k] == (repr(v) if isinstance(v, str) else str(v)))
+        if (jaccard, same) > best_key:
+            best, best_key = name, (jaccard, same)
+    return best if best_key[0] >= 0.5 else "?"
+
+
+def _config(run_dir) -> dict:
+    p = run_file(run_dir, "config.yaml")
+    if p is None:
+        return {}
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def headline(rows: list[dict]) -> dict | None:
+    """{name, value, step} of the first HEADLINE metric logged, at the last row logging it."""
+    for name in HEADLINE:
+        for r in reversed(rows):
+            v = r.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return {"name": name, "value": v, "step": r.get("step")}
+    return None
+
+
+def run_row(studio, run_id: str, run_dir) -> dict:
+    """One line of the runs table."""
+    mpath = run_file(run_dir, "metrics.jsonl")
+    rows, bad = [], 0
+    if mpath is not None:
+        tail = tail_of(studio, mpath)
+        rows, bad = tail.read(), tail.bad
+    steps = [r["step"] for r in rows if isinstance(r.get("step"), (int, float))]
+    try:
+        mtime = max(os.stat(p).st_mtime for p in (run_dir, mpath) if p is not None)
+    except OSError:
+        mtime = None
+    return {"id": run_id, "command": infer_command(_config(run_dir)), "status": run_status(run_dir),
+            "last_step": max(steps) if steps else None, "headline": headline(rows), "rows": len(rows),
+            "bad_lines": bad, "modified": mtime}
+
+
+@router.get("/list")
+def list_runs(request: Request):
+    studio = get_studio(request)
+    runs = known_runs(studio)
+    out = [run_row(studio, rid, path) for rid, path in runs.items()]
+    out.sort(key=lambda r: -(r["modified"] or 0))  # most recent first
+    return {"runs_dir": str(studio.runs_dir), "runs": out}
+
+
+@router.get("/metrics")
+def metrics(request: Request, run: str, smooth: float = Query(0.0, ge=0.0, lt=1.0),
+            max_points: int = Query(2000, ge=4, le=100_000), names: str = "", since: str = ""):
+    """A run's curves: {version, rows, bad_lines, metrics: {name: {x, y, n}}} with y smoothed by
+    `smooth` (series.ema) then downsampled to `max_points` (series.downsample); n = points before
+    downsampling. `names`: comma-separated metrics to send (default all). `since`: the version the
+    page has; when nothing new was written the answer is {version, unchanged: true}."""
+    studio = get_studio(request)
+    run_dir = resolve_run(request, run)
+    mpath = run_file(run_dir, "metrics.jsonl")
+    if mpath is None:
+        return {"version": "none", "rows": 0, "bad_lines": 0, "metrics": {}, "status": run_status(run_dir)}
+    tail = tail_of(studio, mpath)
+    rows = tail.read()
+    version = tail.version
+    if since and since == version:
+        return {"version": version, "unchanged": True, "status": run_status(run_dir)}
+    cols = series.columns(rows)
+    wanted = [n for n in names.split(",") if n] or list(cols)
+    out = {}
+    for name in wanted:
+        if name not in cols:
+            continue
+        x, y = cols[name]
+        ys = series.ema(y, smooth) if smooth > 0 else y
+        dx, dy = series.downsample(x, ys, max_points)
+        out[name] = {"x": dx.tolist(), "y": dy.tolist(), "n": len(x)}
+    return {"version": version, "rows": len(rows), "bad_lines": tail.bad, "metrics": out,
+            "names": sorted(cols), "defaults": [n for n in DEFAULT_CURVES if n in cols],
+            "status": run_status(run_dir)}
+
+
+@router.get("/samples")
+def samples(request: Request, run: str, step: int | None = None, sort: str = "", descending: bool = True,
+            limit: int = Query(500, ge=1, le=10_000)):
+    """A run's samples.jsonl rows ({step, prompt, completion, reward..., any other columns}), only
+    those of `step` when given, sorted by the column `sort` (rows without it last), at most `limit`.
+    `steps`: every step that has samples (the page's filter)."""
+    studio = get_studio(request)
+    run_dir = resolve_run(request, run)
+    spath = run_file(run_dir, "samples.jsonl")
+    rows = tail_of(studio, spath).read() if spath is not None else []
+    steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
+    chosen = [r for r in rows if step is None or r.get("step") == step]
+    if sort:
+        have = [r for r in chosen if isinstance(r.get(sort), (int, float))]
+        have.sort(key=lambda r: r[sort], reverse=descending)
+        chosen = have + [r for r in chosen if not isinstance(r.get(sort), (int, float))]
+    columns = []
+    for r in chosen:
+        columns += [k for k in r if k not in columns]
+    return {"steps": steps, "columns": columns, "total": len(chosen), "rows": chosen[:limit]}
+
+
+@router.get("/detail")
+def detail(request: Request, run: str):
+    """A run's resolved config and summary (as the files hold them; {} when absent or unreadable)."""
+    run_dir = resolve_run(request, run)
+    return {"id": run, "config": _config(run_dir), "summary": read_json(run_file(run_dir, "summary.json"), {}),
+            "status": run_status(run_dir), "command": infer_command(_config(run_dir))}

@@ -1,0 +1,140 @@
+// Page 1, Runs: the runs table (polled), the curves of the ticked runs (polled, overlaid on shared
+// axes, smoothed server-side), and the samples of one run (filter by step, sort by reward).
+"use strict";
+(function () {
+  const T = window.tether;
+  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: []};
+
+  function statusCell(s) { return T.el("span", {class: "status-" + s}, s); }
+
+  function renderRuns(runs) {
+    state.runs = runs;
+    const box = document.getElementById("runs-table");
+    if (!runs.length) {
+      box.replaceChildren(T.el("p", {id: "no-runs", class: "muted"}, "No runs yet under this runs directory."));
+      return;
+    }
+    T.table(box, runs, [
+      {key: "select", label: "", format: (_, r) => {
+        const c = T.el("input", {type: "checkbox", class: "pick", "data-run": r.id, checked: state.selected.includes(r.id)});
+        c.addEventListener("click", ev => { ev.stopPropagation(); toggle(r.id, c.checked); });
+        return c; }},
+      {key: "id", label: "run", sortable: true},
+      {key: "command", label: "command", sortable: true},
+      {key: "status", label: "status", sortable: true, format: statusCell},
+      {key: "last_step", label: "last step", sortable: true, numeric: true},
+      {key: "headline", label: "headline metric", format: h => h ? T.el("span", {}, h.name + " = ", T.num(h.value)) : "–"},
+      {key: "bad_lines", label: "corrupt lines", numeric: true},
+    ], {id: "runs", rowId: r => r.id, onRowClick: r => open(r.id)});
+  }
+
+  function toggle(id, on) {
+    state.selected = on ? [...new Set([...state.selected, id])] : state.selected.filter(x => x !== id);
+    showRunView();
+  }
+
+  function open(id) {  // a click on a row opens that run alone; the ticks overlay several
+    state.selected = [id];
+    document.querySelectorAll("input.pick").forEach(c => { c.checked = c.dataset.run === id; });
+    showRunView();
+  }
+
+  function showRunView() {
+    const view = document.getElementById("run-view");
+    view.hidden = state.selected.length === 0;
+    document.getElementById("run-names").textContent = state.selected.join(" + ");
+    state.versions = {};
+    const pick = document.getElementById("samples-run");
+    pick.replaceChildren(...state.selected.map(id => T.el("option", {value: id}, id)));
+    loadCurves().then(loadSamples);
+  }
+
+  async function loadCurves() {
+    const q = s => `/api/runs/metrics?run=${encodeURIComponent(s)}&smooth=${state.smooth}&since=${encodeURIComponent(state.versions[s] || "")}`;
+    let changed = false;
+    for (const id of state.selected) {
+      const d = await T.api(q(id));
+      if (d.unchanged) continue;
+      state.data[id] = d; state.versions[id] = d.version; changed = true;
+    }
+    if (changed) drawCurves();
+  }
+
+  function drawCurves() {
+    const names = new Set(), defaults = [];
+    for (const id of state.selected) {
+      const d = state.data[id];
+      if (!d) continue;
+      (d.names || []).forEach(n => names.add(n));
+      (d.defaults || []).forEach(n => { if (!defaults.includes(n)) defaults.push(n); });
+    }
+    if (!state.curves.length) state.curves = defaults.slice(0, 6);
+    const pick = document.getElementById("metric-pick");
+    const current = pick.value;
+    pick.replaceChildren(...[...names].sort().map(n => T.el("option", {value: n, selected: n === current}, n)));
+    const charts = document.getElementById("charts");
+    charts.replaceChildren();
+    const total = state.selected.reduce((a, id) => a + ((state.data[id] || {}).rows || 0), 0);
+    document.getElementById("live").textContent = `${total} logged rows`;
+    if (!state.curves.some(n => names.has(n))) {
+      charts.append(T.el("p", {id: "no-metrics", class: "muted"}, "No metrics logged yet."));
+      return;
+    }
+    for (const name of state.curves) {
+      if (!names.has(name)) continue;
+      const ser = state.selected.filter(id => state.data[id] && state.data[id].metrics[name]).map(id => {
+        const m = state.data[id].metrics[name];
+        return {name: id, x: m.x, y: m.y};
+      });
+      const box = T.el("div", {class: "chart-box", "data-metric": name});
+      charts.append(box);
+      T.lineChart(box, ser, {title: name, xLabel: "step", legend: state.selected.length > 1});
+      const last = ser.map(s => T.el("span", {class: "last", "data-run": s.name}, s.name + ": ", T.num(s.y[s.y.length - 1]), " "));
+      box.append(T.el("div", {class: "muted"}, "last: ", ...last));
+    }
+  }
+
+  let samplesTable = null;
+  async function loadSamples() {
+    const id = document.getElementById("samples-run").value;
+    if (!id) return;
+    const stepSel = document.getElementById("step-filter");
+    const step = stepSel.value;
+    const d = await T.api(`/api/runs/samples?run=${encodeURIComponent(id)}` + (step !== "" ? `&step=${step}` : ""));
+    stepSel.replaceChildren(T.el("option", {value: ""}, "all"),
+                            ...d.steps.map(s => T.el("option", {value: String(s), selected: String(s) === step}, String(s))));
+    document.getElementById("samples-count").textContent = `${d.total} samples`;
+    const cols = d.columns.filter(c => c !== "step");
+    const columns = [{key: "step", label: "step", sortable: true, numeric: true}].concat(cols.map(c => {
+      const numeric = d.rows.some(r => typeof r[c] === "number");
+      return {key: c, label: c, sortable: numeric, numeric,
+              format: numeric ? undefined : v => T.el("pre", {}, v === undefined || v === null ? "" : (typeof v === "string" ? v : JSON.stringify(v)))};
+    }));
+    const box = document.getElementById("samples-table");
+    if (!d.rows.length) { box.replaceChildren(T.el("p", {class: "muted", id: "no-samples"}, "No samples.")); return; }
+    samplesTable = T.table(box, d.rows, columns, {id: "samples"});
+  }
+
+  document.getElementById("smooth").addEventListener("input", ev => {
+    state.smooth = Number(ev.target.value);
+    document.getElementById("smooth-value").textContent = String(state.smooth);
+    state.versions = {};
+    loadCurves();
+  });
+  document.getElementById("add-metric").addEventListener("click", () => {
+    const n = document.getElementById("metric-pick").value;
+    if (n && !state.curves.includes(n)) { state.curves.push(n); drawCurves(); }
+  });
+  document.getElementById("step-filter").addEventListener("change", loadSamples);
+  document.getElementById("samples-run").addEventListener("change", () => {
+    document.getElementById("step-filter").value = ""; loadSamples(); });
+
+  T.nav("runs");
+  T.poll(async () => {
+    const d = await T.api("/api/runs/list");
+    const before = JSON.stringify(state.runs);
+    if (JSON.stringify(d.runs) !== before) renderRuns(d.runs);
+    if (state.selected.length) await loadCurves();
+    T.status(`${d.runs.length} runs in ${d.runs_dir} · updated ${new Date().toLocaleTimeString()}`);
+  }, 1000);
+})();
