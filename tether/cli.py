@@ -52,6 +52,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "evaluate on held-out data: pass@k + rewards (greedy, sampled), RM / DPO preference accuracy, perplexity"),
     "memory": ("tether.memory", "MemoryConfig", "run_memory",
                "estimate GPU memory per component for an algorithm and model size"),
+    "studio": ("tether.studio.command", "StudioConfig", "run_studio",
+               "local web app: runs and live curves, preference labeler, GRPO/memory/reward-hacking explorers (needs tether[studio])"),
 }
 
 
