@@ -18,7 +18,7 @@ LAYERS = [
     ["cli", "__main__"],
     ["quickstart", "studies", "init_model", "convert"],
     ["trainers"],
-    ["evaluation"],  # held-out metrics: `tether eval`, and the trainers' eval points
+    ["evaluation", "feedback"],  # held-out metrics (`tether eval`, eval points); AI feedback (judges, CAI)
     ["rollout", "rewards"],
     ["tasks"],
     ["models", "data"],
