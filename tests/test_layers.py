@@ -17,7 +17,7 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 LAYERS = [
     ["cli", "__main__"],
     ["quickstart", "studies", "init_model", "convert"],
-    ["trainers"],
+    ["trainers", "labeling"],  # labeling: `tether label steps` (Math-Shepherd MC step labels)
     ["evaluation", "feedback"],  # held-out metrics (`tether eval`, eval points); AI feedback (judges, CAI)
     ["rollout", "rewards"],
     ["tasks"],
