@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("TETHER_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     name = argv[0] if argv else ""
-    if name == "study" and len(argv) > 1 and not argv[1].startswith("-") and "=" not in argv[1]:
-        name = f"study {argv[1]}"
+    if name in GROUPS and len(argv) > 1 and not argv[1].startswith("-") and "=" not in argv[1]:
+        name = f"{name} {argv[1]}"
     # Under torchrun every rank runs this. Bad input (config, data) fails the same way on every
     # rank and is said once, by rank 0; anything else may be one rank's own, so each rank says its
     # own, prefixed with its rank. torchrun stops the other ranks when one exits with an error.
