@@ -147,13 +147,17 @@ CONFIG_CASES = [
     ("init-model", "hidden_size=0", "hidden_size must be >= 1"),
     ("init-model", "heads=3", "hidden_size 128 is not a multiple of heads 3"),
     ("convert", "overwrite=maybe", "config key 'overwrite' expects bool, got 'maybe'"),
+    ("label pairs", "batch_size=0", "'batch_size' must be >= 1"),
+    ("label pairs", "principles=some", "'principles' must be one of 'sample', 'all'; got 'some'"),
+    ("cai", "rounds=0", "'rounds' must be >= 1"),
+    ("cai", "keep=some", "'keep' must be one of 'final', 'all'"),
 ]
 
 
 @pytest.mark.parametrize("command, arg, needle", CONFIG_CASES, ids=[f"{c}:{a}" for c, a, _ in CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_writes_nothing(capsys, tmp_path, command, arg, needle):
     runs = tmp_path / "runs"  # where the command would write
-    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"],
+    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"], "label pairs": [f"out={runs}/p.jsonl"], "cai": [f"out={runs}/c.jsonl"],
             "quickstart": [f"runs_dir={runs}"],
             "study frontier": [f"runs_dir={runs}"], "study overoptimization": [f"runs_dir={runs}"]}
     argv = command.split() + base.get(command, ["model=m", "data=d.jsonl", f"runs_dir={runs}"]) + [arg]
