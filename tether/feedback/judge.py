@@ -29,7 +29,9 @@ INSTRUCTION = ("Compare two assistant responses to the conversation below and de
 ASK_DIRECT = "Which response follows the principles better? Answer with a single letter: A or B."
 ASK_COT = ("Which response follows the principles better? Explain your reasoning in two or three "
            "sentences, then finish with 'Answer: A' or 'Answer: B'.")
-COT_CUE = "\nAnswer:"  # appended after the rationale; the answer token is read right after it
+# appended after the rationale; the answer token is read right after it (answer_contexts finds the
+# token boundary, so a BPE that writes " A" as one token is read as such)
+COT_CUE = "\nAnswer: "
 
 
 def as_text(value) -> str:
@@ -159,7 +161,7 @@ class LMJudge:
                        temperature=self.cot_temperature, seed=self.seed, batch_size=self.batch_size * 4)
         # the verdict is read by us at the cue, so whatever answer the rationale wrote is cut off
         self.rationales = [r.split("Answer:")[0].rstrip() for r in out]
-        return [p + r + COT_CUE for p, r in zip(prompts, self.rationales)], tuple(" " + a for a in ANSWERS)
+        return [p + r + COT_CUE for p, r in zip(prompts, self.rationales)], ANSWERS
 
     def __call__(self, presentations) -> list[float]:
         texts, answers = self.texts(presentations)
