@@ -12,7 +12,8 @@ See docs/data.md.
 """
 
 from .chat import encode_messages, encode_prompt_response, render
-from .collate import LengthGroupedBatchSampler, join_prompt_response, pad_batch, pad_preference_batch
+from .collate import (LengthGroupedBatchSampler, collate_sequences, join_prompt_response, pack_batch, pad_batch,
+                      pad_preference_batch, sequence_sums)
 from .errors import DataError
 from .formats import FORMATS, ROLES, RowChecker, check_format, detect_format, detect_style, validate
 from .load import load_rows
@@ -32,5 +33,6 @@ __all__ = [
     "render", "encode_messages", "encode_prompt_response", "bos_ids",
     "EncodeReport", "encode_lm", "encode_prompt_completion", "encode_sft", "encode_preference",
     "encode_unpaired", "encode_prompts", "encode_stepwise",
-    "pad_batch", "join_prompt_response", "pad_preference_batch", "LengthGroupedBatchSampler",
+    "pad_batch", "pack_batch", "collate_sequences", "sequence_sums", "join_prompt_response",
+    "pad_preference_batch", "LengthGroupedBatchSampler",
 ]

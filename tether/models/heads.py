@@ -78,8 +78,10 @@ class ScalarHeadModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:
-        if attention_mask is None:
+        if attention_mask is None and position_ids is None:
             attention_mask = torch.ones_like(input_ids)
+        # (position ids and no mask: a packed batch, tether.data.pack_batch; transformers takes
+        # the sequences' boundaries from the positions, which a mask of ones would hide)
         if position_ids is None:
             # Left padding must not shift positions: count from the first real token.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

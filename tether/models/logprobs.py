@@ -34,6 +34,38 @@ _HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gp
 HEAD_CHUNK_ELEMENTS: int | None = None
 
 
+def forward_inputs(batch: dict) -> dict:
+    """The HF forward's token inputs of a batch. A packed one (tether.data.pack_batch) goes without
+    an attention mask: from its position ids, which restart at each sequence, transformers 5
+    builds a causal mask that is block-diagonal per sequence for sdpa and eager attention
+    (masking_utils.find_packed_sequence_indices), and runs flash attention's varlen kernels on a
+    one-row batch (modeling_flash_attention_utils._is_packed_sequence); given a mask, it would
+    take the row for one sequence and let attention cross sequences. Call the model with
+    use_cache=False: with a KV cache transformers skips the packed-sequence detection too."""
+    packed = "sequence_ids" in batch
+    return {"input_ids": batch["input_ids"], "attention_mask": None if packed else batch["attention_mask"],
+            "position_ids": batch.get("position_ids")}
+
+
+def packing_layout(model, enabled: bool) -> str:
+    """tether.data.collate_sequences's `packing` for this model: "" (off), "row" (one row: flash
+    attention, whose varlen kernels transformers uses only on a one-row batch; no mask at all),
+    "rows" (sdpa / eager: rows no longer than the longest sequence, each with a dense mask, so
+    the mask and the attention stay row-sized rather than [all tokens]^2)."""
+    if not enabled:
+        return ""
+    impl = str(getattr(model.config, "_attn_implementation", None) or "")
+    return "row" if "flash" in impl else "rows"
+
+
+def uses_chunked_head(model, batch: dict) -> bool:
+    """Whether :func:`completion_token_logps` applies the LM head itself, in chunks, to this batch
+    (a plain linear head, and logits larger than one chunk): then no [tokens, V] logits exist."""
+    split = _split_head(model)
+    ids = batch["input_ids"]
+    return split is not None and ids.numel() * split[1].out_features > _head_budget(ids.device)
+
+
 def _split_head(model):
     """(body, lm_head) when the logits are plain lm_head(body(...).last_hidden_state), else None.
     Under PEFT the LoRA layers inside the body stay in place (and `disable_adapter` still works)."""
@@ -159,8 +191,7 @@ def _sharded_chunked_head(model, head, batch, idx, targets, temperature: float, 
         return torch.stack([lp.float(), ent.float() if ent is not None else torch.zeros_like(lp, dtype=torch.float32)])
     head.forward = chunked  # an instance attribute: nn.Module.__call__ finds it before the class's
     try:
-        out = model(input_ids=ids, attention_mask=batch["attention_mask"],
-                    position_ids=batch.get("position_ids"), use_cache=False).logits
+        out = model(**forward_inputs(batch), use_cache=False).logits
     finally:
         del head.forward
     return out[0], (out[1] if mode else None)
@@ -178,7 +209,8 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
     linear head over its body (Llama / Mistral / Qwen / GPT-2 families) and the logits would not fit
     in one chunk: at 16 × 256 completion tokens and a 152k vocabulary that is ~2.5 GB of bf16 logits
     and gradient not held. Otherwise: the HF forward with `logits_to_keep` from the first completion
-    token.
+    token. A packed batch (tether.data.pack_batch) works as is: its completion mask is 0 at each
+    sequence's first token, so no position predicts across a boundary.
     """
     from tether.objectives import entropy_from_logits, token_logps
 
@@ -197,8 +229,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
             if is_sharded(model):
                 lp, ent = _sharded_chunked_head(model, head, batch, idx, targets, temperature, mode)
             else:
-                h = body(input_ids=ids, attention_mask=batch["attention_mask"],
-                         position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+                h = body(**forward_inputs(batch), use_cache=False).last_hidden_state
                 lp, ent = _chunked_head(h.reshape(B * T, -1).index_select(0, idx), head, targets,
                                         temperature, mode)
         logps = torch.zeros(B * T, dtype=torch.float32, device=ids.device)
@@ -212,8 +243,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
     if not kw:
         start = 0
     with amp:
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
-                       position_ids=batch.get("position_ids"), use_cache=False, **kw).logits
+        logits = model(**forward_inputs(batch), use_cache=False, **kw).logits
     part = token_logps(logits, ids[:, start:], temperature)
     logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part
     logps = logps * torch.nn.functional.pad(cmask[:, 1:].to(logps.dtype), (1, 0))

@@ -32,6 +32,7 @@ from tether import distributed
 from tether.config import flat_init
 from tether.constraints import NonNegative, Positive, PositiveInt, Range
 from tether.errors import NonFiniteLossError
+from tether.models.logprobs import packing_layout
 from tether.objectives import PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point
 from tether.trainers.common import StepClock, guarded_step
 from tether.trainers.held_out import check_keep_best
@@ -158,6 +159,7 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
     rows over the *global* batch's, and the logged loss, the metrics and KTO's reference point are
     computed on the whole batch's per-sequence numbers, gathered from every rank."""
     n_total = int(distributed.sum_floats([sum(len(rows) for rows in micro)])[0])
+    packing = packing_layout(model, cfg.data.packing)
     z0 = None
     if cfg.preference.method == "kto":
         # Reference point from mismatched pairs under the current policy, no grad (it is detached
@@ -165,13 +167,14 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
         # rank's own mean would give each rank another z0, and the loss another value).
         with torch.no_grad():
             kl = torch.cat([completion_logps(model, collate_mismatched(rows, kl_pool, partners, pad_id,
-                                                                       cfg.data.max_length), device, amp)[0]
+                                                                       cfg.data.max_length, packing),
+                                             device, amp)[0]
                             for rows in micro])
         ref_kl = reference["train.kl"][torch.tensor([ex["idx"] for rows in micro for ex in rows])].to(device)
         z0 = kto_kl_reference_point(distributed.cat_ranks(kl), distributed.cat_ranks(ref_kl))
     inputs, tokens = [], 0
     for rows in micro:
-        batch = collate(rows, paired, pad_id)
+        batch = collate(rows, paired, pad_id, packing)
         tokens += int(batch["attention_mask"].sum())
         x = split_rows(paired, rows, *completion_logps(model, batch, device, amp), reference, "train")
         loss, _ = objective(cfg, x, z0)
@@ -198,11 +201,12 @@ def evaluate_preferences(cfg, model, examples: list[dict], paired: bool, referen
     was = model.training
     model.eval()
     batch_size = cfg.data.batch_size
+    packing = packing_layout(model, cfg.data.packing)
     mine = []
     for chunk in distributed.rank_share(examples, batch_size):
         # None: a forward that counts for nothing (sharded forwards are collective)
         rows = chunk if chunk is not None else examples[:batch_size]
-        logps, lengths = completion_logps(model, collate(rows, paired, pad_id), device, amp)
+        logps, lengths = completion_logps(model, collate(rows, paired, pad_id, packing), device, amp)
         if chunk is not None:
             mine.append(on_cpu(split_rows(paired, chunk, logps, lengths, reference, "eval")))
     parts = distributed.rank_unshare(mine, -(-len(examples) // batch_size))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import random
 
-from tether.data import (encode_preference, encode_unpaired, join_prompt_response, load_data,
-                         pad_batch)
+from tether.data import (collate_sequences, encode_preference, encode_unpaired, join_prompt_response,
+                         load_data)
 from tether.errors import UserError
 
 KL_PAIRING_SEED = 0  # fixed: the mismatched pairs are part of the cached numbers
@@ -95,18 +95,19 @@ def kl_partners(n: int, seed: int = KL_PAIRING_SEED) -> list[int]:
     return partner
 
 
-def collate(examples: list[dict], paired: bool, pad_id: int) -> dict:
-    """One right-padded batch; pairs are [chosen rows; rejected rows] (one forward for both)."""
+def collate(examples: list[dict], paired: bool, pad_id: int, packing: str = "") -> dict:
+    """One batch; pairs are [chosen sequences; rejected sequences] (one forward for both).
+    Right-padded rows, or packed (`packing`: tether.data.collate_sequences; data.packing)."""
     if paired:
         seqs = [join_prompt_response(ex["prompt_ids"], ex["chosen_ids"]) for ex in examples]
         seqs += [join_prompt_response(ex["prompt_ids"], ex["rejected_ids"]) for ex in examples]
     else:
         seqs = [join_prompt_response(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
-    return pad_batch(seqs, pad_id)
+    return collate_sequences(seqs, pad_id, packing)
 
 
 def collate_mismatched(examples: list[dict], pool: list[dict], partners: list[int], pad_id: int,
-                       max_length: int | None) -> dict:
+                       max_length: int | None, packing: str = "") -> dict:
     """KTO's KL batch: prompt of each example + its partner's completion, cut to max_length."""
     seqs = []
     for ex in examples:
@@ -114,4 +115,4 @@ def collate_mismatched(examples: list[dict], pool: list[dict], partners: list[in
         if max_length is not None:
             c = c[:max(1, max_length - len(p))]
         seqs.append(join_prompt_response(p, c))
-    return pad_batch(seqs, pad_id)
+    return collate_sequences(seqs, pad_id, packing)

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from tether import distributed
+from tether.data import sequence_sums
 from tether.models import load_model
 from tether.models.load import hf_progress
-from tether.models.logprobs import completion_token_logps
+from tether.models.logprobs import completion_token_logps, packing_layout
 from tether.trainers.offline_data import KL_PAIRING_SEED, collate, collate_mismatched, kl_partners
 
 logger = logging.getLogger("tether.offline")
@@ -35,15 +36,20 @@ CACHE_FILE, CACHE_META = "reference_logps.safetensors", "reference_logps.json"
 
 
 def completion_logps(model, batch: dict, device, amp) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed completion log-prob [R], completion length [R]) for every row of a padded batch.
+    """(summed completion log-prob [N], completion length [N]) for every sequence of a batch: the
+    rows of a padded one, the sequences of a packed one (tether.data.pack_batch), in order.
 
     Only completion positions get logits (`models.logprobs.completion_token_logps`: the LM head
     over the completion tokens, chunked when the logits are large), which saves the LM head's matmul
     and the largest activation on the prompt part.
     """
-    on = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "completion_mask")}
+    keys = ("input_ids", "attention_mask", "completion_mask", "position_ids", "sequence_ids", "sequence_ends")
+    on = {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
     logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the completions
-    return logps.sum(-1).float(), on["completion_mask"][:, 1:].sum(-1).float()
+    if "sequence_ids" not in on:
+        return logps.sum(-1).float(), on["completion_mask"][:, 1:].sum(-1).float()
+    # packed: a sequence's first token is never a target (its completion mask is 0 there)
+    return sequence_sums(logps, on).float(), sequence_sums(on["completion_mask"].float(), on)
 
 
 def training_forwards(order, n: int, batch_size: int) -> list[list[int]]:
@@ -80,6 +86,7 @@ def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, a
     net.eval()
     out = {}
     batch_size = cfg.data.batch_size
+    packing = packing_layout(net, cfg.data.packing)  # as the trainer collates: the same tensors
     for name, examples in splits.items():
         if not examples:
             continue
@@ -97,11 +104,11 @@ def reference_logps(net, splits: dict, paired: dict, cfg, pad_id: int, device, a
         for turn in distributed.rank_share(batches, 1):
             # None: a forward that counts for nothing (sharded forwards are collective)
             chunk = [examples[i] for i in (turn[0] if turn is not None else batches[0])]
-            logps, _ = completion_logps(net, collate(chunk, paired[name], pad_id), device, amp)
+            logps, _ = completion_logps(net, collate(chunk, paired[name], pad_id, packing), device, amp)
             if paired[name]:
                 got = {"chosen": logps[:len(chunk)], "rejected": logps[len(chunk):]}
             else:
-                kl = collate_mismatched(chunk, examples, partners, pad_id, cfg.data.max_length)
+                kl = collate_mismatched(chunk, examples, partners, pad_id, cfg.data.max_length, packing)
                 got = {"completion": logps, "kl": completion_logps(net, kl, device, amp)[0]}
             if turn is not None:
                 mine.append({k: v.cpu() for k, v in got.items()})
@@ -123,6 +130,8 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
     ref_model, spec = cfg.preference.ref_model, cfg.model
     ref_source = ref_model or spec.path
     precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
+    if cfg.data.packing:  # packed forwards round differently (~1e-7): step 1's zero margins need them
+        precision += f"/packed-{packing_layout(model, True)}"
     fingerprint = cache_fingerprint(ref_source, splits, precision, forwards)
     # Under torchrun rank 0 reads (and below writes) the cache and hands it to every rank: one
     # decision for all (a rank that recomputed alone would wait forever in a sharded forward).

@@ -32,8 +32,10 @@ import torch
 from tether import distributed
 from tether.config import flat_init
 from tether.constraints import NonNegative, Seed
+from tether.data import collate_sequences
 from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
+from tether.models.logprobs import packing_layout
 from tether.objectives import bradley_terry_loss
 from tether.rewards.learned import encode_scored
 from tether.trainers.common import StepClock
@@ -140,19 +142,27 @@ def pair_batch(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask, torch.tensor([ex["margin"] for ex in examples])
 
 
-def _pair_scores(model, examples, pad_id, device, amp):
-    """Rewards of the chosen and of the rejected sides, and the margins, of one batch of pairs."""
+def _pair_scores(model, examples, pad_id, device, amp, packing: str = ""):
+    """Rewards of the chosen and of the rejected sides, and the margins, of one batch of pairs;
+    padded, or packed (data.packing): then each side's reward is read at its own last token."""
+    B = len(examples)
+    if packing:
+        seqs = [{"input_ids": ex[f"{side}_ids"]} for side in ("chosen", "rejected") for ex in examples]
+        b = collate_sequences(seqs, pad_id, packing, keys=("input_ids",))
+        with amp:  # no attention mask: the block-diagonal one comes from the position ids
+            values = model(b["input_ids"].to(device), None, b["position_ids"].to(device))
+        r = values.flatten().index_select(0, b["sequence_ends"].to(device)).float()
+        return r[:B], r[B:], torch.tensor([ex["margin"] for ex in examples]).to(device)
     ids, mask, margin = pair_batch(examples, pad_id)
     with amp:
         r = model.score(ids.to(device), mask.to(device)).float()
-    B = len(examples)
     return r[:B], r[B:], margin.to(device)
 
 
 # -- evaluation ----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def score_pairs(model, examples: list[dict], batch_size: int, pad_id: int, device, amp):
+def score_pairs(model, examples: list[dict], batch_size: int, pad_id: int, device, amp, packing: str = ""):
     """Chosen and rejected rewards [N] of `examples` (in eval mode, returned on the CPU). Under
     torchrun each rank scores a share of the batches (distributed.rank_share) and every rank gets
     all the rewards, in order."""
@@ -162,7 +172,7 @@ def score_pairs(model, examples: list[dict], batch_size: int, pad_id: int, devic
     for chunk in distributed.rank_share(examples, batch_size):
         # None: a forward that counts for nothing (sharded forwards are collective)
         c, r, _ = _pair_scores(model, chunk if chunk is not None else examples[:batch_size], pad_id,
-                               device, amp)
+                               device, amp, packing)
         if chunk is not None:
             mine.append((c.cpu(), r.cpu()))
     parts = distributed.rank_unshare(mine, -(-len(examples) // batch_size))
@@ -196,24 +206,25 @@ EVAL_METRICS = ("loss", "accuracy", "margin", "reward_mean", "reward_std", "rewa
 
 
 def evaluate_pairs(model, examples: list[dict], batch_size: int, pad_id: int, device, amp,
-                   prefix: str = "eval/") -> dict:
+                   prefix: str = "eval/", packing: str = "") -> dict:
     """:func:`pair_metrics` of the model's rewards on `examples` ({} when there are none)."""
     if not examples:
         return {}
-    return pair_metrics(examples, *score_pairs(model, examples, batch_size, pad_id, device, amp), prefix)
+    return pair_metrics(examples, *score_pairs(model, examples, batch_size, pad_id, device, amp, packing), prefix)
 
 
-def pair_samples(model, examples: list[dict], pad_id: int, device, amp) -> list[dict]:
+def pair_samples(model, examples: list[dict], pad_id: int, device, amp, packing: str = "") -> list[dict]:
     """Pairs as text with their rewards, the rows of samples.jsonl."""
     if not examples:
         return []
-    chosen, rejected = score_pairs(model, examples, len(examples), pad_id, device, amp)
+    chosen, rejected = score_pairs(model, examples, len(examples), pad_id, device, amp, packing)
     return [{**ex["text"], "reward_chosen": float(c), "reward_rejected": float(r)}
             for ex, c, r in zip(examples, chosen, rejected)]
 
 
 @torch.no_grad()
-def mean_reward(model, examples: list[dict], pad_id: int, device, amp, batch_size: int = 64) -> float:
+def mean_reward(model, examples: list[dict], pad_id: int, device, amp, batch_size: int = 64,
+                packing: str = "") -> float:
     """Mean reward over both responses of `examples`: the centering offset (under torchrun over
     every rank's share, the same on every rank)."""
     was = model.training
@@ -221,7 +232,7 @@ def mean_reward(model, examples: list[dict], pad_id: int, device, amp, batch_siz
     mine = []
     for chunk in distributed.rank_share(examples, batch_size):
         r = torch.cat(_pair_scores(model, chunk if chunk is not None else examples[:batch_size], pad_id,
-                                   device, amp)[:2]).cpu()
+                                   device, amp, packing)[:2]).cpu()
         if chunk is not None:  # None: a forward that counts for nothing (collective forwards)
             mine.append(r)
     rewards = distributed.rank_unshare(mine, -(-len(examples) // batch_size))
@@ -264,13 +275,14 @@ def train_rm(cfg: RMConfig) -> dict:
     t.order.contiguous = True
     model, device, amp, batch_size = t.model, t.device, t.amp, cfg.data.batch_size
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else 0
+    packing = packing_layout(model, cfg.data.packing)
 
     def evaluate(examples: list[dict], prefix: str = "eval/") -> dict:
-        return evaluate_pairs(model, examples, batch_size * 4, pad_id, device, amp, prefix)
+        return evaluate_pairs(model, examples, batch_size * 4, pad_id, device, amp, prefix, packing)
 
     def write_samples() -> None:  # the same first pairs each time, so they can be followed
         shown = (t.data.eval or t.data.train)[:cfg.run.num_samples]
-        t.add_samples(pair_samples(model, shown, pad_id, device, amp))
+        t.add_samples(pair_samples(model, shown, pad_id, device, amp, packing))
 
     clock, started, last = StepClock(), time.time(), {}
     while t.step < t.total_steps:
@@ -279,7 +291,7 @@ def train_rm(cfg: RMConfig) -> dict:
         loss_sum, accuracy, margin, rewards = 0.0, 0.0, 0.0, []
         for start in range(0, len(indices), batch_size):
             pairs = [t.data.train[j] for j in indices[start:start + batch_size]]
-            chosen, rejected, margins = _pair_scores(model, pairs, pad_id, device, amp)
+            chosen, rejected, margins = _pair_scores(model, pairs, pad_id, device, amp, packing)
             loss, stats = reward_model_loss(chosen, rejected, margins, cfg.rm.center_rewards_coefficient)
             # the loss is a mean over the whole accumulated (global) batch: a micro-batch's mean
             # weighs its share of the pairs; the ranks' weighted sums add up to the batch mean
@@ -308,7 +320,7 @@ def train_rm(cfg: RMConfig) -> dict:
 
     if cfg.rm.center:
         # Idempotent: re-centering a centered model adds ~0, so a resume at the end is harmless.
-        model.offset += mean_reward(model, t.data.train[:2048], pad_id, device, amp)
+        model.offset += mean_reward(model, t.data.train[:2048], pad_id, device, amp, packing=packing)
     final_eval = evaluate(t.data.eval)
     train_eval = evaluate(t.data.train[:len(t.data.eval) or 512], prefix="train/")
     t.log_eval({**final_eval, **train_eval})

@@ -162,6 +162,8 @@ class DataSection:
     "examples per micro-batch"
     grad_accum: PositiveInt = 1
     "micro-batches per optimizer step (effective batch = batch_size * grad_accum)"
+    packing: bool = False
+    "padding-free batches (sft, rm, dpo family): a micro-batch's sequences laid end to end in rows no longer than its longest (one row under flash attention), positions restarting per sequence, attention kept inside each; the same loss as padded up to float rounding, fewer tokens through the model when lengths vary (tether.data.pack_batch, docs/architecture.md)"
     columns: dict[str, str] = field(default_factory=dict)
     "rename the data's columns to the format's, e.g. columns='{question: prompt, answer: completion}' (GSM8K); applies to eval_data too"
 

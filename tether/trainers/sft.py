@@ -21,14 +21,15 @@ import torch
 from tether import distributed
 from tether.config import ConfigError, flat_init
 from tether.constraints import PositiveInt
-from tether.data import encode_prompts
+from tether.data import collate_sequences, encode_prompts
 from tether.errors import UserError
+from tether.models.logprobs import completion_token_logps, forward_inputs, packing_layout, uses_chunked_head
 from tether.objectives import sft_loss
 from tether.trainers.common import StepClock
 from tether.trainers.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
 from tether.trainers.setup import Data, setup_training
-from tether.trainers.sft_data import load_sft_split, pad_batch
+from tether.trainers.sft_data import load_sft_split
 
 
 @dataclass
@@ -62,26 +63,33 @@ class SFTConfig:
 
 
 def _micro_loss(model, batch: dict, device, amp) -> tuple[torch.Tensor, int]:
-    """Summed completion-token NLL of one micro-batch and its token count."""
-    ids = batch["input_ids"].to(device)
-    mask = batch["completion_mask"].to(device)
+    """Summed completion-token NLL of one micro-batch (padded or packed: data.packing) and its
+    token count. When the logits would be larger than one chunk of the LM head
+    (models.logprobs.uses_chunked_head), the head runs on the target tokens only, in chunks
+    (completion_token_logps, the RL and DPO trainers' forward): no [tokens, V] logits are held."""
+    on = {k: v.to(device) for k, v in batch.items()}
+    ids, mask = on["input_ids"], on["completion_mask"]
+    n_tok = int(mask[:, 1:].sum())
+    if uses_chunked_head(model, on):
+        logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the targets
+        return -logps.sum(), n_tok
     with amp:
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device)).logits
+        logits = model(**forward_inputs(on), use_cache=False).logits
     # sft_loss is the token mean over `mask` (shifted inside); scale back to a sum so the
     # accumulated batch is one token mean, not a mean of micro-batch means.
-    n_tok = int(mask[:, 1:].sum())
     return sft_loss(logits, ids, mask)[0] * n_tok, n_tok
 
 
 @torch.no_grad()
-def evaluate_loss(model, examples: list[dict], batch_size: int, pad_id: int, device, amp) -> float:
+def evaluate_loss(model, examples: list[dict], batch_size: int, pad_id: int, device, amp,
+                  packing: str = "") -> float:
     """Token-mean NLL over `examples` (under torchrun: each rank a share, summed over ranks)."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
     share = distributed.rank_share(examples, batch_size)
     for rows in share:
-        batch = pad_batch(rows or examples[:1], pad_id)  # None: a turn that counts for nothing
+        batch = collate_sequences(rows or examples[:1], pad_id, packing)  # None: a turn that counts for nothing
         loss_sum, n = _micro_loss(model, batch, device, amp)
         if rows is not None:
             total, count = total + float(loss_sum), count + n
@@ -115,13 +123,14 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
     # greedy sampling needs a whole model: under torchrun the replica (setup_training)
     t = setup_training(cfg, load, rollout_replica=bool(funcs))
     model, tok, device, amp, bs = t.model, t.tokenizer, t.device, t.amp, cfg.data.batch_size
+    packing = packing_layout(model, cfg.data.packing)
     held_out = HeldOut(t.data.extra["prompt_rows"], funcs, [1.0] * len(funcs), cfg.sft.sample_max_new_tokens,
                        batch_size=bs)
 
     def evaluate() -> dict:
         out = {}
         if t.data.eval:
-            out["eval/loss"] = evaluate_loss(model, t.data.eval, bs, tok.pad_token_id, device, amp)
+            out["eval/loss"] = evaluate_loss(model, t.data.eval, bs, tok.pad_token_id, device, amp, packing)
             # `tether eval`'s perplexity on these rows (inf past exp's range, as a diverged loss)
             out["eval/perplexity"] = math.inf if out["eval/loss"] > 700 else math.exp(out["eval/loss"])
         out.update(held_out(t))
@@ -136,7 +145,7 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
     while t.step < t.total_steps:
         # one batch, split into micro-batches; the loss is the token mean over the whole batch
         idx = t.order.next()
-        batches = [pad_batch([t.data.train[j] for j in idx[i:i + bs]], tok.pad_token_id)
+        batches = [collate_sequences([t.data.train[j] for j in idx[i:i + bs]], tok.pad_token_id, packing)
                    for i in range(0, len(idx), bs)]
         # under torchrun `idx` is this rank's part and the token count is the global batch's
         # (distributed.py: ranks are micro-batches of one accumulated batch)
