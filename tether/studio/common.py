@@ -15,7 +15,6 @@ import fcntl
 import json
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ class Studio:
     "the access token when bound beyond loopback; None on 127.0.0.1"
     pages: dict = field(default_factory=dict)
     "per-page state: a page module keeps its own objects under its name (e.g. the labeler's session)"
-    _scan: tuple[float, dict] = (0.0, {})
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -52,26 +50,22 @@ def _is_run(path: Path) -> bool:
     return any((path / n).is_file() for n in ("config.yaml", "metrics.jsonl", "summary.json"))
 
 
-def known_runs(studio: Studio, max_age: float = 1.0) -> dict[str, Path]:
+def known_runs(studio: Studio) -> dict[str, Path]:
     """{run id: directory} for every run under runs_dir (a directory holding config.yaml,
-    metrics.jsonl or summary.json), depth <= SCAN_DEPTH, symlinked directories skipped. Rescanned
-    at most every `max_age` seconds (pages poll; a new run appears within that time)."""
-    with studio._lock:
-        t, runs = studio._scan
-        if time.monotonic() - t < max_age:
-            return runs
-        runs = {}
-        root = studio.runs_dir
-        if root.is_dir():
-            for dirpath, dirnames, _ in os.walk(root, followlinks=False):
-                here = Path(dirpath)
-                depth = len(here.relative_to(root).parts)
-                dirnames[:] = sorted(d for d in dirnames if d not in NOT_RUNS and not d.startswith(".")
-                                     and not (here / d).is_symlink() and depth < SCAN_DEPTH)
-                if here != root and _is_run(here):
-                    runs[here.relative_to(root).as_posix()] = here
-        studio._scan = (time.monotonic(), runs)
-        return runs
+    metrics.jsonl or summary.json), depth <= SCAN_DEPTH, symlinked directories skipped. Scanned
+    afresh on every call (a few stat calls per run; checkpoints/ and plots/ are never entered), so
+    a run appears as soon as its first file does."""
+    runs = {}
+    root = studio.runs_dir
+    if root.is_dir():
+        for dirpath, dirnames, _ in os.walk(root, followlinks=False):
+            here = Path(dirpath)
+            depth = len(here.relative_to(root).parts)
+            dirnames[:] = sorted(d for d in dirnames if d not in NOT_RUNS and not d.startswith(".")
+                                 and not (here / d).is_symlink() and depth < SCAN_DEPTH)
+            if here != root and _is_run(here):
+                runs[here.relative_to(root).as_posix()] = here
+    return runs
 
 
 def resolve_run(request: Request, run_id: str) -> Path:

@@ -1,0 +1,334 @@
+"""The studio's server without a browser: downsampling and smoothing, the incremental JSONL reader,
+run lookup (no path from a request ever reaches the disk), the token / host / origin guard, the
+Runs API on real run directories (tether.run.RunDir), the labeler's files and its reward model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+
+from studio_support import client, make_app  # noqa: E402
+
+from tether.studio import series  # noqa: E402
+from tether.studio.common import JsonlTail  # noqa: E402
+
+
+# ---- series -------------------------------------------------------------------------------------
+
+def test_ema_is_tensorboards_debiased_average():
+    # by hand, w = 0.5: s = 0.5, 1.25, 2.125; debiased by 1 - 0.5^t: 1, 1.25/0.75, 2.125/0.875
+    np.testing.assert_allclose(series.ema(np.array([1.0, 2.0, 3.0]), 0.5), [1.0, 1.25 / 0.75, 2.125 / 0.875])
+    v = np.array([3.0, -1.0, 7.0])
+    np.testing.assert_array_equal(series.ema(v, 0.0), v)
+    np.testing.assert_allclose(series.ema(np.full(50, 4.2), 0.9), np.full(50, 4.2))  # debiased: no pull to 0
+    with pytest.raises(ValueError):
+        series.ema(v, 1.0)
+
+
+def test_downsample_keeps_the_envelope():
+    rng = np.random.default_rng(0)
+    n = 100_000
+    x = np.arange(n, dtype=float) * 5
+    y = rng.normal(size=n)
+    y[31_337] = 50.0   # a spike and a dip the curve must still show
+    y[77_001] = -40.0
+    dx, dy = series.downsample(x, y, 2000)
+    assert len(dx) <= 2000 and len(dx) >= 1000
+    assert dx[0] == x[0] and dx[-1] == x[-1] and dy[0] == y[0] and dy[-1] == y[-1]
+    assert np.all(np.diff(dx) > 0)                      # in order, no point twice
+    idx = (dx / 5).astype(int)
+    np.testing.assert_array_equal(y[idx], dy)           # every point is an input point
+    assert 50.0 in dy and -40.0 in dy
+    # each of the equal buckets of the inner points keeps its own max and min
+    for chunk in np.array_split(np.arange(1, n - 1), (2000 - 2) // 2):
+        assert y[chunk].max() in dy[(dx >= x[chunk[0]]) & (dx <= x[chunk[-1]])]
+        assert y[chunk].min() in dy[(dx >= x[chunk[0]]) & (dx <= x[chunk[-1]])]
+
+
+def test_downsample_leaves_short_series_alone():
+    x, y = np.arange(10.0), np.arange(10.0) ** 2
+    dx, dy = series.downsample(x, y, 10)
+    np.testing.assert_array_equal(dx, x)
+    np.testing.assert_array_equal(dy, y)
+
+
+def test_columns_skip_bad_values():
+    rows = [{"step": 1, "time": 0.1, "loss": 2.0, "kl": None}, {"step": 2, "loss": float("nan"), "kl": 0.5},
+            {"loss": 9.0}, {"step": 3, "loss": 1.0, "flag": True, "name": "x"}]
+    cols = series.columns(rows)
+    assert set(cols) == {"loss", "kl"}
+    np.testing.assert_array_equal(cols["loss"][0], [1, 3])
+    np.testing.assert_array_equal(cols["loss"][1], [2.0, 1.0])
+    np.testing.assert_array_equal(cols["kl"][0], [2])
+
+
+# ---- the JSONL tail -------------------------------------------------------------------------------
+
+def test_tail_reads_complete_lines_skips_corrupt_ones_and_rereads_a_replaced_file(tmp_path):
+    p = tmp_path / "m.jsonl"
+    t = JsonlTail(p)
+    assert t.read() == []                                 # no file yet
+    p.write_text('{"step": 1}\n{"step": 2')                # the second line is still being written
+    assert t.read() == [{"step": 1}]
+    v1 = t.version
+    with open(p, "a") as f:
+        f.write(', "loss": 3}\nnot json\n[1, 2]\n{"step": 3}\n')
+    assert t.read() == [{"step": 1}, {"step": 2, "loss": 3}, {"step": 3}]
+    assert t.bad == 2 and t.version != v1
+    v2 = t.version
+    assert t.read() == [{"step": 1}, {"step": 2, "loss": 3}, {"step": 3}] and t.version == v2
+    tmp = tmp_path / "m.tmp"                               # resume's truncate_after: a new file renamed in
+    tmp.write_text('{"step": 1}\n')
+    os.replace(tmp, p)
+    assert t.read() == [{"step": 1}] and t.bad == 0
+
+
+# ---- run directories ----------------------------------------------------------------------------
+
+def _run(root, name, rows=(), summary=None, config=None, samples=()):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(config or "lr: 0.001\n")
+    if rows is not None:
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (d / "summary.json").write_text(json.dumps(summary))
+    if samples:
+        (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return d
+
+
+def test_runs_list_statuses_headlines_and_commands(tmp_path):
+    from tether.config import save_config
+    from tether.run import RunDir
+    from tether.trainers.offline import DPOConfig
+    from tether.trainers.online import GRPOConfig
+
+    runs = tmp_path / "runs"
+    c = client(make_app(runs))
+    assert c.get("/api/runs/list").json()["runs"] == []   # empty runs dir
+
+    live = RunDir(runs / "live")                           # holds the run's flock, as a training run does
+    save_config(GRPOConfig(model="m", data="d"), live.path / "config.yaml")
+    done = _run(runs, "study/dpo", [{"step": 1, "loss": 0.7, "rewards/accuracies": 0.5},
+                                    {"step": 2, "loss": 0.6, "rewards/accuracies": 0.75}], summary={"ok": 1})
+    save_config(DPOConfig(model="m", data="d"), done / "config.yaml")
+    _run(runs, "crashed", [{"step": 10, "reward": 0.25}, {"step": 20, "reward": 0.5}])
+    _run(runs, "nothing-yet", rows=None)
+    (runs / "notarun").mkdir()                             # no run files: not listed
+    got = {r["id"]: r for r in c.get("/api/runs/list").json()["runs"]}
+    assert set(got) == {"live", "study/dpo", "crashed", "nothing-yet"}
+    assert got["live"]["status"] == "running" and got["live"]["command"] == "grpo"
+    assert got["live"]["last_step"] is None and got["live"]["headline"] is None
+    assert got["study/dpo"]["status"] == "finished" and got["study/dpo"]["command"] == "dpo"
+    assert got["study/dpo"]["headline"] == {"name": "rewards/accuracies", "value": 0.75, "step": 2}
+    assert got["crashed"]["status"] == "failed" and got["crashed"]["last_step"] == 20
+    assert got["crashed"]["headline"] == {"name": "reward", "value": 0.5, "step": 20}
+    live.log(7, {"reward": 1.5})
+    live.close()                                           # stopped with no summary: failed
+    got = {r["id"]: r for r in c.get("/api/runs/list").json()["runs"]}
+    assert got["live"]["status"] == "failed" and got["live"]["last_step"] == 7
+
+
+def test_metrics_downsampled_smoothed_and_robust(tmp_path):
+    runs = tmp_path / "runs"
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(size=100_000)
+    d = _run(runs, "big", [{"step": i, "reward": float(r)} for i, r in enumerate(rewards)])
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": 100000, "rew\n')                 # a torn line in the middle of the file
+        f.write(json.dumps({"step": 100001, "reward": 0.5, "kl": 0.1}) + "\n")
+    c = client(make_app(runs))
+    r = c.get("/api/runs/metrics", params={"run": "big", "smooth": 0.9, "max_points": 1000}).json()
+    assert r["rows"] == 100_001 and r["bad_lines"] == 1
+    m = r["metrics"]["reward"]
+    x = np.array(list(range(100_000)) + [100_001], dtype=float)
+    y = np.append(rewards, 0.5)
+    ex, ey = series.downsample(x, series.ema(y, 0.9), 1000)
+    assert m["n"] == 100_001 and m["x"] == ex.tolist() and m["y"] == ey.tolist()
+    assert r["metrics"]["kl"] == {"x": [100001.0], "y": [0.1], "n": 1}
+    assert c.get("/api/runs/metrics", params={"run": "big", "since": r["version"]}).json()["unchanged"] is True
+    with open(d / "metrics.jsonl", "a") as f:              # appended while the page watches
+        f.write(json.dumps({"step": 100002, "reward": 2.0}) + "\n")
+    r2 = c.get("/api/runs/metrics", params={"run": "big", "since": r["version"], "names": "reward"}).json()
+    assert r2["rows"] == 100_002 and r2["metrics"]["reward"]["x"][-1] == 100002 and set(r2["metrics"]) == {"reward"}
+    _run(runs, "empty", rows=None)
+    assert c.get("/api/runs/metrics", params={"run": "empty"}).json()["metrics"] == {}
+
+
+def test_samples_filter_and_sort(tmp_path):
+    runs = tmp_path / "runs"
+    samples = [{"step": 5, "prompt": "p1", "completion": "c1", "reward": 0.2},
+               {"step": 5, "prompt": "p2", "completion": "c2", "reward": None},
+               {"step": 5, "prompt": "p3", "completion": "c3", "reward": 0.9},
+               {"step": 10, "prompt": "p4", "completion": "c4", "reward": 0.5, "advantage": 1.0}]
+    _run(runs, "r", [{"step": 5, "loss": 1.0}], samples=samples)
+    c = client(make_app(runs))
+    r = c.get("/api/runs/samples", params={"run": "r", "step": 5, "sort": "reward"}).json()
+    assert r["steps"] == [5, 10] and r["total"] == 3
+    assert [s["prompt"] for s in r["rows"]] == ["p3", "p1", "p2"]          # missing reward last
+    r = c.get("/api/runs/samples", params={"run": "r", "sort": "reward", "descending": False}).json()
+    assert [s["prompt"] for s in r["rows"]] == ["p1", "p4", "p3", "p2"]
+    assert r["columns"] == ["step", "prompt", "completion", "reward", "advantage"]
+
+
+# ---- what a request may reach --------------------------------------------------------------------
+
+def test_paths_from_requests_never_reach_the_disk(tmp_path):
+    runs = tmp_path / "runs"
+    _run(runs, "ok", [{"step": 1, "loss": 1.0}])
+    secret = tmp_path / "secret"
+    _run(tmp_path, "secret", [{"step": 1, "loss": 123456.0}])
+    (runs / "linked").symlink_to(secret, target_is_directory=True)     # a symlinked run directory
+    sneaky = _run(runs, "sneaky", rows=None)
+    (sneaky / "metrics.jsonl").symlink_to(secret / "metrics.jsonl")    # a symlinked file inside a run
+    c = client(make_app(runs))
+    assert {r["id"] for r in c.get("/api/runs/list").json()["runs"]} == {"ok", "sneaky"}
+    for bad in ("../secret", str(secret), "ok/../../secret", "linked", "ok/..", "/etc", "", "ok/"):
+        for ep in ("metrics", "samples", "detail"):
+            r = c.get(f"/api/runs/{ep}", params={"run": bad})
+            assert r.status_code == 404, (bad, ep, r.status_code)
+    r = c.get("/api/runs/metrics", params={"run": "sneaky"})
+    assert r.status_code == 200 and "123456" not in r.text and r.json()["metrics"] == {}
+    assert c.get("/static/../secret/metrics.jsonl").status_code == 404
+    assert c.get("/..%2Fsecret").status_code == 404
+    assert c.get("/nosuchpage").status_code == 404
+
+
+def test_loopback_only_without_a_token(tmp_path):
+    from fastapi.testclient import TestClient
+
+    app = make_app(tmp_path / "runs")
+    assert client(app).get("/api/pages").status_code == 200
+    rebinding = TestClient(app, base_url="http://evil.example")       # DNS rebinding: wrong Host
+    assert rebinding.get("/api/pages").status_code == 403
+    c = client(app)
+    r = c.post("/api/labeler/next", json={"session": "x"}, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403                                       # cross-site write refused
+    r = c.get("/runs")
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+
+
+def test_token_required_when_bound_beyond_loopback(tmp_path):
+    from fastapi.testclient import TestClient
+
+    app = make_app(tmp_path / "runs", token="s3cret-token")
+    c = TestClient(app, base_url="http://192.0.2.7:7860")
+    assert c.get("/api/pages").status_code == 401
+    assert c.get("/static/common.js").status_code == 401
+    assert c.get("/api/pages", headers={"X-Tether-Token": "wrong"}).status_code == 401
+    r = c.get("/api/pages", headers={"X-Tether-Token": "s3cret-token"})
+    assert r.status_code == 200 and "set-cookie" not in r.headers
+    assert c.get("/runs", params={"token": "wrong"}).status_code == 401
+    r = c.get("/runs", params={"token": "s3cret-token"})               # the printed URL sets a cookie
+    assert r.status_code == 200 and "tether_token" in r.headers["set-cookie"]
+    assert c.get("/api/pages").status_code == 200                      # now the cookie carries it
+    from tether.studio.command import is_loopback
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4")
+
+
+# ---- the labeler ---------------------------------------------------------------------------------
+
+def _gold_choice(world, pair):
+    ga, gb = world.gold_reward([pair["prompt"]] * 2, [pair["a"], pair["b"]])
+    return "a" if ga > gb else "b" if gb > ga else "tie"
+
+
+def test_labels_make_trl_rows_ties_apart_and_undo(tmp_path):
+    from tether.tasks.preference_world import PreferenceWorld
+
+    world = PreferenceWorld()
+    c = client(make_app(tmp_path / "runs", retrain_every=1000))
+    expect_pref, expect_ties, ids = [], [], []
+    for _ in range(12):
+        p = c.post("/api/labeler/next", json={"session": "t"}).json()["pair"]
+        assert "gold_a" not in p                                       # the person never sees gold
+        ch = _gold_choice(world, p)
+        ids.append(c.post("/api/labeler/label", json={"session": "t", "index": p["index"], "choice": ch}).json()["id"])
+        if ch == "tie":
+            expect_ties.append({"prompt": p["prompt"], "response_a": p["a"], "response_b": p["b"]})
+        else:
+            w, l_ = (p["a"], p["b"]) if ch == "a" else (p["b"], p["a"])
+            expect_pref.append({"prompt": p["prompt"], "chosen": w, "rejected": l_})
+    out = tmp_path / "runs" / "studio-labels"
+    read = lambda f: [json.loads(x) for x in (out / f).read_text().splitlines()]  # noqa: E731
+    assert read("preferences.jsonl") == expect_pref and read("ties.jsonl") == expect_ties
+    r = c.post("/api/labeler/undo", json={"session": "t", "id": ids[-1], "showing": None}).json()
+    assert r["counts"]["labels"] == 11 and r["pair"]["index"] == 11   # the undone pair comes back
+    assert read("preferences.jsonl") + read("ties.jsonl") != expect_pref + expect_ties
+    assert len(read("preferences.jsonl")) + len(read("ties.jsonl")) == 11
+    assert c.post("/api/labeler/undo", json={"session": "t", "id": ids[-1]}).status_code == 404
+    assert c.post("/api/labeler/label", json={"session": "t", "index": 3, "choice": "maybe"}).status_code == 400
+
+
+def test_concurrent_tabs_lose_no_label(tmp_path):
+    c = client(make_app(tmp_path / "runs", retrain_every=1000))
+    seen, errors = [], []
+
+    def tab(name):
+        try:
+            for _ in range(15):
+                p = c.post("/api/labeler/next", json={"session": name}).json()["pair"]
+                seen.append(p["index"])
+                r = c.post("/api/labeler/label", json={"session": name, "index": p["index"], "choice": "a"})
+                assert r.status_code == 200
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=tab, args=(f"tab{i}",)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    assert sorted(seen) == list(range(60))                             # no pair handed to two tabs
+    rows = (tmp_path / "runs" / "studio-labels" / "preferences.jsonl").read_text().splitlines()
+    assert len(rows) == 60 and all(json.loads(r)["chosen"] for r in rows)
+
+
+def test_bt_model_learns_the_world_and_the_report_is_reproducible(tmp_path):
+    from tether.studio.labeler import rm_report, split_labels
+    from tether.studio.labeler_bt import fit_bt, pair_accuracy
+    from tether.studio.labeler_store import LabelStore, WorldPairs
+
+    src, store = WorldPairs(seed=0), LabelStore(tmp_path / "labels")
+    for i in range(60):
+        p = src.pair(i)
+        store.add(p, _gold_choice(src.world, p), "s")
+    labels = store.labels()
+    train, held = split_labels(labels)
+    ab = [e for e in labels if e["choice"] in ("a", "b")]
+    assert held == ab[4::5] and len(train) + len(held) == len(ab)
+    rep = rm_report(labels, src)
+    assert rep == rm_report(labels, src)                               # deterministic: a test can recompute it
+    w = rep["world"]
+    assert w["bayes_optimal_accuracy"] > w["expected_accuracy"] > 0.7  # learns the pattern, below the ceiling
+    assert w["gold_agreement"] > 0.75
+    assert 0 <= rep["held_out_accuracy"] <= 1 and rep["n_held_out"] == len(held)
+    # BT fit by hand on a separable toy: "good" words win
+    m = fit_bt(["good good", "good"], ["bad", "bad bad"])
+    assert m.score("good") > m.score("bad") and pair_accuracy(m, ["good"], ["bad"]) == 1.0
+    assert math.isnan(fit_bt([], []).train_loss)
+
+
+def test_dpo_reads_the_labelers_file(tmp_path):
+    from tether.studio.labeler_store import LabelStore, WorldPairs
+    from tether.trainers.offline import DPOConfig
+    from tether.trainers.offline_data import load_offline_data
+
+    src, store = WorldPairs(seed=3), LabelStore(tmp_path / "labels")
+    n = 0
+    for i in range(30):
+        p = src.pair(i)
+        ch = _gold_choice(src.world, p)
+        store.add(p, ch, "s")
+        n += ch != "tie"
+    train, _, paired, _, _ = load_offline_data(
+        DPOConfig(model="unused", data=str(store.preferences), eval_fraction=0.0), src.world.tokenizer())
+    assert paired and len(train) == n
