@@ -62,7 +62,8 @@ def create_app(cfg, token: str | None = None) -> FastAPI:
                      or request.query_params.get("token") or "")
             if not hmac.compare_digest(given.encode(), studio.token.encode()):
                 return JSONResponse({"detail": "missing or wrong token"}, status_code=401)
-            set_cookie = request.cookies.get(COOKIE) != studio.token
+            # the printed URL's ?token= becomes a cookie, so the page's own requests carry it
+            set_cookie = "token" in request.query_params and request.cookies.get(COOKIE) != studio.token
         origin = request.headers.get("origin")
         if request.method not in ("GET", "HEAD") and origin and urlsplit(origin).netloc != request.headers.get("host"):
             return JSONResponse({"detail": "cross-origin request refused"}, status_code=403)
