@@ -42,13 +42,15 @@ from tether.constraints import NonNegative, NonNegativeInt, Positive, PositiveIn
 from tether.data import encode_prompts, load_data
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps
-from tether.objectives import ADVANTAGE_ESTIMATORS, SURROGATES, compute_advantages, group_stats
+from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, SURROGATES, compute_advantages, group_stats
 from tether.objectives.policy import kl_penalized_rewards
 from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
 from tether.trainers.common import lend_gradients
 from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
                                       load_eval_prompts)
+from tether.trainers.online_async import (QueueSection, batch_source, check_queue, correct_off_policy,
+                                          sampler_config, serve, split_world)
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
@@ -59,6 +61,7 @@ from tether.trainers.setup import Data, setup_training
 # The choices are the registries' names, written once there (config checks and --help read these).
 Advantage = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 ImportanceLevel = Literal[tuple(SURROGATES)]
+ISCorrection = Literal[("none", *IS_CORRECTIONS)]
 
 
 @dataclass
@@ -97,6 +100,12 @@ class GRPOSection:
     "dynamic sampling: most rounds of batch_size prompts per step (then the step trains on what it has)"
     log_entropy: bool = True
     "log the policy's mean token entropy over completions (one extra pass over the logits)"
+    is_correction: ISCorrection = "none"
+    "off-policy correction of the sampler's tokens (objectives.IS_CORRECTIONS): tis = truncated IS weights min(π_old/μ, cap), mis = masked IS (weights above the cap set to 0); costs one no-grad forward (π_old recomputed)"
+    is_level: Literal[tuple(IS_LEVELS)] = "token"
+    "IS weight per token, or per sequence (the product of its token ratios)"
+    is_cap: Positive = 2.0
+    "the IS weight's cap C (TIS truncates to it, MIS rejects above it)"
 
     def __post_init__(self):
         if self.advantage not in ADVANTAGE_ESTIMATORS:
@@ -122,10 +131,13 @@ class GRPOConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     "reward functions and weights"
     grpo: GRPOSection = field(default_factory=GRPOSection)
-    "the algorithm: estimator, surrogate, KL, reuse, DAPO options"
+    "the algorithm: estimator, surrogate, KL, reuse, DAPO options, off-policy correction"
+    queue: QueueSection = field(default_factory=QueueSection)
+    "the trajectory queue: staleness bound and where sampling runs (online_async)"
 
     def __post_init__(self):
-        check_eval(self)  # eval_every / eval_reward_funcs need data.eval_data
+        check_eval(self)
+        check_queue(self)  # eval_every / eval_reward_funcs need data.eval_data
         if not 0 <= self.grpo.overlong_buffer < self.rollout.max_new_tokens:
             raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
         if self.grpo.dynamic_sampling and self.rollout.num_generations < 2:
@@ -220,7 +232,7 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
         return torch.cat(out) if out else tensors["logprobs"]
     with torch.no_grad():
         old = tensors["logprobs"]
-        if grpo.num_iterations > 1:
+        if grpo.num_iterations > 1 or grpo.is_correction != "none":  # π_old: the trainer's own
             old = forwards(lambda micro: completion_token_logps(t.model, micro, rollout.logprob_temperature,
                                                                 t.amp)[0].float())
         ref = forwards(lambda micro: t.reference_logps(micro, cfg.rollout.temperature).float()) \
@@ -292,7 +304,7 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(truncated.float().mean()),
-            **update, "lr": t.lr, "skipped_steps": t.skipped, "epoch": t.order.epoch, "step_time": seconds,
+            **update, "lr": t.lr, "skipped_steps": t.skipped, "epoch": collected.epoch, "step_time": seconds,
             "tokens_per_second": tokens / seconds,
             "rollout/tokens_per_second": rollout.stats.get("tokens_per_s", 0.0),
             "rollout/seconds": rollout.stats.get("total_s", 0.0)}
@@ -327,16 +339,16 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                                       tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
                                       source=cfg.data.path)
         return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
+    # placement=disaggregated: torchrun's processes split into the trainer and a sampler (online_async)
+    link = split_world(cfg)
     # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
     # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)
-    t = setup_training(cfg, load, reference=grpo.beta > 0, rows_per_step=prompts_per_step,
+    t = setup_training(sampler_config(cfg, link) if link and link.samples else cfg, load, reference=grpo.beta > 0, rows_per_step=prompts_per_step,
                        updates_per_step=grpo.num_iterations, rollout_replica=True)
     prompts, share = t.data.train, prompts_per_step // distributed.world_size()
-    sampler = Sampler(t.rollout_model(), t.tokenizer, rollout_cfg.sampling())
-    # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
-    # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
-    grad_buffer = lend_gradients(sampler, t.model, prompts_per_step * rollout_cfg.num_generations,
-                                 max(len(p["prompt_ids"]) for p in prompts) + rollout_cfg.max_new_tokens)
+    def make_sampler(model):
+        return Sampler(model, t.tokenizer, rollout_cfg.sampling())
+    sampler = make_sampler(t.rollout_model())
 
     def score_completions(seq_rows, rollout):
         return score_rollout(funcs, weights, seq_rows, rollout, max_new_tokens=rollout_cfg.max_new_tokens,
@@ -346,50 +358,75 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         greedy = sampler.sample([p["prompt_ids"] for p in prompt_rows], n=1, temperature=0.0)
         return torch.nan_to_num(score_completions(prompt_rows, greedy)[1])
 
-    def sample(prompt_ids, seed, mine):
-        return sampler.sample(prompt_ids, n=rollout_cfg.num_generations, seed=seed, only=mine)
-
     def next_prompts():  # the global batch and, under torchrun, this rank's share of it
         batch = [prompts[i] for i in t.order.global_batch_at(t.order.position)]
         t.order.next()
         mine = t.order.part(list(range(len(batch))), distributed.rank()) if distributed.active() else None
         return batch, mine
 
-    held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
-    history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
-    last: dict = {}
-    while t.step < t.total_steps:
-        started, gathered = time.perf_counter(), t.gather_seconds
-        t.rollout_model()  # the sampler's copy of the policy brought up to date (torchrun; collective)
+    def produce(step, sampler):
         # 1-2. sample G completions per prompt and score them (+ overlong shaping). The seed is a
         #    function of (seed, step) so a resumed run draws the same completions. Dynamic sampling
         #    drops groups with no reward variance and samples more prompts (online_sampling.collect).
-        collected = collect(sample, next_prompts, score_completions, share,
-                            rollout_cfg.num_generations, seed=cfg.run.seed * 1_000_003 + t.step,
-                            dynamic=grpo.dynamic_sampling, max_rounds=grpo.max_sampling_rounds,
-                            every_rank=every_rank)
-        # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator asks
-        batch = prepare_batch(t, collected, cfg)
-        assign_advantages(batch, grpo, greedy_scores)
-        # 5. μ updates on this batch (the gradient buffer held the sampler's KV cache until now)
-        if grad_buffer is not None:
-            grad_buffer.zero_()
-        update = update_policy(t, batch, grpo, norm_length=rollout_cfg.max_new_tokens,
-                               keep_grads=grad_buffer is not None)
-        t.step += 1
-        # 6. log / samples / checkpoint
-        last = step_metrics(t, batch, update, names, time.perf_counter() - started)
-        if t.replica is not None:
-            last["gather_time"] = t.gather_seconds - gathered
-        history.append(last["reward"])
-        if t.log_due():
-            t.log(last)
-            t.add_samples(samples(batch, cfg.run.num_samples))
-        if t.due(cfg.run.eval_every):
-            t.log_eval(held_out(t, sampler))
-        if t.due(cfg.run.save_every):
-            t.checkpoint()
-        t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0), **t.eval_shown})
+        def sample(prompt_ids, seed, mine):
+            return sampler.sample(prompt_ids, n=rollout_cfg.num_generations, seed=seed, only=mine)
+        collected = collect(sample, next_prompts, score_completions, share, rollout_cfg.num_generations,
+                            seed=cfg.run.seed * 1_000_003 + step, dynamic=grpo.dynamic_sampling,
+                            max_rounds=grpo.max_sampling_rounds, every_rank=every_rank)
+        collected.epoch = t.order.epoch
+        return collected
+
+    if link is not None and link.samples:  # a sampler process: batches to the trainer until the last
+        counts = serve(t, link, produce, sampler, cfg.queue.max_staleness)
+        t.bar.close()
+        t.run.write_summary(counts)
+        t.run.close()
+        return counts
+    # Where step k's batch comes from: sampled here and now (max_staleness 0), by a thread ahead of
+    # the trainer (interleaved) or by another process (disaggregated); online_async.
+    source = batch_source(cfg, t, produce, sampler, make_sampler, link)
+    # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
+    # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
+    grad_buffer = lend_gradients(sampler, t.model, prompts_per_step * rollout_cfg.num_generations,
+                                 max(len(p["prompt_ids"]) for p in prompts) + rollout_cfg.max_new_tokens) \
+        if source.lends_gradients else None
+
+    held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
+    history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
+    last: dict = {}
+    try:
+        while t.step < t.total_steps:
+            started, gathered = time.perf_counter(), t.gather_seconds
+            collected, queue_stats = source.get(t.step)  # 1-2. step k's scored rollouts (produce)
+            # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator asks,
+            #    weighted by the off-policy correction (is_correction)
+            batch = prepare_batch(t, collected, cfg)
+            assign_advantages(batch, grpo, greedy_scores)
+            correction = correct_off_policy(batch, grpo)
+            # 5. μ updates on this batch (the gradient buffer held the sampler's KV cache until now)
+            if grad_buffer is not None:
+                grad_buffer.zero_()
+            source.before_update(t.step)
+            update = update_policy(t, batch, grpo, norm_length=rollout_cfg.max_new_tokens,
+                                   keep_grads=grad_buffer is not None)
+            t.step += 1
+            source.after_update(t.step)  # the samplers' weights: version t.step
+            # 6. log / samples / checkpoint
+            last = {**step_metrics(t, batch, update, names, time.perf_counter() - started), **correction,
+                    **queue_stats}
+            if t.replica is not None:
+                last["gather_time"] = t.gather_seconds - gathered
+            history.append(last["reward"])
+            if t.log_due():
+                t.log(last)
+                t.add_samples(samples(batch, cfg.run.num_samples))
+            if t.due(cfg.run.eval_every):
+                t.log_eval(held_out(t, sampler))
+            if t.due(cfg.run.save_every):
+                t.checkpoint()
+            t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0), **t.eval_shown})
+    finally:
+        source.close()
 
     final_eval = held_out(t, sampler)
     t.log_eval(final_eval)

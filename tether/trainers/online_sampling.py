@@ -98,6 +98,8 @@ class StepBatch:
     "num_sampling_rounds, dynamic_sampling/{kept,dropped}_groups"
     filler: Optional[Rollout] = None
     "under torchrun, when this rank keeps no sequence: sampled ones to run forwards that count for nothing"
+    epoch: float = 0.0
+    "the data order's epoch once these prompts were drawn (logged: a queue's producer draws ahead)"
 
     @property
     def seq_rows(self) -> list[dict]:

@@ -1,0 +1,309 @@
+"""Where the online trainer's batches come from: the trajectory queue (tether/rollout/queue.py),
+its placements, and the off-policy correction of what it hands over (issue 19; docs/grpo.md).
+
+The loop (online.train_grpo) asks a *source* for step k's scored batch (`get`), updates on it
+between `before_update` and `after_update`, and the source decides who sampled it, with which
+weights:
+
+- **synchronous** (max_staleness 0, placement auto): sampled right there, with the weights about to
+  be trained — the loop as it always was.
+- **interleaved** (one process): a producer thread samples on its own copy of the policy while the
+  trainer updates; batch j is sampled with version max(start, j − S) (S = max_staleness), the
+  copy refreshed in place between batches. The schedule is fixed, not timing-dependent: the trainer
+  does not start update k (which changes the weights) before the producer copied the weights of
+  every batch ≤ k + S that needs them, and the producer does not copy before the version it needs
+  is published, so each batch's version — and with it the run — is the same whatever the speeds.
+  At S = 0 it computes exactly what the synchronous loop does (the test); at S = 1 batch k+1's
+  generation overlaps batch k's update. On CUDA the producer runs on its own stream.
+- **disaggregated** (torchrun, 1 trainer + `sampler_ranks` sampler processes): the sampler
+  process runs the same schedule; batches go through torchrun's key-value store (bounded by the
+  schedule to S + 1 in flight), weights come back after each update by a broadcast (gloo on CPU,
+  NCCL on GPUs) over a process group of their own.
+
+Off-policy correction (`correct_off_policy`): with is_correction = tis | mis the sampler's
+log-probs μ are the behaviour policy, the trainer's own (recomputed before the update, prepare_batch)
+π_old; every advantage is weighted by objectives.importance_weights(π_old / μ), which corrects both
+the staleness and the sampler–trainer numeric mismatch.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+
+from tether import distributed
+from tether.config import ConfigError
+from tether.constraints import NonNegativeInt, PositiveInt
+from tether.errors import UserError
+from tether.objectives import importance_weights, is_metrics
+from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue
+
+
+@dataclass
+class QueueSection:
+    max_staleness: NonNegativeInt = 0
+    "policy versions a trained batch may lag the trainer (0 = sample, then train on the same weights: the synchronous loop)"
+    placement: Literal["auto", "interleaved", "disaggregated"] = "auto"
+    "auto: synchronous at max_staleness 0, else interleaved; interleaved: one process, a sampler thread on a copy of the policy; disaggregated: torchrun with 1 trainer + sampler_ranks sampler processes"
+    sampler_ranks: PositiveInt = 1
+    "disaggregated: how many of torchrun's processes sample (the last ones; 1 for now)"
+
+
+def check_queue(cfg) -> None:
+    """Config combinations the queue refuses (one-line errors, before anything loads)."""
+    q, grpo = cfg.queue, cfg.grpo
+    if q.placement == "auto" and q.max_staleness == 0:
+        return
+    if grpo.advantage == "remax":
+        raise ConfigError("config key 'queue.placement': advantage=remax needs the synchronous loop "
+                          "(max_staleness=0, placement=auto): its greedy baseline is sampled by the trainer")
+    if q.placement == "disaggregated" and q.sampler_ranks != 1:
+        raise ConfigError("config key 'queue.sampler_ranks' must be 1 for now (one sampler process)")
+
+
+# ---- off-policy correction --------------------------------------------------------------------------
+
+def correct_off_policy(batch, grpo) -> dict:
+    """Weight `batch.advantages` by the IS correction of π_old (batch.old_logps, the trainer's)
+    against the sampler's log-probs; returns the weights' metrics over every rank's tokens."""
+    if grpo.is_correction == "none":
+        return {}
+    mask = batch.mask
+    c = importance_weights(grpo.is_correction, batch.old_logps, batch.tensors["logprobs"], mask,
+                           grpo.is_level, grpo.is_cap)
+    batch.advantages = batch.advantages * c.weights
+    if not distributed.active():
+        return {k: float(v) for k, v in is_metrics(grpo.is_correction, c, mask).items()}
+    m = mask.bool()
+    tokens, total, capped = distributed.sum_floats([m.sum(), c.weights[m].sum(), c.capped[m].sum()])
+    top = distributed.max_float(float(c.weights[m].max()) if m.any() else float("-inf"))
+    name = [k for k in is_metrics(grpo.is_correction, c, mask) if k.startswith("is_weight/frac")][0]
+    return {"is_weight/mean": total / max(tokens, 1), "is_weight/max": top, name: capped / max(tokens, 1)}
+
+
+# ---- sources ------------------------------------------------------------------------------------
+
+class Synchronous:
+    """Sample step k's batch when the trainer asks for it, with the weights it is about to train."""
+    lends_gradients = True  # sampling and the update never overlap: the KV cache may sit in the gradients
+
+    def __init__(self, t, produce: Callable, sampler):
+        self.t, self.produce, self.sampler = t, produce, sampler
+
+    def get(self, step: int):
+        self.t.rollout_model()  # the sampler's copy of the policy brought up to date (torchrun; collective)
+        return self.produce(step, self.sampler), {}
+
+    def before_update(self, step: int) -> None:
+        pass
+
+    def after_update(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Interleaved:
+    """A producer thread on a copy of the policy, `max_staleness` batches ahead (module doc)."""
+    lends_gradients = False
+
+    def __init__(self, t, produce: Callable, make_sampler: Callable, max_staleness: int):
+        if distributed.active():
+            raise ConfigError("config key 'queue.placement': interleaved runs in one process; under "
+                              "torchrun use placement=disaggregated")
+        self.t, self.produce, self.S = t, produce, max_staleness
+        self.start, self.total = t.step, t.total_steps
+        self.model = copy.deepcopy(t.model).requires_grad_(False).eval()
+        self.sampler = make_sampler(self.model)
+        self.queue = TrajectoryQueue(max_staleness + 1)
+        self.cond = threading.Condition()
+        self.version, self.copied, self.stopped = self.start, self.start - 1, False
+        cuda = next(t.model.parameters()).is_cuda
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.thread = threading.Thread(target=self._produce_all, name="tether-sampler", daemon=True)
+        self.thread.start()
+
+    def _produce_all(self) -> None:
+        try:
+            held = None  # the version the copy holds
+            for j in range(self.start, self.total):
+                with self.cond:
+                    self.cond.wait_for(lambda: self.stopped or self.version >= max(self.start, j - self.S))
+                    if self.stopped:
+                        return
+                    version = self.version
+                    if version != held:  # the trainer waits in before_update: its weights are still
+                        with self._on_stream():
+                            distributed.copy_full_weights(self.t.model, self.model)
+                        held = version
+                    self.copied = j
+                    self.cond.notify_all()
+                with self._on_stream():
+                    batch = self.produce(j, self.sampler)
+                if self.stream is not None:
+                    self.stream.synchronize()  # the batch's tensors complete before the trainer reads them
+                self.queue.put(Trajectories(batch, version, j))
+        except QueueClosed:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
+            self.queue.fail(e)
+            with self.cond:
+                self.copied = self.total
+                self.cond.notify_all()
+
+    def _on_stream(self):
+        import contextlib
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def get(self, step: int):
+        started = time.perf_counter()
+        item = self.queue.get(step, self.S)
+        assert item.index == step, (item.index, step)
+        return item.batch, {"queue/staleness": step - item.version, "queue/wait_seconds": time.perf_counter() - started,
+                            "queue/dropped": self.queue.dropped}
+
+    def before_update(self, step: int) -> None:
+        """Block until every batch that needs the current weights has copied them."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.copied >= min(step + self.S, self.total - 1))
+
+    def after_update(self, version: int) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().synchronize()  # the update done before the producer copies it
+        with self.cond:
+            self.version = version
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.queue.close()
+        self.thread.join(timeout=60)
+
+
+# ---- disaggregated: 1 trainer + sampler processes under torchrun ------------------------------------
+
+@dataclass
+class Link:
+    """This process's side of the disaggregated placement."""
+    samples: bool
+    "this process samples (else it trains)"
+    store: object
+    "torchrun's key-value store (prefixed): the batches travel through it"
+    weights: object
+    "the process group the weights are broadcast over (trainer = rank 0)"
+    timeout: float
+
+
+def split_world(cfg) -> Optional[Link]:
+    """placement=disaggregated: join torchrun's store, make the weights' process group, and leave
+    each process a world of its own (WORLD_SIZE=1: the trainer is one process, the sampler too).
+    Call before anything loads. None for the other placements."""
+    if cfg.queue.placement != "disaggregated":
+        return None
+    import datetime
+    import torch.distributed as dist
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    want = 1 + cfg.queue.sampler_ranks
+    if world != want:
+        raise UserError(f"{cfg.run.name}: placement=disaggregated runs 1 trainer + {cfg.queue.sampler_ranks} "
+                        f"sampler process(es): torchrun --nproc-per-node {want} (this is {world} process(es))")
+    if cfg.run.resume:
+        raise ConfigError("config key 'run.resume': placement=disaggregated does not resume yet")
+    timeout = float(os.environ.get("TETHER_DIST_TIMEOUT", "600"))
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
+    cuda = torch.cuda.is_available() and os.environ.get("TETHER_DIST_BACKEND", "") != "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    prefixed = dist.PrefixStore("tether/queue", store)
+    pg_store = dist.PrefixStore("tether/weights", store)
+    group = dist.ProcessGroupNCCL(pg_store, rank, world) if cuda else \
+        dist.ProcessGroupGloo(pg_store, rank, world, datetime.timedelta(seconds=timeout))
+    os.environ["WORLD_SIZE"] = "1"  # each side is one process to tether.distributed from here on
+    return Link(samples=rank > 0, store=prefixed, weights=group, timeout=timeout)
+
+
+def sampler_config(cfg, link: Link):
+    """The sampler process's config: its own run directory beside the trainer's, no progress bar."""
+    run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}.sampler", progress=False, overwrite=True,
+                              save_every=0, eval_every=0)
+    return dataclasses.replace(cfg, run=run)
+
+
+def _broadcast(link: Link, model) -> None:
+    for value in model.state_dict().values():  # the same names and order on both sides
+        link.weights.broadcast(value.data, 0).wait()
+
+
+def _pack(item: Trajectories) -> bytes:
+    buf = io.BytesIO()
+    torch.save(item, buf)
+    return buf.getvalue()
+
+
+def _unpack(raw: bytes) -> Trajectories:
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+
+
+class Disaggregated:
+    """The trainer's side: batches from the sampler process, weights broadcast back (module doc)."""
+    lends_gradients = True  # this process only trains and evaluates
+
+    def __init__(self, t, link: Link, max_staleness: int):
+        self.t, self.link, self.S, self.total = t, link, max_staleness, t.total_steps
+        _broadcast(link, t.model)  # version 0: the sampler starts from exactly these weights
+
+    def get(self, step: int):
+        started = time.perf_counter()
+        key = f"batch/{step}"
+        self.link.store.wait([key])
+        item = _unpack(self.link.store.get(key))
+        self.link.store.delete_key(key)
+        assert item.index == step, (item.index, step)
+        return item.batch, {"queue/staleness": step - item.version, "queue/wait_seconds": time.perf_counter() - started}
+
+    def before_update(self, step: int) -> None:
+        pass
+
+    def after_update(self, version: int) -> None:
+        if version <= self.total - 1 - self.S:  # a later batch is sampled with it
+            _broadcast(self.link, self.t.model)
+
+    def close(self) -> None:
+        pass
+
+
+def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict:
+    """The sampler process: every batch of the run, batch j with version max(0, j − S), put in the
+    store for the trainer; the weights received between batches. Returns its counts."""
+    _broadcast(link, sampler.model)
+    version, produced, seconds = 0, 0, 0.0
+    for j in range(t.total_steps):
+        while version < j - max_staleness:  # the versions in order, each broadcast once
+            _broadcast(link, sampler.model)
+            version += 1
+        started = time.perf_counter()
+        batch = produce(j, sampler)
+        seconds += time.perf_counter() - started
+        link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
+        produced += 1
+    return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
+
+
+def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, link: Optional[Link]):
+    """The source the loop takes its batches from, per cfg.queue (module doc)."""
+    q = cfg.queue
+    if link is not None:
+        return Disaggregated(t, link, q.max_staleness)
+    if q.placement == "interleaved" or q.max_staleness > 0:
+        return Interleaved(t, produce, make_sampler, q.max_staleness)
+    return Synchronous(t, produce, sampler)
