@@ -81,10 +81,11 @@ def step_prefix_contexts(tokenizer, prompt: str, steps: list[str], separator: st
     return [encode_steps(tokenizer, prompt, steps[:i + 1], separator)[0] for i in range(len(steps) - 1)]
 
 
-def mc_counts(rows: list[dict], solutions: list[str], complete: Completer, verify: Callable,
-              tokenizer, separator: str, k: int, seed: int = 0) -> list[list[int]]:
-    """c_i for every step of every (row, solution): right rollouts out of k from each step prefix
-    (the last step: k if the solution itself is right, else 0). `verify(rows, texts) -> [bool]`."""
+def mc_outcomes(rows: list[dict], solutions: list[str], complete: Completer, verify: Callable,
+                tokenizer, separator: str, k: int, seed: int = 0) -> list[list[list[bool]]]:
+    """For every step of every (row, solution): which of the k rollouts from its prefix reach the
+    right answer (the last step: its own verdict, k times). `verify(rows, texts) -> [bool]`.
+    The first k' of the k rollouts are a k'-rollout estimate (they are i.i.d.)."""
     from tether.data.steps import split_steps
 
     steps = [split_steps(s, separator) for s in solutions]
@@ -97,16 +98,25 @@ def mc_counts(rows: list[dict], solutions: list[str], complete: Completer, verif
     # a rollout's text = the prefix's steps + separators, then what the completer wrote
     texts, text_rows = [], []
     for (j, i), conts in zip(owners, rollouts):
+        if len(conts) != k:
+            raise ValueError(f"the completer returned {len(conts)} rollouts for a prefix, not k={k}")
         prefix = "".join(s + separator for s in steps[j][:i + 1])
         texts += [prefix + c for c in conts]
-        text_rows += [rows[j]] * len(conts)
+        text_rows += [rows[j]] * k
     right = verify(text_rows, texts) if texts else []
-    counts = [[0] * len(st) for st in steps]
+    out = [[[] for _ in st] for st in steps]
     for n, (j, i) in enumerate(owners):
-        counts[j][i] = sum(right[n * k:(n + 1) * k])
+        out[j][i] = right[n * k:(n + 1) * k]
     for j, ok in enumerate(verify(rows, solutions)):
-        counts[j][-1] = k * bool(ok)
-    return counts
+        out[j][-1] = [bool(ok)] * k
+    return out
+
+
+def mc_counts(rows: list[dict], solutions: list[str], complete: Completer, verify: Callable,
+              tokenizer, separator: str, k: int, seed: int = 0) -> list[list[int]]:
+    """c_i for every step of every (row, solution): right rollouts out of k (:func:`mc_outcomes`)."""
+    return [[sum(o) for o in sol] for sol in mc_outcomes(rows, solutions, complete, verify, tokenizer,
+                                                          separator, k, seed)]
 
 
 def step_labels(counts: list[int], k: int, estimate: str = "hard", soft_threshold: float = 0.5) -> list[bool]:
