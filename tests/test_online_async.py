@@ -116,3 +116,28 @@ def test_refusals(setup):
         _cfg(setup, "x", placement="disaggregated", sampler_ranks=2)
     with pytest.raises(UserError, match="nproc-per-node 2"):
         train_grpo(_cfg(setup, "x", placement="disaggregated"), reward_funcs=[digit_frac])
+
+
+@pytest.mark.slow  # two torchrun processes: ~90 s on the 2 shared cores
+def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup):
+    """torchrun, 2 processes (gloo): one trains, one samples (batches through the store, weights
+    broadcast back). At staleness 1 every batch is sampled with the same weights as the
+    interleaved placement's, so the run is the same: every metric and the final weights."""
+    import sys
+    if sys.platform != "linux":
+        pytest.skip("torchrun + gloo on Linux")
+    from dist_support import ok, run_tether
+    (setup / "rewards.py").write_text(
+        "def digit_frac(prompts, completions, completion_ids, **_):\n"
+        "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
+    kw = dict(max_staleness=1, is_correction="tis", is_cap=1.05)
+    local = train_grpo(_cfg(setup, "inter1", placement="interleaved", **kw), reward_funcs=[digit_frac])
+    args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="dis1",
+                batch_size=2, num_generations=4, max_new_tokens=8, max_steps=4, lr=1e-2, device="cpu",
+                progress="false", seed=0, overwrite="true", placement="disaggregated",
+                reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", **kw)
+    ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=2, timeout=600))
+    rows = _rows(setup, "dis1", drop=("queue/dropped",))
+    assert rows == _rows(setup, "inter1", drop=("queue/dropped",))
+    assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]
+    _same_weights(local, {"checkpoint": str(setup / "runs" / "dis1" / "checkpoints" / "step-4")})

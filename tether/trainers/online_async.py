@@ -233,10 +233,9 @@ def split_world(cfg) -> Optional[Link]:
 
 
 def sampler_config(cfg, link: Link):
-    """The sampler process's config: its own run directory beside the trainer's, no progress bar."""
-    run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}.sampler", progress=False, overwrite=True,
-                              save_every=0, eval_every=0)
-    return dataclasses.replace(cfg, run=run)
+    """The sampler process's config: no progress bar, no evaluation. (It writes no run directory:
+    tether.run leaves that to RANK 0, the trainer.)"""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, progress=False, save_every=0, eval_every=0))
 
 
 def _broadcast(link: Link, model) -> None:
