@@ -101,6 +101,28 @@ def open_page(browser, url: str, width: int = 1280, height: int = 900):
     return page
 
 
+def wait_until(page, predicate, timeout: float = 5.0, what: str = "") -> float:
+    """Poll `predicate()` (Python, reading the page with get_attribute / text_content / locator
+    counts) every 50 ms until true; returns the seconds it took, fails after `timeout`. (The
+    studio's Content-Security-Policy forbids eval, which Playwright's wait_for_function needs.)"""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - an element not there yet
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout} s: {what or predicate}")
+        page.wait_for_timeout(50)
+
+
+def value_of(page, selector: str) -> float | None:
+    """The number a `T.num(x)` element shows, at full precision (its data-value); None if absent."""
+    v = page.get_attribute(selector, "data-value", timeout=1000)
+    return None if v in (None, "") else float(v)
+
+
 def assert_no_errors(page):
     assert page.errors == [], f"errors in the page: {page.errors}"
 

@@ -3,7 +3,7 @@
 "use strict";
 (function () {
   const T = window.tether;
-  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: []};
+  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: null};
 
   function statusCell(s) { return T.el("span", {class: "status-" + s}, s); }
 
