@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                   "process vs outcome reward models on arithmetic with exact step truth: best-of-n selection, Math-Shepherd label quality"),
     "label steps": ("tether.labeling.steps", "LabelStepsConfig", "label_steps",
                     "Math-Shepherd step labels: roll out K completions from every step prefix of sampled solutions (hard/soft)"),
+    "study judges": ("tether.studies.judges", "JudgesConfig", "run_judges",
+                     "AI judges with known position/verbosity biases vs gold (labels, proxy RM, PPO); an LM judge vs HH-RLHF labels"),
     "dpo": ("tether.trainers.offline", "DPOConfig", "train_offline", "offline preference: DPO, cDPO, rDPO, IPO, hinge (loss=...)"),
     "kto": ("tether.trainers.offline", "KTOConfig", "train_offline", "KTO on unpaired labelled completions (pairs are split)"),
     "simpo": ("tether.trainers.offline", "SimPOConfig", "train_offline", "SimPO: reference-free, length-normalized, margin γ"),
