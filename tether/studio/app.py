@@ -28,7 +28,7 @@ from tether.studio.common import Studio
 
 # the pages, in navigation order: each is the module tether.studio.<name> (docs/studio.md gives the
 # order once all are in: runs, stages, labeler, grpo, algorithms, hacking)
-PAGES: tuple[str, ...] = ("runs", "labeler")
+PAGES: tuple[str, ...] = ("runs", "stages", "labeler", "grpo", "algorithms", "hacking")
 STATIC = Path(__file__).parent / "static"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 COOKIE = "tether_token"
