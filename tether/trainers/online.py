@@ -30,6 +30,7 @@ dynamic sampling over more than one round (online_sampling).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
@@ -310,13 +311,26 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "rollout/seconds": rollout.stats.get("total_s", 0.0)}
 
 
-def samples(batch: Batch, count: int) -> list[dict]:
-    """The first `count` completions with their prompts and rewards, for samples.jsonl."""
+def samples(batch: Batch, count: int, names: Sequence[str] = ()) -> list[dict]:
+    """The first `count` completions with their prompts, rewards (total and per function,
+    `rewards/<name>`) and advantage (mean over the completion's tokens), for samples.jsonl."""
     collected = batch.collected
     rows, texts = collected.seq_rows, collected.rollout.texts
+    n = min(count, len(texts))
+    adv = None
+    if batch.advantages is not None and n:
+        m = batch.mask[:n].float()
+        adv = ((batch.advantages[:n].float() * m).sum(1) / m.sum(1).clamp(min=1)).cpu()
+    per_fn = collected.per_fn[:n].cpu()
+
+    def num(v) -> float | None:
+        v = float(v)
+        return None if math.isnan(v) else v
     return [{"prompt": rows[i]["prompt"], "completion": texts[i],
-             "reward": None if not batch.valid[i] else float(collected.rewards[i])}
-            for i in range(min(count, len(texts)))]
+             "reward": None if not batch.valid[i] else float(collected.rewards[i]),
+             **{f"rewards/{name}": num(per_fn[i, j]) for j, name in enumerate(names)},
+             **({} if adv is None or not batch.valid[i] else {"advantage": float(adv[i])})}
+            for i in range(n)]
 
 
 def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
@@ -419,7 +433,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             history.append(last["reward"])
             if t.log_due():
                 t.log(last)
-                t.add_samples(samples(batch, cfg.run.num_samples))
+                t.add_samples(samples(batch, cfg.run.num_samples, names))
             if t.due(cfg.run.eval_every):
                 t.log_eval(held_out(t, sampler))
             if t.due(cfg.run.save_every):
