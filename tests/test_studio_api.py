@@ -332,3 +332,38 @@ def test_dpo_reads_the_labelers_file(tmp_path):
     train, _, paired, _, _ = load_offline_data(
         DPOConfig(model="unused", data=str(store.preferences), eval_fraction=0.0), src.world.tokenizer())
     assert paired and len(train) == n
+
+
+# ---- a real run's samples: reward per function and advantage ----------------------------------
+
+def _digits(prompts, completions, completion_ids, **_):
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in completions]
+
+
+def _length(prompts, completions, completion_ids, **_):
+    return [len(t) / 10 for t in completions]
+
+
+def test_grpo_samples_carry_per_function_rewards_and_advantages(tmp_path):
+    import torch
+
+    from tether.models import make_tiny_model
+    from tether.objectives import compute_advantages
+    from tether.trainers.online import GRPOConfig, train_grpo
+
+    make_tiny_model(tmp_path / "model", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                    intermediate_size=32)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}:"}) + "\n" for i in range(8)))
+    G = 4
+    train_grpo(GRPOConfig(model=str(tmp_path / "model"), data=str(tmp_path / "p.jsonl"), runs_dir=str(tmp_path / "runs"),
+                          name="g", batch_size=2, num_generations=G, max_new_tokens=6, max_steps=2, log_every=1,
+                          num_samples=2 * G, device="cpu", progress=False, seed=0, skip_zero_advantage=False),
+               reward_funcs=[_digits, _length], reward_weights=[1.0, 0.5])
+    r = client(make_app(tmp_path / "runs")).get("/api/runs/samples", params={"run": "g", "step": 1}).json()
+    rows = r["rows"]
+    assert len(rows) == 2 * G and {"rewards/_digits", "rewards/_length", "advantage"} <= set(r["columns"])
+    for row in rows:
+        assert row["reward"] == pytest.approx(row["rewards/_digits"] + 0.5 * row["rewards/_length"], abs=1e-6)
+    rewards = torch.tensor([row["reward"] for row in rows])
+    expect = compute_advantages("grpo", rewards, torch.arange(2).repeat_interleave(G))
+    assert [row["advantage"] for row in rows] == pytest.approx(expect.tolist(), abs=1e-5)
