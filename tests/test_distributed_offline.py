@@ -66,7 +66,9 @@ for command, args in json.loads(sys.argv[1]):
 import torch.distributed
 torch.distributed.destroy_process_group()
 """
-JOBS = {"dpo": {}, "kto": {}, "simpo": {}, "orpo": {}, "rm": {"batch_size": 1}}  # command -> overrides
+# job -> overrides; a job is named <command>[-<variant>]
+JOBS = {"dpo": {}, "kto": {}, "simpo": {}, "orpo": {}, "rm": {"batch_size": 1},
+        "dpo-packed": {"packing": "true"}, "rm-packed": {"batch_size": 2, "packing": "true"}}
 
 
 def _run_here(command: str, args: list[str]) -> None:
@@ -85,7 +87,7 @@ def two(world):
     from dist_support import _free_port
     driver = world / "driver.py"
     driver.write_text(DRIVER)
-    jobs = [(c, _args(world, c + "-2", **kw)) for c, kw in JOBS.items()]
+    jobs = [(c.split("-")[0], _args(world, c + "-2", **kw)) for c, kw in JOBS.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_DIST_TIMEOUT": "120"}
     ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                        "--master-port", str(_free_port()), str(driver), json.dumps(jobs)],
@@ -96,7 +98,7 @@ def two(world):
 def _both(world, runs: Path, command: str):
     """The run in one process (here) and in two (the `two` launch, into `runs`): both run
     directories, after checking that every logged value and the final weights agree."""
-    _run_here(command, _args(world, command + "-1", **JOBS[command]))
+    _run_here(command.split("-")[0], _args(world, command + "-1", **JOBS[command]))
     one, two = world / "runs" / (command + "-1"), runs / (command + "-2")
     assert_same_metrics(one, two)
     ckpt = f"checkpoints/step-{STEPS}"
@@ -157,3 +159,20 @@ def test_rm(world, two):
     ckpt = f"checkpoints/step-{STEPS}/scalar_head.json"
     offsets = [json.loads((r / ckpt).read_text())["offset"] for r in (one, two)]
     assert offsets[0] != 0 and abs(offsets[0] - offsets[1]) <= 1e-5 * max(1, abs(offsets[0]))
+
+
+@pytest.mark.parametrize("command", ["dpo-packed", "rm-packed"])
+def test_packed(world, two, command):
+    """data.packing=true (padding-free micro-batches, tether.data.pack_batch) under torchrun: two
+    processes log what one logs, and DPO's reference cache, packed alike, still gives step 1's
+    exact zero margins. Catches: a rank packing other rows than its block, sequence sums or reward
+    positions taken from another rank's layout, a cache computed unpacked."""
+    one, two = _both(world, two, command)
+    if command == "dpo-packed":
+        step1 = _rows(two, "rewards/margins")[0]
+        assert step1["rewards/margins"] == 0.0 and step1["rewards/accuracies"] == 0.0
+        meta = json.loads((two / "reference_logps.json").read_text())
+        assert meta["fingerprint"] != json.loads((world / "runs" / "dpo-2" / "reference_logps.json")
+                                                 .read_text())["fingerprint"]
+    else:
+        assert len(_rows(two, "accuracy")) == STEPS and "eval/accuracy" in metrics(two)[-1]
