@@ -184,3 +184,43 @@ def test_prm_reward_scores_each_step_at_its_separator(tiny, tmp_path):
     ex, _ = encode_stepwise([{"prompt": prompt, "completions": split_steps(completion, "="),
                               "labels": [True] * 3}], tok, step_separator="=")
     assert ex[0]["input_ids"] == ids and [t for t, y in enumerate(ex[0]["step_labels"]) if y != IGNORE] == pos
+
+
+# -- dense per-step rewards for PPO ----------------------------------------------------------------
+
+def test_ppo_dense_rewards_at_each_steps_last_token(tiny, tmp_path):
+    from types import SimpleNamespace
+
+    from tether.trainers.ppo import ppo_advantages
+    from tether.trainers.ppo_process import dense_process_rewards, step_end_tokens
+
+    tok = load_tokenizer(tiny)
+    torch.manual_seed(2)
+    model = ScalarHeadModel.from_pretrained(tiny)
+    with torch.no_grad():
+        model.head.weight.normal_(0, 1.0)
+    model.save_pretrained(tmp_path / "prm", tok)
+    (tmp_path / "prm" / "prm.json").write_text(json.dumps({"separator": "="}))
+    prm = ProcessReward(tmp_path / "prm", device="cpu")
+    texts = [" 5 = 4\n#### 4", " 7"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    T = max(map(len, ids))
+    # " 5 =" ends at character 4: token 3 (the '='); the last step at the last token
+    assert step_end_tokens(tok, ids[0], [" 5 ", " 4\n#### 4"], "=") == [3, len(ids[0]) - 1]
+    rollout = SimpleNamespace(texts=texts,
+                              completion_ids=torch.tensor([i + [0] * (T - len(i)) for i in ids]),
+                              completion_mask=torch.tensor([[1] * len(i) + [0] * (T - len(i)) for i in ids]).bool())
+    rows = [{"prompt": "What is 2 + 3?"}, {"prompt": "What is 3 + 4?"}]
+    dense = dense_process_rewards(prm, 0.5, rows, rollout, T + 4, tok)  # 4 columns of prompt
+    p = prm.step_probabilities([r["prompt"] for r in rows], texts)
+    want = torch.zeros(2, T + 4)
+    want[0, 4 + 3], want[0, 4 + len(ids[0]) - 1], want[1, 4 + len(ids[1]) - 1] = 0.5 * p[0][0], 0.5 * p[0][1], 0.5 * p[1][0]
+    assert torch.allclose(dense, want)
+    # in PPO's per-token reward (β = 0): the dense rewards plus the other rewards' score at the end
+    mask = torch.zeros(2, T + 4, dtype=torch.bool)
+    mask[0, 4:4 + len(ids[0])], mask[1, 4:4 + len(ids[1])] = True, True
+    zeros = torch.zeros(2, T + 4)
+    r, _, _ = ppo_advantages(torch.tensor([1.0, 2.0]), zeros, zeros, zeros, mask, 0.0, whiten=False, dense=dense)
+    want[0, 4 + len(ids[0]) - 1] += 1.0
+    want[1, 4 + len(ids[1]) - 1] += 2.0
+    assert torch.allclose(r, want)

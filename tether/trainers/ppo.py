@@ -55,6 +55,7 @@ from tether.trainers.common import lend_gradients
 from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, generation_metrics, load_eval_prompts
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
+from tether.trainers.ppo_process import dense_process_rewards, process_reward_index
 from tether.trainers.ppo_update import Shares, ppo_epochs
 from tether.trainers.ppo_update import whiten as globally_whitened
 from tether.trainers.ppo_update import values_of as _values
@@ -79,6 +80,8 @@ class PPOSection:
     "stop the run early once the mean sequence KL to the reference exceeds this (nats; 0 = no budget)"
     length_penalty: float = 0.0
     "subtract this × completion length (tokens) from each score"
+    process_reward: bool = False
+    "dense rewards from the one 'prm:<run>' reward: each step's score at the step's last token instead of one score at the end (trainers/ppo_process.py)"
     gamma: Fraction = 1.0
     "GAE discount γ"
     lam: Fraction = 0.95
@@ -240,15 +243,18 @@ class Rewards:
 # -- the algorithm -------------------------------------------------------------------------------
 
 def ppo_advantages(scores, old_logps, ref_logps, old_values, mask, beta: float, estimator: str = "k1",
-                   gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
+                   gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, dense=None):
     """Scores → per-token rewards with the KL inside → GAE → (whitened) advantages, returns.
 
     r̃_t = 1[t = last]·R − β·KL_t  (Ziegler et al. 2019 eq. 2, per token as Stiennon et al. 2020);
     (A, R_t) = GAE_{γ,λ}(r̃, V_old)  (Schulman et al. 2016 eq. 16);  A ← whiten(A) (returns are
     not whitened: the critic regresses the real return). All [B, T] aligned with input_ids. GAE is
-    per sequence; the whitening statistics are the global batch's under torchrun.
+    per sequence; the whitening statistics are the global batch's under torchrun. `dense` [B, T]:
+    per-token rewards added to r̃ (a PRM's step scores, ppo_process.py).
     """
     token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, beta, estimator)
+    if dense is not None:
+        token_rewards = token_rewards + torch.where(mask.bool(), dense.to(token_rewards), 0.0)
     advantages, returns = gae(token_rewards, old_values, mask, gamma, lam)
     if whiten:
         advantages = globally_whitened(advantages, mask)
@@ -301,6 +307,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                        reference=True, updates_per_step=spec.ppo_epochs * spec.num_minibatches,
                        rollout_replica=True)
     rewards.shard(cfg)
+    prm_at = process_reward_index(rewards.funcs) if spec.process_reward else None
     policy, critic, amp = t.model, t.trainable["value"], t.amp
     generations, sequences = cfg.rollout.num_generations, cfg.data.batch_size * cfg.rollout.num_generations
     sampler = Sampler(t.rollout_model(), t.tokenizer, cfg.rollout.sampling())
@@ -330,6 +337,11 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         scored = rewards.score(rows, rollout, spec.length_penalty)
         batch = {k: v.to(t.device) for k, v in rollout.training_batch().items()}
         mask, temperature = batch["completion_mask"], rollout.logprob_temperature
+        dense, scores = None, scored["scores"]
+        if prm_at is not None:  # the PRM's reward moves from the last token to every step's end
+            w = rewards.weights[prm_at]
+            scores = scores - w * torch.nan_to_num(scored["per_function"][:, prm_at])
+            dense = dense_process_rewards(rewards.funcs[prm_at], w, rows, rollout, mask.shape[1], t.tokenizer)
 
         # 2. storage: log π_old, log π_ref, V_old (no grad), then GAE
         with torch.no_grad():
@@ -340,8 +352,8 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
             old_values = _values(critic, batch, amp)
             beta = kl_control.value
             _, advantages, returns = ppo_advantages(
-                scored["scores"].to(t.device), old_logps, ref_logps, old_values, mask, beta,
-                spec.kl_estimator, spec.gamma, spec.lam, spec.whiten_advantages)
+                scores.to(t.device), old_logps, ref_logps, old_values, mask, beta,
+                spec.kl_estimator, spec.gamma, spec.lam, spec.whiten_advantages, dense)
             sequence_kl = torch.where(mask, old_logps - ref_logps, 0.0).sum(1)  # k1 per sequence
         # the global batch's per-sequence numbers, in its order, on every rank
         seen = shares.gather({"scores": scored["scores"], "per_function": scored["per_function"],
