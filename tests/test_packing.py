@@ -102,6 +102,31 @@ def test_packed_logps_equal_padded(family, impl, layout, chunked, monkeypatch):
         torch.testing.assert_close(grads_p[k], grads[k], **TOL)
 
 
+@pytest.mark.parametrize("packing", ["", "rows"])
+def test_offline_chunked_head_equals_full_logits(family, packing, monkeypatch):
+    """The DPO family's per-sequence log-probs through the chunked LM head (chunks of 1.5 rows of
+    logits) equal the HF forward's full logits, values and gradients, padded and packed."""
+    base, tok = family
+    batch = collate_sequences(_sequences(len(tok)), tok.pad_token_id, packing)
+    got = []
+    for split in (True, False):
+        model = copy.deepcopy(base)
+        monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 3 * model.config.vocab_size // 2)
+        if not split:
+            monkeypatch.setattr(common, "_split_head", lambda _: None)
+        calls = []
+        hook = model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+        logps, _ = completion_logps(model, batch, CPU, NO_AMP)
+        hook.remove()
+        monkeypatch.undo()
+        assert bool(calls) != split  # the chunked head never runs the model's own lm_head
+        (logps * torch.linspace(0.5, 1.5, len(logps))).sum().backward()
+        got.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(got[0][0], got[1][0], **TOL)
+    for k in got[1][1]:
+        torch.testing.assert_close(got[0][1][k], got[1][1][k], **TOL)
+
+
 def test_attention_crossing_sequences_would_be_caught(family):
     """The control: the same packed rows given a mask of ones (attention across sequences, positions
     still reset) move the log-probs far beyond the tolerance above."""
