@@ -1,0 +1,194 @@
+"""GRPO through the trajectory queue, side by side (issue 19): synchronous vs asynchronous sampling
+(max_staleness 0 / 1 / 4; one process interleaved or a sampler process beside the trainer), and the
+off-policy correction (TIS / MIS) on vs off, on the arithmetic task's verifier reward.
+
+    python bench/async.py --dry-run                    # CPU: a tiny untrained model, a few steps (does it run)
+    python bench/async.py --model runs/quickstart/sft/checkpoints/step-400 --steps 200 --seeds 0,1,2
+    python bench/async.py --model M --device cuda --configs sync:0:none,disaggregated:1:none \\
+        --seeds 0,1,2 --results                         # 2 GPUs: the sampler process on the second
+
+A configuration is placement:staleness:correction — placement sync (the synchronous loop, one
+process), interleaved (one process, a sampler thread on a copy of the policy) or disaggregated
+(torchrun, 2 processes: trainer + sampler; on CUDA each on its own GPU); correction none | tis |
+mis (``--level``, ``--cap``). Every configuration runs the same prompts, seeds and steps as an
+ordinary `tether grpo` run (its metrics.jsonl is what is read), so reward-vs-samples curves are
+comparable: samples = steps × prompts × generations.
+
+Reported per configuration (means over seeds; ± the std over seeds where there are several):
+step time (median over the steps after --warmup, wall clock of the trainer's step, its wait for
+the batch included) and its ratio to the synchronous one's; the reward in each quarter of the run
+(by samples); the IS weights' mean, max and the fraction truncated / masked; the staleness of the
+trained batches; the sampler–trainer log-prob mismatch (max |Δ|). Prints a markdown section;
+--results appends it to benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REWARD = '''from tether.tasks import arithmetic
+
+def verifier(prompts, completions, completion_ids, answer, **_):
+    return [arithmetic.check_answer(c, a) for c, a in zip(completions, answer)]
+'''
+DEFAULT_CONFIGS = "sync:0:none,interleaved:1:none,disaggregated:1:none,interleaved:4:none,interleaved:4:tis,interleaved:4:mis"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(work: Path, args) -> tuple[str, Path, Path]:
+    """(model path, prompts file, reward file): the arithmetic task's training problems as RL rows."""
+    from tether.tasks import arithmetic
+    train, _ = arithmetic.make_splits(args.prompts + 200, 200, args.level, 0)
+    data = work / "rl.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for p in train[:args.prompts]:
+            f.write(json.dumps(arithmetic.rl_example(p)) + "\n")
+    reward = work / "reward.py"
+    reward.write_text(REWARD)
+    model = args.model
+    if args.dry_run and not model:  # an untrained tiny model: checks the plumbing, not learning
+        from tether.models import make_tiny_model
+        make_tiny_model(work / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                        intermediate_size=64)
+        model = str(work / "model")
+    if not model:
+        sys.exit("--model is required (e.g. the quickstart's SFT checkpoint: tether quickstart rl=false), or --dry-run")
+    return model, data, reward
+
+
+def run_one(spec: str, seed: int, model: str, data: Path, reward: Path, work: Path, args) -> Path:
+    placement, staleness, correction = spec.split(":")
+    name = f"{placement}-s{staleness}-{correction}-seed{seed}"
+    kw = dict(model=model, data=data, runs_dir=work / "runs", name=name, batch_size=args.batch,
+              num_generations=args.generations, max_new_tokens=args.max_new_tokens, max_steps=args.steps,
+              lr=args.lr, warmup_steps=args.warmup_steps, temperature=1.0, device=args.device, seed=seed,
+              progress="false", overwrite="true", log_every=1, log_entropy="false", save_every=0,
+              reward_funcs=f"[{reward}:verifier]", max_staleness=staleness,
+              placement="auto" if placement == "sync" else placement, is_correction=correction,
+              is_level=args.level_is, is_cap=args.cap, **({"compile": "true"} if args.compile else {}))
+    argv = [f"{k}={v}" for k, v in kw.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if placement == "disaggregated":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(_free_port()), "-m", "tether", "grpo", *argv]
+    else:
+        cmd = [sys.executable, "-m", "tether", "grpo", *argv]
+    print(f"[async bench] {name}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.run_timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return work / "runs" / name
+
+
+def summarize(run: Path, warmup: int) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "reward" in r]
+    times = [r["step_time"] for r in rows[warmup:]] or [r["step_time"] for r in rows]
+    q = max(len(rows) // 4, 1)
+    quarters = [statistics.fmean(r["reward"] for r in rows[i * q:(i + 1) * q]) for i in range(4) if rows[i * q:]]
+
+    def mean(key):
+        vals = [r[key] for r in rows if key in r]
+        return statistics.fmean(vals) if vals else None
+    frac = mean("is_weight/frac_truncated")
+    return {"step_time": statistics.median(times), "quarters": quarters, "is_mean": mean("is_weight/mean"),
+            "is_max": max((r["is_weight/max"] for r in rows if "is_weight/max" in r), default=None),
+            "is_capped": frac if frac is not None else mean("is_weight/frac_masked"),
+            "staleness": mean("queue/staleness") or 0.0,
+            "mismatch": mean("sampling/sampling_logp_difference/max")}
+
+
+def _fmt(vals, digits=3):
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "–"
+    m = statistics.fmean(vals)
+    return f"{m:.{digits}f}" + (f" ± {statistics.stdev(vals):.{digits}f}" if len(vals) > 1 else "")
+
+
+def table(results: dict, args, samples_per_step: int) -> str:
+    base = statistics.fmean(s["step_time"] for s in results.get("sync:0:none", [])) if "sync:0:none" in results else None
+    steps = args.steps
+    q = max(steps // 4, 1)
+    head = [f"quarter {i + 1} (≤{(i + 1) * q * samples_per_step} samples)" for i in range(4)]
+    lines = ["| config | step s | × sync | " + " | ".join(f"reward {h}" for h in head)
+             + " | IS mean | IS max | frac capped | staleness | max abs Δlogp |",
+             "|---" * (8 + len(head)) + "|"]
+    for spec, runs in results.items():
+        st = statistics.fmean(r["step_time"] for r in runs)
+        ratio = f"{st / base:.2f}" if base else "–"
+        rewards = [_fmt([r["quarters"][i] for r in runs if len(r["quarters"]) > i]) for i in range(4)]
+        lines.append(f"| {spec} | {_fmt([r['step_time'] for r in runs])} | {ratio} | " + " | ".join(rewards)
+                     + f" | {_fmt([r['is_mean'] for r in runs])} | {_fmt([r['is_max'] for r in runs])}"
+                     f" | {_fmt([r['is_capped'] for r in runs])} | {_fmt([r['staleness'] for r in runs], 2)}"
+                     f" | {_fmt([r['mismatch'] for r in runs], 4)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="", help="HF model directory (an SFT'd arithmetic model)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny untrained model, 6 steps")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="placement:staleness:correction, comma-separated")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time")
+    ap.add_argument("--batch", type=int, default=4, help="prompts per step")
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--warmup-steps", type=int, default=10)
+    ap.add_argument("--level", type=int, default=2, help="arithmetic difficulty (the quickstart's default)")
+    ap.add_argument("--prompts", type=int, default=2000)
+    ap.add_argument("--level-is", default="token", choices=["token", "sequence"], help="is_level")
+    ap.add_argument("--cap", type=float, default=2.0, help="is_cap")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--run-timeout", type=float, default=3600)
+    ap.add_argument("--work", default="", help="keep the runs here (default: a temporary directory)")
+    ap.add_argument("--results", action="store_true", help="append the section to benchmarks/RESULTS.md")
+    args = ap.parse_args()
+    if args.dry_run:
+        args.steps, args.warmup, args.max_new_tokens, args.batch, args.generations = 6, 1, 16, 2, 4
+        args.warmup_steps, args.lr = 0, 1e-3
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="tether-async-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model, data, reward = prepare(work, args)
+    results: dict = {}
+    for spec in args.configs.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            run = run_one(spec, seed, model, data, reward, work, args)
+            results.setdefault(spec, []).append(summarize(run, args.warmup))
+    import torch
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    section = (f"\n## GRPO through the trajectory queue (bench/async.py), {datetime.date.today()}\n\n"
+               f"{device}; model {model}{' (dry run: untrained)' if args.dry_run else ''}; arithmetic level "
+               f"{args.level}; {args.batch} prompts × {args.generations} generations × ≤{args.max_new_tokens} "
+               f"tokens, {args.steps} steps, lr {args.lr:g}, seeds {args.seeds}; IS level {args.level_is}, cap "
+               f"{args.cap:g}.\n`python bench/async.py {' '.join(sys.argv[1:])}`\n\n"
+               + table(results, args, args.batch * args.generations) + "\n")
+    print(section)
+    (work / "async.md").write_text(section)
+    if args.results:
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
+            f.write(section)
+
+
+if __name__ == "__main__":
+    main()
