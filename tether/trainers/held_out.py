@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Iterable, Optional, Sequence
 
 from tether import distributed
@@ -148,13 +149,16 @@ class HeldOut:
             sampler = self.sampler
         was = model.training
         model.eval()  # dropout off, as `tether eval` loads the checkpoint
+        start = time.perf_counter()
         try:
             metrics, _ = evaluate_generation(sampler, self.rows, self.funcs, self.weights, self.settings,
                                              self.names)
         finally:
             model.train(was)
-        # the prompt / completion counts are constants of the run: not curves
-        return {f"eval/{k}": v for k, v in metrics.items() if not k.endswith(("/prompts", "/completions"))}
+        # the prompt / completion counts are constants of the run: not curves. eval/seconds lets a
+        # curve against wall-clock leave out the time spent evaluating (metrics' `time` includes it).
+        return {**{f"eval/{k}": v for k, v in metrics.items() if not k.endswith(("/prompts", "/completions"))},
+                "eval/seconds": time.perf_counter() - start}
 
 
 # -- keep_best -------------------------------------------------------------------------------------

@@ -1,0 +1,51 @@
+"""Data for issue 17 §4: verifiable two-digit arithmetic for a real instruct model (SmolLM2-135M-Instruct).
+
+Problems are the arithmetic task's level 3 (two-digit ± two-digit, two-digit × one-digit:
+tether.tasks.arithmetic), asked as a conversation with the answer-line convention spelled out,
+because an instruct model has never seen our "#### n" line and must be told it:
+
+    user: What is 37 + 48? Give the final answer on its own last line as "#### <number>".
+
+Writes <out>/train.jsonl (prompt-only rows + `answer`, for `tether grpo` and TRL's GRPOTrainer)
+and <out>/heldout.jsonl (400 problems disjoint from train), both conversational (`prompt` is a
+list of messages), the format both libraries read.
+
+    python bench/real_model_data.py --out /tmp/arith [--n-train 20000] [--n-test 400] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tether.tasks.arithmetic import make_splits
+
+INSTRUCTION = 'Give the final answer on its own last line as "#### <number>".'
+
+
+def row(p) -> dict:
+    # ASCII operators: the instruct model reads 'x' and '*' far more often than '×'
+    question = f"What is {p.a} {'*' if p.op == '×' else p.op} {p.b}?"
+    return {"prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}], "answer": str(p.answer)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n-train", type=int, default=20000)
+    ap.add_argument("--n-test", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    train, test = make_splits(a.n_train, a.n_test, level=3, seed=a.seed)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, problems in (("train", train), ("heldout", test)):
+        with open(out / f"{name}.jsonl", "w") as f:
+            for p in problems:
+                f.write(json.dumps(row(p)) + "\n")
+    print(f"{out}/train.jsonl: {len(train)} rows; {out}/heldout.jsonl: {len(test)} rows")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Issue 17 §4: GRPO that improves a real model, against a wall-clock budget, tether vs TRL.
+
+SmolLM2-135M-Instruct on two-digit arithmetic (bench/real_model_data.py: `What is 37 + 48? ...`,
+level 3 of tether.tasks.arithmetic), held-out greedy pass@1 on 400 problems judged by the `math`
+verifier (the '#### n' line if there is one, else the last number: the untrained model writes
+`37 + 48 = 85` and never a '####' line; it scores 0.215 greedy). The training reward is the same
+verifier. Both libraries train from the same weights on the same prompts with the same recipe
+until `--budget` seconds of *training* (evaluation time excluded on both sides), evaluating every
+`--eval-every` steps:
+
+    python bench/real_model_rl.py tether --model M --data D --out O/tether-s0 --seed 0 [--recipe R] [--set k=v ...]
+    python bench/real_model_rl.py trl    --model M --data D --out O/trl-s0    --seed 0 [--recipe R]
+    python bench/real_model_rl.py plot   --out benchmarks/real_model O/*
+
+Each run writes <out>/curve.json: [{step, train_seconds, pass@1, reward}], and the run itself.
+tether's eval points are its own (run.eval_every, the sampler, greedy; `eval/seconds` is logged);
+TRL's are a callback doing greedy `generate` on the same 400 prompts, scored by the same verifier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Recipes: tether config keys. `base` is the naive run the issue reports (0.215 -> 0.228).
+COMMON = {"model.dtype": "fp32", "model.mixed_precision": "bf16", "optim.schedule": "constant",
+          "optim.weight_decay": 0.0, "optim.max_grad_norm": 1.0, "optim.max_steps": 100000,
+          "rollout.max_new_tokens": 96, "grpo.beta": 0.0, "grpo.loss_agg": "token-mean",
+          "reward.reward_funcs": ["math"]}
+RECIPES = {
+    "naive": {"optim.lr": 3e-6, "data.batch_size": 16, "rollout.num_generations": 8, "rollout.temperature": 1.0},
+    "lr1e5_g16": {"optim.lr": 1e-5, "data.batch_size": 16, "rollout.num_generations": 16, "rollout.temperature": 1.0},
+    "lr3e5_g16": {"optim.lr": 3e-5, "data.batch_size": 16, "rollout.num_generations": 16, "rollout.temperature": 1.0},
+    "lr1e5_g16_ds": {"optim.lr": 1e-5, "data.batch_size": 16, "rollout.num_generations": 16,
+                     "rollout.temperature": 1.0, "grpo.dynamic_sampling": True},
+    "lr2e5_g8_t07": {"optim.lr": 2e-5, "data.batch_size": 32, "rollout.num_generations": 8, "rollout.temperature": 0.7},
+}
+
+
+def recipe(name: str, sets: list[str]) -> dict:
+    r = {**COMMON, **RECIPES[name]}
+    for s in sets:
+        k, v = s.split("=", 1)
+        try:
+            r[k] = json.loads(v)
+        except json.JSONDecodeError:
+            r[k] = v  # a bare string: token-mean
+    return r
+
+
+def write_curve(out: Path, points: list[dict], meta: dict) -> None:
+    (out / "curve.json").write_text(json.dumps({**meta, "points": points}, indent=1))
+
+
+# -- tether ------------------------------------------------------------------------------------
+
+def tether_points(metrics: Path) -> list[dict]:
+    """Eval points with the training time: `time` minus all evaluation so far (eval/seconds)."""
+    points, evals, reward = [], 0.0, None
+    if not metrics.exists():
+        return points
+    for line in metrics.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        reward = r.get("reward", reward)  # the last training reward (eval points may be rows of their own)
+        if "eval/greedy/pass@1" in r:
+            evals += r.get("eval/seconds", 0.0)
+            points.append({"step": r["step"], "train_seconds": r["time"] - evals,
+                           "pass@1": r["eval/greedy/pass@1"], "reward": reward})
+    return points
+
+
+def run_tether(a) -> None:
+    import yaml
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r = recipe(a.recipe, a.set)
+    cfg: dict = {}
+    for k, v in {**r, "model.path": a.model, "data.path": f"{a.data}/train.jsonl",
+                 "data.eval_data": f"{a.data}/heldout.jsonl", "reward.eval_reward_funcs": ["math"],
+                 "run.name": "run", "run.runs_dir": str(out), "run.seed": a.seed, "run.eval_every": a.eval_every,
+                 "run.progress": False, "run.overwrite": True, "run.num_samples": 4, "run.log_every": 1}.items():
+        sec, key = k.split(".", 1)
+        cfg.setdefault(sec, {})[key] = v
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    metrics = out / "run" / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "tether", "grpo", "--config", str(out / "config.yaml")],
+                            stdout=open(out / "stdout.log", "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    # stop at the budget of training time: the run has no notion of it, so it is watched from here
+    while proc.poll() is None:
+        time.sleep(2)
+        pts = tether_points(metrics)
+        if pts and pts[-1]["train_seconds"] >= a.budget:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            break
+    write_curve(out, tether_points(metrics), {"library": "tether", "recipe": a.recipe, "settings": r,
+                                              "seed": a.seed, "returncode": proc.returncode})
+
+
+# -- TRL ---------------------------------------------------------------------------------------
+
+def run_trl(a) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tether.rewards.verifiers import make_math
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r = recipe(a.recipe, a.set)
+    rows = [json.loads(x) for x in open(f"{a.data}/train.jsonl")]
+    held = [json.loads(x) for x in open(f"{a.data}/heldout.jsonl")]
+    verifier = make_math()
+
+    def math_reward(prompts, completions, answer, **_):  # the same verifier tether trains with
+        return verifier(prompts, completions, answer=answer)
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    G, P = r["rollout.num_generations"], r["data.batch_size"]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        model.cuda()
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=P * G, gradient_accumulation_steps=1,
+        num_generations=G, steps_per_generation=1, num_iterations=1,
+        max_completion_length=r["rollout.max_new_tokens"], temperature=r["rollout.temperature"],
+        beta=r["grpo.beta"], loss_type="dapo", scale_rewards="group", epsilon=0.2,
+        learning_rate=r["optim.lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=r["optim.max_grad_norm"], adam_beta1=0.9, adam_beta2=0.99, bf16=cuda,
+        max_steps=100000, logging_steps=1, save_strategy="no", report_to="none", seed=a.seed,
+        disable_tqdm=True, log_completions=False)
+    prompts = [tok.apply_chat_template(h["prompt"], add_generation_prompt=True, tokenize=False) for h in held]
+
+    class Clock(TrainerCallback):
+        """Greedy pass@1 on the held-out prompts every eval_every steps; its time is not training."""
+
+        def __init__(self):
+            self.t0, self.evals, self.points, self.reward = None, 0.0, [], None
+
+        def on_train_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **_):
+            if logs and "reward" in logs:
+                self.reward = logs["reward"]
+
+        def on_step_end(self, args, state, control, model=None, **_):
+            if state.global_step % a.eval_every:
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            train_seconds = t - self.t0 - self.evals
+            passed = 0
+            was = model.training
+            model.eval()
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                for i in range(0, len(prompts), 200):
+                    enc = tok(prompts[i:i + 200], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+                    gen = model.generate(**enc, max_new_tokens=r["rollout.max_new_tokens"], do_sample=False,
+                                         pad_token_id=tok.pad_token_id)
+                    texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                    passed += sum(verifier(prompts[i:i + 200], texts, answer=[h["answer"] for h in held[i:i + 200]]))
+            model.train(was)
+            self.evals += time.perf_counter() - t
+            self.points.append({"step": state.global_step, "train_seconds": train_seconds,
+                                "pass@1": passed / len(prompts), "reward": self.reward})
+            write_curve(out, self.points, meta)
+            if train_seconds >= a.budget:
+                control.should_training_stop = True
+
+    meta = {"library": "trl", "recipe": a.recipe, "settings": r, "seed": a.seed}
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[math_reward],
+                          train_dataset=Dataset.from_list(rows), args=args, callbacks=[clock])
+    trainer.train()
+    write_curve(out, clock.points, meta)
+
+
+# -- plot --------------------------------------------------------------------------------------
+
+def plot(a) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = [json.loads((Path(d) / "curve.json").read_text()) | {"dir": d} for d in a.runs]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"tether": "tab:blue", "trl": "tab:orange"}
+    for c in curves:
+        pts = [{"train_seconds": 0.0, "pass@1": a.base}] + c["points"]
+        ax.plot([p["train_seconds"] / 60 for p in pts], [p["pass@1"] for p in pts], color=colors[c["library"]],
+                alpha=0.8, label=f"{c['library']} seed {c['seed']}")
+    ax.axhline(a.base + 0.20, color="gray", ls="--", lw=0.8, label="untrained + 20 points")
+    ax.set_xlabel("training wall-clock (minutes, evaluation excluded)")
+    ax.set_ylabel("held-out greedy pass@1 (400 problems)")
+    ax.set_title("GRPO on SmolLM2-135M-Instruct, two-digit arithmetic")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "pass_at_1_vs_time.png", dpi=120)
+    rows = []
+    for c in curves:
+        inside = [p for p in c["points"] if p["train_seconds"] <= a.budget] or [{"pass@1": float("nan"), "step": 0, "train_seconds": 0}]
+        last = inside[-1]
+        rows.append({"library": c["library"], "recipe": c["recipe"], "seed": c["seed"], "step": last["step"],
+                     "train_seconds": round(last["train_seconds"], 1), "pass@1": last["pass@1"],
+                     "gain_points": round(100 * (last["pass@1"] - a.base), 1),
+                     "best": max(p["pass@1"] for p in inside)})
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    for row in rows:
+        print(row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("tether", "trl"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", required=True)
+        p.add_argument("--data", required=True)
+        p.add_argument("--out", required=True)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--recipe", default="lr1e5_g16", choices=sorted(RECIPES))
+        p.add_argument("--set", action="append", default=[], help="override a recipe key: k=v (JSON value)")
+        p.add_argument("--budget", type=float, default=600.0, help="seconds of training")
+        p.add_argument("--eval-every", type=int, default=25)
+    p = sub.add_parser("plot")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--base", type=float, default=0.215, help="the untrained model's pass@1")
+    p.add_argument("--budget", type=float, default=600.0)
+    a = ap.parse_args()
+    {"tether": run_tether, "trl": run_trl, "plot": plot}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
