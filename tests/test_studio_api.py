@@ -30,6 +30,15 @@ def test_ema_is_tensorboards_debiased_average():
     np.testing.assert_allclose(series.ema(np.full(50, 4.2), 0.9), np.full(50, 4.2))  # debiased: no pull to 0
     with pytest.raises(ValueError):
         series.ema(v, 1.0)
+    # the blocked, vectorised form equals the recursion itself, across block edges
+    vals = np.random.default_rng(3).normal(size=1000)
+    for w in (0.3, 0.95, 0.999):
+        s_, debias, expect = 0.0, 1.0, []
+        for x in vals:
+            s_ = w * s_ + (1 - w) * x
+            debias *= w
+            expect.append(s_ / (1 - debias))
+        np.testing.assert_allclose(series.ema(vals, w, block=64), expect, rtol=1e-10, atol=1e-12)
 
 
 def test_downsample_keeps_the_envelope():
@@ -367,3 +376,21 @@ def test_grpo_samples_carry_per_function_rewards_and_advantages(tmp_path):
     rewards = torch.tensor([row["reward"] for row in rows])
     expect = compute_advantages("grpo", rewards, torch.arange(2).repeat_interleave(G))
     assert [row["advantage"] for row in rows] == pytest.approx(expect.tolist(), abs=1e-5)
+
+
+def test_a_big_file_is_listed_from_its_last_lines_and_parsed_in_the_background(tmp_path, monkeypatch):
+    import time
+
+    from tether.studio import runs as runs_page
+
+    monkeypatch.setattr(runs_page, "BIG", 1000)  # bytes: this file is "big"
+    rows = [{"step": i, "loss": 1.0 / (i + 1)} for i in range(2000)] + [{"step": 2000, "reward": 0.25}]
+    _run(tmp_path / "runs", "big", rows)
+    c = client(make_app(tmp_path / "runs"))
+    first = c.get("/api/runs/list").json()["runs"][0]
+    assert first["last_step"] == 2000 and first["headline"] == {"name": "reward", "value": 0.25, "step": 2000}
+    deadline = time.monotonic() + 20
+    while (r := c.get("/api/runs/list").json()["runs"][0])["rows"] is None:  # read in the background
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert r["rows"] == 2001 and r["bad_lines"] == 0 and r["last_step"] == 2000

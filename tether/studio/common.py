@@ -132,25 +132,43 @@ class JsonlTail:
     Each `read()` parses only the bytes added since the last one, up to the last complete line (a
     line still being written is left for the next read). A line that is not a JSON object is
     skipped and counted (`bad`), not fatal: one corrupt line must not hide the rest of a run. A file
-    that shrank or was replaced (resume's truncate_after rewrites it) is read again from the start."""
+    that shrank or was replaced (resume's truncate_after rewrites it) is read again from the start.
+    A subclass keeps something other than the rows by overriding `reset` and `add`."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.rows: list[dict] = []
-        self.bad = 0
         self._offset = 0
         self._ino = None
         self._lock = threading.Lock()
+        self.reset()
 
-    def read(self) -> list[dict]:
+    def reset(self) -> None:
+        self.rows: list[dict] = []
+        self.bad = 0
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def unread(self) -> int:
+        """Bytes written since the last read (the whole file when it was replaced)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return 0
+        return st.st_size if st.st_ino != self._ino or st.st_size < self._offset else st.st_size - self._offset
+
+    def read(self):
+        """Parse what was appended; returns self.rows (a subclass: whatever it keeps)."""
         with self._lock:
             try:
                 st = os.stat(self.path)
             except FileNotFoundError:
-                self.rows, self.bad, self._offset, self._ino = [], 0, 0, None
+                self._offset, self._ino = 0, None
+                self.reset()
                 return self.rows
             if st.st_ino != self._ino or st.st_size < self._offset:
-                self.rows, self.bad, self._offset, self._ino = [], 0, 0, st.st_ino
+                self._offset, self._ino = 0, st.st_ino
+                self.reset()
             if st.st_size > self._offset:
                 with open(self.path, "rb") as f:
                     f.seek(self._offset)
@@ -164,7 +182,7 @@ class JsonlTail:
                     except ValueError:
                         row = None
                     if isinstance(row, dict):
-                        self.rows.append(row)
+                        self.add(row)
                     else:
                         self.bad += 1
                 self._offset += end
@@ -176,13 +194,38 @@ class JsonlTail:
         return f"{self._ino}:{self._offset}"
 
 
-def tail_of(studio: Studio, path: Path) -> JsonlTail:
-    """The one JsonlTail of `path` for this app (kept across requests: reads stay incremental)."""
+def last_rows(path: Path, nbytes: int = 1 << 16) -> list[dict]:
+    """The JSON objects of the complete lines in the last `nbytes` of a file (the first, likely
+    cut, line dropped): a big file's latest rows without reading all of it."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - nbytes))
+            chunk = f.read()
+    except OSError:
+        return []
+    lines = chunk[:chunk.rfind(b"\n") + 1].splitlines()
+    if size > nbytes:
+        lines = lines[1:]
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def tail_of(studio: Studio, path: Path, kind: type = JsonlTail) -> JsonlTail:
+    """The one `kind` (JsonlTail or a subclass) of `path` for this app, kept across requests so
+    reads stay incremental."""
     tails = studio.pages.setdefault("_tails", {})
     with studio._lock:
-        t = tails.get(path)
+        t = tails.get((path, kind))
         if t is None:
-            t = tails[path] = JsonlTail(path)
+            t = tails[(path, kind)] = kind(path)
         return t
 
 

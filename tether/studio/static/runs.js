@@ -4,6 +4,7 @@
 (function () {
   const T = window.tether;
   const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: null};
+  const DEFAULT_CURVES = ["reward", "kl", "loss", "entropy", "lr", "grad_norm", "eval/pass@1", "pass@1", "accuracy", "eval/accuracy"];
 
   function statusCell(s) { return T.el("span", {class: "status-" + s}, s); }
 
@@ -50,7 +51,11 @@
   }
 
   async function loadCurves() {
-    const q = s => `/api/runs/metrics?run=${encodeURIComponent(s)}&smooth=${state.smooth}&since=${encodeURIComponent(state.versions[s] || "")}`;
+    // only the curves on screen travel (a run may log dozens of metrics); before the first answer,
+    // the usual ones (the server answers with those it has, and the names of all)
+    const names = (state.curves.length ? state.curves : DEFAULT_CURVES).join(",");
+    const q = s => `/api/runs/metrics?run=${encodeURIComponent(s)}&smooth=${state.smooth}&names=${encodeURIComponent(names)}` +
+                   `&since=${encodeURIComponent(state.versions[s] || "")}`;
     let changed = false;
     for (const id of state.selected) {
       const d = await T.api(q(id));
@@ -123,7 +128,7 @@
   });
   document.getElementById("add-metric").addEventListener("click", () => {
     const n = document.getElementById("metric-pick").value;
-    if (n && !state.curves.includes(n)) { state.curves.push(n); drawCurves(); }
+    if (n && !state.curves.includes(n)) { state.curves.push(n); state.versions = {}; loadCurves(); }
   });
   document.getElementById("step-filter").addEventListener("change", loadSamples);
   document.getElementById("samples-run").addEventListener("change", () => {
