@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tether.errors import UserError
 
@@ -29,6 +29,10 @@ class StudioConfig:
     "where the labeler appends its preference JSONL ('' = <runs_dir>/studio-labels)"
     label_source: str = "world"
     "the labeler's pairs: 'world' (the gold-reward world's writer), a preference or prompt-completion JSONL, or 'model' (two temperatures of `model`)"
+    label_prompts: str = ""
+    "prompts of label_source=model: a prompt-only JSONL ('' = the gold-reward world's prompts)"
+    label_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.3])
+    "label_source=model: the two sampling temperatures whose completions are compared"
     retrain_every: int = 5
     "the labeler's Bradley-Terry model retrains in the background after every this many labels"
     seed: int = 0
