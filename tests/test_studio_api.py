@@ -394,3 +394,38 @@ def test_a_big_file_is_listed_from_its_last_lines_and_parsed_in_the_background(t
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert r["rows"] == 2001 and r["bad_lines"] == 0 and r["last_step"] == 2000
+
+
+def test_pairs_sampled_live_from_a_model_at_two_temperatures(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tether.models import load_model, load_tokenizer
+    from tether.models.tiny import tiny_config
+    from tether.rollout import sample
+    from tether.studio.labeler_store import ModelPairs
+    from tether.tasks.preference_world import PreferenceWorld
+
+    world = PreferenceWorld()
+    tok = world.tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(len(tok), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                         intermediate_size=32, max_position_embeddings=64,
+                                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                         pad_token_id=tok.pad_token_id))
+    model.save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    c = client(make_app(tmp_path / "runs", label_source="model", model=str(tmp_path / "policy"),
+                        label_temperatures=[0.5, 2.0], retrain_every=1000))
+    p = c.post("/api/labeler/next", json={"session": "s"}).json()["pair"]
+    src = ModelPairs(str(tmp_path / "policy"), [0.5, 2.0])
+    m, t = load_model(str(tmp_path / "policy"), dtype="fp32", device="cpu"), load_tokenizer(str(tmp_path / "policy"), padding_side="left")
+    expect = {sample(m, t, [p["prompt"]], n=1, seed=src.sample_seed("train", 0, k), temperature=temp,
+                     max_new_tokens=world.max_new_tokens).texts[0] for k, temp in enumerate([0.5, 2.0])}
+    assert p["index"] == 0 and {p["a"], p["b"]} == expect and p["prompt"] in world.prompts(None, split="train")
+    assert src.pair(0)["gold_a"] == world.gold_reward([p["prompt"]], [src.pair(0)["a"]])[0]
+    c.post("/api/labeler/label", json={"session": "s", "index": 0, "choice": "b"})
+    row = json.loads((tmp_path / "runs" / "studio-labels" / "preferences.jsonl").read_text())
+    assert row == {"prompt": p["prompt"], "chosen": p["b"], "rejected": p["a"]}
+    assert make_app(tmp_path / "r2", label_source="model") and client(make_app(tmp_path / "r2", label_source="model")) \
+        .post("/api/labeler/next", json={"session": "s"}).status_code == 400  # no model= : one clear error

@@ -32,20 +32,35 @@ def _write_run(d, rows, summary=None, samples=(), extra=""):
 
 
 def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
+    import torch
+
+    from tether.config import save_config
+    from tether.objectives import compute_advantages
     from tether.run import RunDir
     from tether.studio import series
+    from tether.trainers.online import GRPOConfig
 
     runs = tmp_path / "runs"
     rng = np.random.default_rng(0)
     steps = list(range(1, 301))
     reward = np.cumsum(rng.normal(0.01, 0.1, size=300))
     kl = np.abs(rng.normal(0.02, 0.01, size=300))
-    rows = [{"step": s, "time": s * 0.1, "reward": float(r), "kl": float(k), "loss": float(-r)}
+    rows = [{"step": s, "time": s * 0.1, "reward": float(r), "kl": float(k), "loss": float(-r),
+             "entropy": 1.5 - s / 400, "lr": 1e-5 * min(1.0, s / 30), "grad_norm": float(abs(r) + 0.5)}
             for s, r, k in zip(steps, reward, kl)]
-    samples = [{"step": s, "prompt": f"What is {i} + {s}?", "completion": f" {i + s}", "reward": float(rng.random())}
-               for s in (100, 200, 300) for i in range(5)]
+    samples = []
+    for s in (100, 200, 300):  # one group of 5 completions per logged step, with grpo's advantages
+        right = rng.random(5) < 0.6
+        fmt = rng.random(5) < 0.8
+        total = torch.tensor(right * 1.0 + fmt * 0.2)
+        adv = compute_advantages("grpo", total, torch.zeros(5, dtype=torch.long))
+        samples += [{"step": s, "prompt": f"What is 17 + {s}?", "completion": f" 17 + {s} = {17 + s if ok else 16 + s}",
+                     "reward": float(total[i]), "rewards/verifier": float(right[i]), "rewards/format": 0.2 * float(fmt[i]),
+                     "advantage": float(adv[i])} for i, ok in enumerate(right)]
     _write_run(runs / "grpo-a", rows, summary={"done": True}, samples=samples)
     _write_run(runs / "grpo-b", rows[:150], extra='{"step": 151, "rew\n')       # failed, a corrupt last line
+    for name in ("grpo-a", "grpo-b"):  # the resolved config a grpo run writes: the page names the command
+        save_config(GRPOConfig(model="runs/sft/checkpoints/step-200", data="prompts.jsonl"), runs / name / "config.yaml")
     (runs / "no-metrics").mkdir()
     (runs / "no-metrics" / "config.yaml").write_text("lr: 0.1\n")
     live = RunDir(runs / "live")                                                # running: holds its lock
@@ -59,6 +74,7 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         status = {r: page.text_content(f"tr[data-id='{r}'] td[data-key=status]") for r in ("grpo-a", "grpo-b", "no-metrics", "live")}
         assert status == {"grpo-a": "finished", "grpo-b": "failed", "no-metrics": "failed", "live": "running"}
         assert value_of(page, "tr[data-id='grpo-a'] td[data-key=headline] .num") == rows[-1]["reward"]
+        assert page.text_content("tr[data-id='grpo-a'] td[data-key=command]") == "grpo"
         assert page.text_content("tr[data-id='grpo-b'] td[data-key=bad_lines]") == "1"  # skipped and counted
 
         # a run with no metrics yet

@@ -59,7 +59,7 @@ def rm_report(labels: list[dict], source) -> dict:
     labelled = {e["index"] for e in labels}
     unseen = []
     if hasattr(source, "world"):
-        pairs = [source.pair(i, split="test") for i in range(WORLD_EVAL_PAIRS)]
+        pairs = [source.pair(i, split="test") for i in range(getattr(source, "eval_pairs", WORLD_EVAL_PAIRS))]
         a, b = [p["a"] for p in pairs], [p["b"] for p in pairs]
         ga, gb = [p["gold_a"] for p in pairs], [p["gold_b"] for p in pairs]
         from tether.tasks.preference_world import bayes_optimal_accuracy

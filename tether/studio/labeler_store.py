@@ -18,6 +18,8 @@ the file before or after, never half of it.
 Pair sources (StudioConfig.label_source):
     world      the gold-reward world's human writer, two responses to one training prompt
                (tether.tasks.preference_world); each pair knows its gold rewards
+    model      two completions of `model` sampled live at two temperatures (label_temperatures),
+               to the prompts of label_prompts or the world's
     <file>     a preference file (chosen and rejected shown in a seeded random order) or a
                prompt-completion file (two completions of the same prompt), loaded by tether.data
 """
@@ -31,6 +33,7 @@ import random
 import threading
 import time
 import uuid
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -102,9 +105,69 @@ class FilePairs:
         return {"pair": f"{self.name}-{i}", "index": i, "prompt": prompt, "a": a, "b": b}
 
 
+class ModelPairs:
+    """Pairs sampled live from `model` (tether.rollout.sample): one completion at each of two
+    temperatures, on which side each lands drawn per pair, seeded by (seed, split, i, side), so a
+    pair is the same whenever it is rebuilt. Prompts: a prompt-only file, else the gold-reward
+    world's (then each pair carries its gold rewards and the page shows the Bayes figure)."""
+
+    def __init__(self, model: str, temperatures, prompts: str = "", seed: int = 0):
+        from tether.models import load_model, load_tokenizer
+
+        if len(temperatures) != 2 or min(temperatures) <= 0:
+            raise UserError(f"studio: label_temperatures must be two temperatures > 0, got {list(temperatures)}")
+        self.tokenizer = load_tokenizer(model, padding_side="left")
+        self.model = load_model(model, dtype="fp32", device="cpu").eval()
+        self.temperatures, self.seed, self.name = list(temperatures), seed, f"{Path(model).name} at T={temperatures}"
+        if prompts:
+            from tether.data import load_data
+
+            self._prompts = {"train": [r["prompt"] for r in load_data(prompts, expect="prompt-only")]}
+        else:
+            from tether.tasks.preference_world import PreferenceWorld
+
+            self.world = PreferenceWorld()
+            self._prompts = {s: self.world.prompts(None, split=s) for s in ("train", "test")}
+        self.max_new_tokens = 24 if hasattr(self, "world") else 128
+        self.eval_pairs = 100  # sampled live, so fewer than the world writer's 500
+        self._cache: dict = {}
+        self._lock = threading.Lock()  # one sampling at a time (the page's thread and the fit's)
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def sample_seed(self, split: str, i: int, side: int) -> int:
+        """The sampler's seed of pair i's completion at temperature number `side` (stable across runs)."""
+        return zlib.crc32(f"{self.seed}:{split}:{i}:{side}".encode())
+
+    def pair(self, i: int, split: str = "train") -> dict:
+        from tether.rollout import sample
+
+        key = (split, i)
+        with self._lock:
+            if key not in self._cache:
+                prompts = self._prompts.get(split) or self._prompts["train"]
+                rng = random.Random(f"{self.seed}:{split}:{i}")
+                prompt = prompts[rng.randrange(len(prompts))]
+                texts = [sample(self.model, self.tokenizer, [prompt], n=1, seed=self.sample_seed(split, i, k),
+                                temperature=t, max_new_tokens=self.max_new_tokens).texts[0]
+                         for k, t in enumerate(self.temperatures)]
+                if rng.random() < 0.5:
+                    texts.reverse()
+                p = {"pair": f"model-{self.seed}-{split}-{i}", "index": i, "prompt": prompt, "a": texts[0], "b": texts[1]}
+                if hasattr(self, "world"):
+                    p["gold_a"], p["gold_b"] = self.world.gold_reward([prompt, prompt], texts)
+                self._cache[key] = p
+            return self._cache[key]
+
+
 def make_source(cfg):
     if cfg.label_source == "world":
         return WorldPairs(seed=cfg.seed)
+    if cfg.label_source == "model":
+        if not cfg.model:
+            raise UserError("studio: label_source=model needs model=<a policy folder>")
+        return ModelPairs(cfg.model, cfg.label_temperatures, cfg.label_prompts, seed=cfg.seed)
     if not Path(cfg.label_source).is_file():
         raise UserError(f"studio: label_source must be 'world' or a file; {cfg.label_source} is neither")
     return FilePairs(cfg.label_source, seed=cfg.seed)

@@ -147,7 +147,8 @@
   // xDomain, yDomain, vlines: [{x, label, color}], hlines: [{y, label, color}], id}. Returns the <svg>.
   function lineChart(container, series, opts) {
     opts = opts || {};
-    const W = opts.width || 460, H = opts.height || 260, m = {l: 56, r: 12, t: opts.title ? 24 : 10, b: 40};
+    const withLegend = series.filter(s => s.name).length > 1 || opts.legend;
+    const W = opts.width || 460, H = opts.height || 260, m = {l: 56, r: 12, t: withLegend ? 36 : (opts.title ? 24 : 10), b: 40};
     const xs = series.flatMap(s => s.x), ys = series.flatMap(s => s.y);
     const [x0, x1] = opts.xDomain || extent(xs, 0), [y0, y1] = opts.yDomain || extent(ys, 0.05);
     const X = v => m.l + (v - x0) / (x1 - x0 || 1) * (W - m.l - m.r);
@@ -187,12 +188,17 @@
       if (s.points) for (let k = 0; k < s.x.length; k++)
         if (s.y[k] !== null && isFinite(s.y[k])) root.append(svg("circle", {cx: X(s.x[k]), cy: Y(s.y[k]), r: 2.5, fill: color}));
     });
+    // the legend: one row above the plot, right-aligned (never over the lines)
     const named = series.filter(s => s.name);
-    if (named.length > 1 || opts.legend) named.forEach((s, i) => {
-      const color = s.color || PALETTE[series.indexOf(s) % PALETTE.length], y = m.t + 12 + 13 * i;
-      root.append(svg("line", {x1: W - m.r - 110, x2: W - m.r - 96, y1: y - 4, y2: y - 4, stroke: color, "stroke-width": 2}),
-                  svg("text", {x: W - m.r - 92, y, class: "legend"}, s.name));
-    });
+    if (named.length > 1 || opts.legend) {
+      let x = W - m.r - named.reduce((a, s) => a + 26 + 6.2 * s.name.length, 0);
+      named.forEach(s => {
+        const color = s.color || PALETTE[series.indexOf(s) % PALETTE.length], y = m.t - 6;
+        root.append(svg("line", {x1: x, x2: x + 14, y1: y - 4, y2: y - 4, stroke: color, "stroke-width": 2}),
+                    svg("text", {x: x + 18, y, class: "legend"}, s.name));
+        x += 26 + 6.2 * s.name.length;
+      });
+    }
     container.replaceChildren(root);
     return root;
   }
