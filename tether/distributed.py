@@ -42,7 +42,7 @@ import torch.distributed as dist
 OPTIMIZER_DIR = "optimizer"  # inside a checkpoint directory: the optimizer state (DCP format)
 
 
-def init() -> bool:
+def init(store=None) -> bool:
     """Join the process group torchrun describes (WORLD_SIZE > 1); idempotent. NCCL on CUDA (each
     rank on cuda:LOCAL_RANK) with gloo for CPU tensors, gloo alone on CPU. The timeout bounds how long a rank waits in a collective
     for a peer that died (TETHER_DIST_TIMEOUT seconds, default 600); torchrun normally stops the
@@ -56,7 +56,11 @@ def init() -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=float(os.environ.get("TETHER_DIST_TIMEOUT", "600")))
     # gloo beside NCCL for CPU tensors: FSDP2's CPU offload keeps gradients (and their norm) there
-    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=timeout)
+    # store: a key-value store to meet in instead of torchrun's (a part of torchrun's processes
+    # forming a world of their own, WORLD_SIZE of them: online_async.split_world)
+    where = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
+                                           world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=timeout, **where)
     return True
 
 
