@@ -141,3 +141,32 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup):
     assert rows == _rows(setup, "inter1", drop=("queue/dropped",))
     assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]
     _same_weights(local, {"checkpoint": str(setup / "runs" / "dis1" / "checkpoints" / "step-4")})
+
+
+@pytest.mark.slow  # three torchrun processes: ~60-90 s on the 2 shared cores
+def test_disaggregated_with_two_sharded_trainers(setup):
+    """torchrun, 3 processes: 2 trainers (FSDP2 among them, as plain torchrun) + 1 sampler, at
+    staleness 1: the interleaved one-process run's metrics (1e-5) and weights (the ranks are
+    micro-batches of the sampler's batch)."""
+    import sys
+    if sys.platform != "linux":
+        pytest.skip("torchrun + gloo on Linux")
+    from dist_support import TIMING, assert_same_metrics, assert_same_weights, ok, run_tether
+    (setup / "rewards.py").write_text(
+        "def digit_frac(prompts, completions, completion_ids, **_):\n"
+        "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
+    kw = dict(max_staleness=1, is_correction="tis", is_cap=1.05)
+    train_grpo(_cfg(setup, "inter1b", placement="interleaved", **kw), reward_funcs=[digit_frac])
+    args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="dis21",
+                batch_size=2, num_generations=4, max_new_tokens=8, max_steps=4, lr=1e-2, device="cpu",
+                progress="false", seed=0, overwrite="true", placement="disaggregated",
+                reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", **kw)
+    ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=3, timeout=600))
+    runs = setup / "runs"
+    skip = TIMING | {"queue/dropped"}  # (interleaved only)
+    one = [{k: v for k, v in r.items() if k not in skip} for r in _rows(setup, "inter1b")]
+    three = [{k: v for k, v in r.items() if k not in skip} for r in _rows(setup, "dis21")]
+    assert [r["queue/staleness"] for r in three] == [0, 1, 1, 1]
+    assert {k for r in one for k in r} == {k for r in three for k in r}
+    assert assert_same_metrics(runs / "inter1b", runs / "dis21", keys_may_differ=True) >= 4 * 30
+    assert_same_weights(runs / "inter1b" / "checkpoints" / "step-4", runs / "dis21" / "checkpoints" / "step-4")

@@ -15,7 +15,8 @@ weights:
   is published, so each batch's version — and with it the run — is the same whatever the speeds.
   At S = 0 it computes exactly what the synchronous loop does (the test); at S = 1 batch k+1's
   generation overlaps batch k's update. On CUDA the producer runs on its own stream.
-- **disaggregated** (torchrun, 1 trainer + `sampler_ranks` sampler processes): the sampler
+- **disaggregated** (torchrun: the first processes train — FSDP2 among them as under plain
+  torchrun, each on its share of the sampler's batch — and the last one samples): the sampler
   process runs the same schedule; batches go through torchrun's key-value store (bounded by the
   schedule to S + 1 in flight), weights come back after each update by a broadcast (gloo on CPU,
   NCCL on GPUs) over a process group of their own.
@@ -51,7 +52,7 @@ class QueueSection:
     max_staleness: NonNegativeInt = 0
     "policy versions a trained batch may lag the trainer (0 = sample, then train on the same weights: the synchronous loop)"
     placement: Literal["auto", "interleaved", "disaggregated"] = "auto"
-    "auto: synchronous at max_staleness 0, else interleaved; interleaved: one process, a sampler thread on a copy of the policy; disaggregated: torchrun with 1 trainer + sampler_ranks sampler processes"
+    "auto: synchronous at max_staleness 0, else interleaved; interleaved: one process, a sampler thread on a copy of the policy; disaggregated: under torchrun the last sampler_ranks processes sample, the others train (FSDP2 among them)"
     sampler_ranks: PositiveInt = 1
     "disaggregated: how many of torchrun's processes sample (the last ones; 1 for now)"
 
@@ -200,23 +201,28 @@ class Link:
     store: object
     "torchrun's key-value store (prefixed): the batches travel through it"
     weights: object
-    "the process group the weights are broadcast over (trainer = rank 0)"
+    "the process group the weights are broadcast over (trainer rank 0 = its rank 0, the sampler 1); None on other trainer ranks"
     timeout: float
+    trainers: int = 1
+    "trainer processes (torchrun's first ones; FSDP2 among them as under plain torchrun)"
 
 
 def split_world(cfg) -> Optional[Link]:
-    """placement=disaggregated: join torchrun's store, make the weights' process group, and leave
-    each process a world of its own (WORLD_SIZE=1: the trainer is one process, the sampler too).
-    Call before anything loads. None for the other placements."""
+    """placement=disaggregated: join torchrun's store, make the weights' process group (trainer rank
+    0 + the sampler), give the trainer processes a process group of their own (the default one, as
+    plain torchrun would: FSDP2 and tether.distributed work among them unchanged) and leave the
+    sampler a world of its own (WORLD_SIZE=1). Call before anything loads. None for the other
+    placements."""
     if cfg.queue.placement != "disaggregated":
         return None
     import datetime
     import torch.distributed as dist
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    want = 1 + cfg.queue.sampler_ranks
-    if world != want:
-        raise UserError(f"{cfg.run.name}: placement=disaggregated runs 1 trainer + {cfg.queue.sampler_ranks} "
-                        f"sampler process(es): torchrun --nproc-per-node {want} (this is {world} process(es))")
+    trainers = world - cfg.queue.sampler_ranks
+    if trainers < 1:
+        raise UserError(f"{cfg.run.name}: placement=disaggregated runs trainer processes + {cfg.queue.sampler_ranks} "
+                        f"sampler process(es): torchrun --nproc-per-node {1 + cfg.queue.sampler_ranks} or "
+                        f"more (this is {world} process(es))")
     if cfg.run.resume:
         raise ConfigError("config key 'run.resume': placement=disaggregated does not resume yet")
     timeout = float(os.environ.get("TETHER_DIST_TIMEOUT", "600"))
@@ -225,11 +231,18 @@ def split_world(cfg) -> Optional[Link]:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     prefixed = dist.PrefixStore("tether/queue", store)
-    pg_store = dist.PrefixStore("tether/weights", store)
-    group = dist.ProcessGroupNCCL(pg_store, rank, world) if cuda else \
-        dist.ProcessGroupGloo(pg_store, rank, world, datetime.timedelta(seconds=timeout))
-    os.environ["WORLD_SIZE"] = "1"  # each side is one process to tether.distributed from here on
-    return Link(samples=rank > 0, store=prefixed, weights=group, timeout=timeout)
+    group = None
+    if rank == 0 or rank >= trainers:  # trainer rank 0 (link rank 0) and the sampler (link rank 1)
+        pg_store, link_rank = dist.PrefixStore("tether/weights", store), 0 if rank == 0 else rank - trainers + 1
+        group = dist.ProcessGroupNCCL(pg_store, link_rank, 2) if cuda else \
+            dist.ProcessGroupGloo(pg_store, link_rank, 2, datetime.timedelta(seconds=timeout))
+    samples = rank >= trainers
+    # From here each side is what tether.distributed expects: the trainers a torchrun world of
+    # their own (distributed.init joins it over the same store), the sampler one process.
+    os.environ["WORLD_SIZE"] = "1" if samples else str(trainers)
+    if not samples and trainers > 1:
+        distributed.init(store=dist.PrefixStore("tether/trainers", store))
+    return Link(samples=samples, store=prefixed, weights=group, timeout=timeout, trainers=trainers)
 
 
 def sampler_config(cfg, link: Link):
@@ -239,8 +252,35 @@ def sampler_config(cfg, link: Link):
 
 
 def _broadcast(link: Link, model) -> None:
-    for value in model.state_dict().values():  # the same names and order on both sides
-        link.weights.broadcast(value.data, 0).wait()
+    """The weights from trainer rank 0 to the sampler, tensor by tensor in state_dict order (the
+    same names on both sides: FSDP2 keeps them). On the trainers each sharded tensor is gathered
+    first (collective among them)."""
+    for value in model.state_dict().values():
+        value = distributed.full(value) if not link.samples else value
+        if link.weights is not None:
+            link.weights.broadcast(value.data, 0).wait()
+
+
+def _my_part(collected, G: int):
+    """This trainer rank's groups of the sampler's whole batch (every world_size-th group, as
+    EpochSampler.part hands prompts out): ranks are micro-batches of the one batch, so any split
+    trains the same update. A rank left without a group keeps the batch as its filler. The counts
+    step_metrics adds over the ranks (tokens, dynamic sampling's groups) stay with rank 0."""
+    if not distributed.active():
+        return collected
+    from tether.trainers.online_sampling import StepBatch, select_groups
+    rank, world = distributed.rank(), distributed.world_size()
+    groups = list(range(len(collected.prompt_rows)))[rank::world]
+    rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+    sampled = torch.arange(len(collected.sampled_rewards))
+    mine = sampled[(collected.sampled_groups % world) == rank]  # the metrics' rows: each rank its own
+    rollout = select_groups(collected.rollout, groups, G)
+    rollout.stats = dict(collected.rollout.stats)
+    return StepBatch(rollout, [collected.prompt_rows[g] for g in groups], collected.per_fn[rows],
+                     collected.rewards[rows], collected.sampled_rewards[mine], collected.sampled_per_fn[mine],
+                     collected.sampled_groups[mine], collected.sampled_tokens if rank == 0 else 0,
+                     {k: v if k == "num_sampling_rounds" or rank == 0 else 0 for k, v in collected.metrics.items()},
+                     None if groups else collected.rollout, collected.epoch)
 
 
 def _pack(item: Trajectories) -> bytes:
@@ -257,8 +297,8 @@ class Disaggregated:
     """The trainer's side: batches from the sampler process, weights broadcast back (module doc)."""
     lends_gradients = True  # this process only trains and evaluates
 
-    def __init__(self, t, link: Link, max_staleness: int):
-        self.t, self.link, self.S, self.total = t, link, max_staleness, t.total_steps
+    def __init__(self, t, link: Link, max_staleness: int, generations: int):
+        self.t, self.link, self.S, self.total, self.G = t, link, max_staleness, t.total_steps, generations
         _broadcast(link, t.model)  # version 0: the sampler starts from exactly these weights
 
     def get(self, step: int):
@@ -266,9 +306,11 @@ class Disaggregated:
         key = f"batch/{step}"
         self.link.store.wait([key])
         item = _unpack(self.link.store.get(key))
-        self.link.store.delete_key(key)
+        if self.link.store.add(f"read/{step}", 1) == self.link.trainers:  # the last trainer to read it
+            self.link.store.delete_key(key)
         assert item.index == step, (item.index, step)
-        return item.batch, {"queue/staleness": step - item.version, "queue/wait_seconds": time.perf_counter() - started}
+        return _my_part(item.batch, self.G), {"queue/staleness": step - item.version,
+                                              "queue/wait_seconds": time.perf_counter() - started}
 
     def before_update(self, step: int) -> None:
         pass
@@ -302,7 +344,7 @@ def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, lin
     """The source the loop takes its batches from, per cfg.queue (module doc)."""
     q = cfg.queue
     if link is not None:
-        return Disaggregated(t, link, q.max_staleness)
+        return Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
     if q.placement == "interleaved" or q.max_staleness > 0:
         return Interleaved(t, produce, make_sampler, q.max_staleness)
     return Synchronous(t, produce, sampler)
