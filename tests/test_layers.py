@@ -15,6 +15,7 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 # Layers, top (1) to bottom. A module may import from layers with a larger number, and from its
 # own package (tether.<name>). Keep in step with docs/architecture.md, "Layers".
 LAYERS = [
+    ["studio"],  # `tether studio`: a web app over run directories and every layer below (it reads cli's COMMANDS)
     ["cli", "__main__"],
     ["quickstart", "studies", "init_model", "convert"],
     ["trainers", "labeling"],  # labeling: `tether label steps` (Math-Shepherd MC step labels)
