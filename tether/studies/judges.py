@@ -57,6 +57,8 @@ class JudgesConfig:
     "reward-model learning rate"
     ppo_beta: NonNegative = 0.02
     "PPO KL coefficient for every judge's proxy"
+    ppo_seeds: list[Seed] = field(default_factory=lambda: [0])
+    "PPO runs per judge, one per seed; curves and numbers are their means (the per-seed finals are kept)"
     ppo_steps: PositiveInt = 60
     "PPO steps per judge"
     ppo_batch_size: PositiveInt = 64
@@ -82,6 +84,8 @@ class JudgesConfig:
         check_values(self)
         if not 0.5 <= self.position_p <= 1:
             raise ConfigError(f"config key 'position_p' must be in [0.5, 1] (a bias towards the first); got {self.position_p}")
+        if not self.ppo_seeds:
+            raise ConfigError("config key 'ppo_seeds' must list at least one seed")
         if bool(self.hh_judge) != bool(self.hh_data):
             raise ConfigError("config keys 'hh_judge' and 'hh_data' go together (part b needs both)")
 
@@ -191,22 +195,40 @@ def run_world(cfg: JudgesConfig, root: Path) -> dict:
                                device="cpu", seed=cfg.seed, progress=cfg.progress, overwrite=True))
         proxy = LearnedReward(rm["checkpoint"], device="cpu")
         rm_stats = {"accuracy_own_labels": rm.get("eval/accuracy"), **rm_vs_gold(proxy, world, held)}
-        name = f"ppo_{slug}"
-        train_ppo(PPOConfig(model=str(lab["policy"]), data=str(prompt_file), name=name, runs_dir=str(root),
-                            batch_size=cfg.ppo_batch_size, max_new_tokens=world.max_new_tokens,
-                            max_steps=cfg.ppo_steps, lr=cfg.ppo_lr, kl_coef=cfg.ppo_beta, ppo_epochs=2,
-                            num_minibatches=2, vf_coef=0.5, device="cpu", seed=cfg.seed,
-                            value_model=str(rm["checkpoint"]), progress=cfg.progress,
-                            save_every=cfg.ppo_steps, keep_last=0, overwrite=True),
-                  reward_funcs=[proxy], eval_reward_funcs=[gold_reward])
-        curve = _ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
-        lengths = [r["completions/mean_length"] - 1 for r in read_jsonl(root / name / "metrics.jsonl")]  # − EOS
-        curve.update(length=lengths, final_length=float(np.mean(lengths[-5:])), start_length=float(lengths[0]))
+        curves = []
+        for ppo_seed in cfg.ppo_seeds:
+            name = f"ppo_{slug}" + (f"_s{ppo_seed}" if len(cfg.ppo_seeds) > 1 else "")
+            train_ppo(PPOConfig(model=str(lab["policy"]), data=str(prompt_file), name=name, runs_dir=str(root),
+                                batch_size=cfg.ppo_batch_size, max_new_tokens=world.max_new_tokens,
+                                max_steps=cfg.ppo_steps, lr=cfg.ppo_lr, kl_coef=cfg.ppo_beta, ppo_epochs=2,
+                                num_minibatches=2, vf_coef=0.5, device="cpu", seed=ppo_seed,
+                                value_model=str(rm["checkpoint"]), progress=cfg.progress,
+                                save_every=cfg.ppo_steps, keep_last=0, overwrite=True),
+                      reward_funcs=[proxy], eval_reward_funcs=[gold_reward])
+            curve = _ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
+            # mean words of the sampled responses per step (the logged length counts EOS)
+            lengths = [r["completions/mean_length"] - 1 for r in read_jsonl(root / name / "metrics.jsonl")]
+            curve.update(length=lengths, final_length=float(np.mean(lengths[-5:])), start_length=float(lengths[0]))
+            curves.append(curve)
+        curve = mean_curve(curves)
         results[c["label"]] = {**c, "labels": stats, "rm": rm_stats, "ppo": curve}
         print(f"judges: {c['label']}: gold-order agreement {stats['gold_order_agreement']:.3f}, RM acc vs gold "
               f"{rm_stats['accuracy_gold_labels']:.3f}, PPO gold gain {curve['gold_final_gain']:.2f}, "
               f"length {curve['start_length']:.1f}->{curve['final_length']:.1f}", flush=True)
     return {"bayes_optimal_accuracy": lab["bayes"], "judges": results}
+
+
+def mean_curve(curves: list[dict]) -> dict:
+    """Element-wise mean of PPO curves of several seeds (same steps); per-seed finals kept."""
+    out = dict(curves[0])
+    for k, v in curves[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = float(np.mean([c[k] for c in curves]))
+        elif isinstance(v, list) and v and isinstance(v[0], (int, float)):
+            out[k] = np.mean([c[k] for c in curves], 0).tolist()
+    for k in ("gold_final_gain", "gold_peak_gain", "final_length", "proxy_final_gain"):
+        out[f"{k}_per_seed"] = [c[k] for c in curves]
+    return out
 
 
 # -- part (b) -------------------------------------------------------------------------------------------
@@ -335,7 +357,8 @@ def _report(cfg: JudgesConfig, s: dict) -> str:
     lines = ["# AI judges with known biases, measured against the truth", "",
              f"Regenerate: `{cmd}` (seed {cfg.seed}; part (a) {s['world_seconds']:.0f} s"
              + (f", part (b) {s['hh_seconds']:.0f} s" if "hh" in s else "") + " on this machine, 2 CPU cores shared).", "",
-             f"## (a) Gold-reward preference world: {cfg.n_pairs} pairs, PPO β = {cfg.ppo_beta:g}, {cfg.ppo_steps} steps", "",
+             f"## (a) Gold-reward preference world: {cfg.n_pairs} pairs, PPO β = {cfg.ppo_beta:g}, {cfg.ppo_steps} steps, "
+             f"{len(cfg.ppo_seeds)} PPO seed(s) per judge (PPO columns: their mean)", "",
              "Labels: agreement with the gold order (pairs of unequal gold), share of chosen shown first / longer; "
              "`P(A)`: the judge's mean probability for the first shown over both orders, before debiasing. RM: "
              f"accuracy on 1000 gold-BT-labelled pairs of unseen prompts (Bayes-optimal {w['bayes_optimal_accuracy']:.3f}), "
@@ -350,6 +373,13 @@ def _report(cfg: JudgesConfig, s: dict) -> str:
                      f"{la['chosen_longer']:.3f} | {rm['accuracy_gold_labels']:.3f} | {rm['accuracy_gold_order']:.3f} | "
                      f"{rm['prefers_longer_at_equal_gold']:.3f} | {pp['gold_peak_gain']:.2f} | {pp['gold_final_gain']:.2f} | "
                      f"{pp['proxy_final_gain']:.2f} | {pp['final_kl']:.2f} | {pp['start_length']:.1f}→{pp['final_length']:.1f} |")
+    if len(cfg.ppo_seeds) > 1:
+        lines += ["", "PPO per seed (seeds " + ", ".join(map(str, cfg.ppo_seeds)) + "): gold final gain; words at the end.", "",
+                  "| judge | gold final gain per seed | words at the end per seed |", "|---|---|---|"]
+        for n, r in w["judges"].items():
+            pp = r["ppo"]
+            lines.append(f"| {n} | " + ", ".join(f"{x:.2f}" for x in pp["gold_final_gain_per_seed"]) + " | "
+                         + ", ".join(f"{x:.1f}" for x in pp["final_length_per_seed"]) + " |")
     verb = [r for r in w["judges"].values() if r["kind"] == "verbosity"]
     if verb:
         lines += ["", "Swap debiasing on the verbosity judges changed no probability: max |P̂ − P_raw| = "
