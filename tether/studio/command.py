@@ -71,6 +71,7 @@ def run_studio(cfg: StudioConfig) -> dict:
     except OSError as e:
         sock.close()
         raise UserError(f"studio: cannot bind {cfg.host}:{cfg.port}: {e.strerror}") from None
+    sock.listen(2048)  # connections wait in the backlog until uvicorn serves: the URL works once printed
     port = sock.getsockname()[1]
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     print(f"tether studio: http://{shown}:{port}/" + (f"?token={token}" if token else ""), flush=True)
