@@ -429,3 +429,56 @@ def test_pairs_sampled_live_from_a_model_at_two_temperatures(tmp_path):
     assert row == {"prompt": p["prompt"], "chosen": p["b"], "rejected": p["a"]}
     assert make_app(tmp_path / "r2", label_source="model") and client(make_app(tmp_path / "r2", label_source="model")) \
         .post("/api/labeler/next", json={"session": "s"}).status_code == 400  # no model= : one clear error
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def _start(args, tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tether", "studio", f"runs_dir={tmp_path / 'runs'}", "port=0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_command_prints_the_url_and_asks_for_a_token_beyond_loopback(tmp_path):
+    import re
+    import urllib.error
+    import urllib.request
+
+    proc, line = _start([], tmp_path)
+    try:
+        url = re.fullmatch(r"tether studio: (http://127\.0\.0\.1:\d+/)", line).group(1)
+        assert json.load(urllib.request.urlopen(url + "api/runs/list", timeout=30))["runs"] == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    proc, line = _start(["host=0.0.0.0"], tmp_path)
+    try:
+        m = re.fullmatch(r"tether studio: http://0\.0\.0\.0:(\d+)/\?token=(\S+)", line)
+        port, token = m.groups()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/pages", timeout=30)
+        assert e.value.code == 401
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/api/pages", headers={"X-Tether-Token": token})
+        assert urllib.request.urlopen(req, timeout=30).status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_command_port_in_use_is_one_line(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "tether", "studio", f"runs_dir={tmp_path}", f"port={port}"],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"tether studio: error: studio: cannot bind 127.0.0.1:{port}: Address already in use"]
