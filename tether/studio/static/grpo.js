@@ -20,6 +20,7 @@
 
   function setGroup(g) {
     group = g;
+    if (document.getElementById("status")) T.status("");  // no empty status bar over the page
     selectedRow = 0;
     $("prompt-shown").textContent = g.prompt ? "prompt: " + g.prompt : "";
     recompute();
@@ -50,9 +51,9 @@
     drawTable(s);
     const c = s.curve, clipped = c.ratio.map((r, i) => c.clipped[i] ? c.objective[i] : null);
     T.lineChart($("curve"), [
-      {name: `min(r·A, clip(r)·A), A = ${T.fmt(c.advantage)}`, x: c.ratio, y: c.objective, color: "#1f77b4"},
-      {name: "clip binds (no gradient)", x: c.ratio, y: clipped, color: "#d62728", width: 4},
-    ], {id: "surrogate-chart", title: `surrogate of completion ${selectedRow + 1} (${est})`, xLabel: "ratio r = π/π_old",
+      {name: "min(rA, clip(r)A)", x: c.ratio, y: c.objective, color: "#1f77b4"},
+      {name: "clip binds", x: c.ratio, y: clipped, color: "#d62728", width: 4},
+    ], {id: "surrogate-chart", title: `surrogate of completion ${selectedRow + 1} (${est}, A = ${T.fmt(c.advantage)})`, xLabel: "ratio r = π/π_old",
         yLabel: "objective", width: 480, legend: true,
         vlines: [{x: ratio, label: "r"}, {x: 1 - lo, label: "1−ε"}, {x: 1 + hi, label: "1+ε"}]});
     $("loss").replaceChildren(
@@ -115,7 +116,7 @@
   function pickGroup() {
     const groups = $("group-pick").groups || [];
     const g = groups[Number($("group-pick").value) || 0];
-    if (!g) { setGroup(manualGroup(G)); T.status("this run has no scored samples"); return; }
+    if (!g) { setGroup(manualGroup(G)); if (groups === $("group-pick").groups) T.status("this run has no scored samples"); return; }
     const n = Math.min(G, g.rewards.length);  // a logged group may hold fewer than G
     setGroup({prompt: g.prompt, completions: g.completions.slice(0, n), rewards: g.rewards.slice(0, n),
               lengths: g.lengths ? g.lengths.slice(0, n) : null});

@@ -81,6 +81,7 @@
       if (s.status === "done") {
         if (stopPoll) stopPoll();
         $("progress-box").hidden = true;
+        if (document.getElementById("status")) T.status("");  // no empty status bar over the page
         study = s; drawStudy();
         return;
       }
@@ -90,7 +91,10 @@
       $("progress-text").textContent = `${s.state}: ${Math.round(100 * p.fraction)} % — world ${p.world ? "✓" : "…"}, ` +
         `proxy RM ${p.rm ? "✓" : "…"}, PPO steps ${p.ppo_steps || 0}/${p.ppo_total || "?"}`;
       $("progress").dataset.value = String(p.fraction);
-      if (s.state === "failed" || s.state === "stopped") { if (stopPoll) stopPoll(); T.status(`study ${id} ${s.state} before it finished`, true); }
+      // failed: the study this studio started died; stopped: nobody is writing it now (it may be
+      // copied in, or resumed elsewhere), so the page keeps looking
+      if (s.state === "failed") { if (stopPoll) stopPoll(); T.status(`study ${id} failed before it finished`, true); }
+      else if (s.state === "stopped") T.status(`study ${id}: no process is writing it; its curves appear when its summary does`);
     }, 1000);
   }
 
