@@ -144,6 +144,8 @@ class Interleaved:
                     if version != held:  # the trainer waits in before_update: its weights are still
                         with self._on_stream():
                             distributed.copy_full_weights(self.t.model, self.model)
+                        if self.stream is not None:  # copied, not just queued, before the trainer
+                            self.stream.synchronize()  # may change its weights again
                         held = version
                     self.copied = j
                     self.cond.notify_all()
