@@ -357,9 +357,11 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     link = split_world(cfg)
     # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
     # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)
-    t = setup_training(sampler_config(cfg, link) if link and link.samples else cfg, load, reference=grpo.beta > 0, rows_per_step=prompts_per_step,
+    t = setup_training(sampler_config(cfg, link) if link and link.samples else cfg, load,
+                       reference=grpo.beta > 0, rows_per_step=prompts_per_step,
                        updates_per_step=grpo.num_iterations, rollout_replica=True)
     prompts, share = t.data.train, prompts_per_step // distributed.world_size()
+
     def make_sampler(model):
         return Sampler(model, t.tokenizer, rollout_cfg.sampling())
     sampler = make_sampler(t.rollout_model())
