@@ -63,14 +63,15 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         save_config(GRPOConfig(model="runs/sft/checkpoints/step-200", data="prompts.jsonl"), runs / name / "config.yaml")
     (runs / "no-metrics").mkdir()
     (runs / "no-metrics" / "config.yaml").write_text("lr: 0.1\n")
+    _write_run(runs / "custom", [{"step": 1, "my/metric": 3.5}, {"step": 2, "my/metric": 4.25}])  # none of the usual curves
     live = RunDir(runs / "live")                                                # running: holds its lock
     live.log(1, {"reward": 0.0})
 
     app = make_app(runs)
     with serve(app) as url:
         page = open_page(browser, url + "/runs")
-        page.wait_for_selector("#runs tbody tr >> nth=3")
-        assert page.locator("#runs tbody tr").count() == 4
+        page.wait_for_selector("#runs tbody tr >> nth=4")
+        assert page.locator("#runs tbody tr").count() == 5
         status = {r: page.text_content(f"tr[data-id='{r}'] td[data-key=status]") for r in ("grpo-a", "grpo-b", "no-metrics", "live")}
         assert status == {"grpo-a": "finished", "grpo-b": "failed", "no-metrics": "failed", "live": "running"}
         assert value_of(page, "tr[data-id='grpo-a'] td[data-key=headline] .num") == rows[-1]["reward"]
@@ -80,6 +81,8 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         # a run with no metrics yet
         page.click("tr[data-id='no-metrics'] td[data-key=id]")
         page.wait_for_selector("#no-metrics")
+        page.click("tr[data-id='custom'] td[data-key=id]")                     # only metrics of its own
+        wait_until(page, lambda: value_of(page, ".chart-box[data-metric='my/metric'] .last .num") == 4.25, what="custom")
 
         # open a run: its curves, last values equal to the file's
         page.click("tr[data-id='grpo-a'] td[data-key=id]")
@@ -88,12 +91,16 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         assert value_of(page, last) == rows[-1]["reward"]
         assert value_of(page, ".chart-box[data-metric=kl] .last .num") == rows[-1]["kl"]
 
-        # smoothing slider, moved by keys to its end (0.99): the server's EMA is what is drawn
-        page.focus("#smooth")
-        page.keyboard.press("End")
+        # smoothing slider dragged by the mouse to its end (0.99): the server's EMA is what is drawn
+        box = page.locator("#smooth").bounding_box()
+        page.mouse.move(box["x"] + 4, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] + 40, box["y"] + box["height"] / 2, steps=8)
+        page.mouse.up()
         expect = float(series.ema(reward, 0.99)[-1])
         wait_until(page, lambda: value_of(page, last) == expect, what="smoothed curve")
         assert page.text_content("#smooth-value") == "0.99"
+        page.focus("#smooth")
         page.keyboard.press("ArrowLeft")                                         # one step down: 0.98
         wait_until(page, lambda: value_of(page, last) == float(series.ema(reward, 0.98)[-1]), what="0.98")
         page.keyboard.press("Home")

@@ -3,7 +3,7 @@
 "use strict";
 (function () {
   const T = window.tether;
-  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: null};
+  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: null, gen: 0};
   const DEFAULT_CURVES = ["reward", "kl", "loss", "entropy", "lr", "grad_norm", "eval/pass@1", "pass@1", "accuracy", "eval/accuracy"];
 
   function statusCell(s) { return T.el("span", {class: "status-" + s}, s); }
@@ -34,8 +34,9 @@
     showRunView();
   }
 
-  function open(id) {  // a click on a row opens that run alone; the ticks overlay several
+  function open(id) {  // a click on a row opens that run alone (its own usual curves); the ticks overlay several
     state.selected = [id];
+    state.curves = [];
     document.querySelectorAll("input.pick").forEach(c => { c.checked = c.dataset.run === id; });
     showRunView();
   }
@@ -44,26 +45,31 @@
     const view = document.getElementById("run-view");
     view.hidden = state.selected.length === 0;
     document.getElementById("run-names").textContent = state.selected.join(" + ");
-    state.versions = {};
     const pick = document.getElementById("samples-run");
     pick.replaceChildren(...state.selected.map(id => T.el("option", {value: id}, id)));
-    loadCurves().then(loadSamples);
+    reask().then(loadSamples);
   }
 
+  // Every change of what is asked (runs, curves, smoothing) bumps state.gen; an answer to an older
+  // question is dropped, so a slow answer can never overwrite a newer one (slider drags, polls).
   async function loadCurves() {
+    const gen = state.gen;
     // only the curves on screen travel (a run may log dozens of metrics); before the first answer,
     // the usual ones (the server answers with those it has, and the names of all)
     const names = (state.curves.length ? state.curves : DEFAULT_CURVES).join(",");
     const q = s => `/api/runs/metrics?run=${encodeURIComponent(s)}&smooth=${state.smooth}&names=${encodeURIComponent(names)}` +
                    `&since=${encodeURIComponent(state.versions[s] || "")}`;
     let changed = false;
-    for (const id of state.selected) {
+    for (const id of state.selected.slice()) {
       const d = await T.api(q(id));
+      if (gen !== state.gen) return;
       if (d.unchanged) continue;
       state.data[id] = d; state.versions[id] = d.version; changed = true;
     }
     if (changed) drawCurves();
   }
+
+  function reask() { state.gen += 1; state.versions = {}; return loadCurves(); }
 
   function drawCurves() {
     const names = new Set(), defaults = [];
@@ -73,7 +79,10 @@
       (d.names || []).forEach(n => names.add(n));
       (d.defaults || []).forEach(n => { if (!defaults.includes(n)) defaults.push(n); });
     }
-    if (!state.curves.length) state.curves = defaults.slice(0, 6);
+    if (!state.curves.length) {
+      if (defaults.length) state.curves = defaults.slice();
+      else if (names.size) { state.curves = [...names].sort().slice(0, 4); reask(); return; }  // none of the usual ones
+    }
     const pick = document.getElementById("metric-pick");
     const current = pick.value;
     pick.replaceChildren(...[...names].sort().map(n => T.el("option", {value: n, selected: n === current}, n)));
@@ -81,7 +90,7 @@
     charts.replaceChildren();
     const total = state.selected.reduce((a, id) => a + ((state.data[id] || {}).rows || 0), 0);
     document.getElementById("live").textContent = `${total} logged rows`;
-    if (!state.curves.some(n => names.has(n))) {
+    if (!names.size) {
       charts.append(T.el("p", {id: "no-metrics", class: "muted"}, "No metrics logged yet."));
       return;
     }
@@ -123,12 +132,11 @@
   document.getElementById("smooth").addEventListener("input", ev => {
     state.smooth = Number(ev.target.value);
     document.getElementById("smooth-value").textContent = String(state.smooth);
-    state.versions = {};
-    loadCurves();
+    reask();
   });
   document.getElementById("add-metric").addEventListener("click", () => {
     const n = document.getElementById("metric-pick").value;
-    if (n && !state.curves.includes(n)) { state.curves.push(n); state.versions = {}; loadCurves(); }
+    if (n && !state.curves.includes(n)) { state.curves.push(n); reask(); }
   });
   document.getElementById("step-filter").addEventListener("change", loadSamples);
   document.getElementById("samples-run").addEventListener("change", () => {
