@@ -54,6 +54,10 @@ def test_hacking_page(tmp_path, tmp_path_factory, browser):  # noqa: F811 - the 
         page.keyboard.press("Home")
         wait_until(page, lambda: _shows(page, study, study["betas"][0]), what="back with the keys")
         shot(page, "hacking", tmp_path)
+        page.fill("#new-name", "overoptimization")  # "run study" into a name that is taken: refused
+        page.click("#start")
+        wait_until(page, lambda: "already exists" in page.text_content("#status"), what="the refusal")
+        page.errors[:] = [e for e in page.errors if "409 (Conflict)" not in e]  # the browser logs the refusal
 
         page.select_option("#study-pick", "half-done")
         want = study_progress(half)["fraction"]
