@@ -129,6 +129,20 @@ def _load_in_background(studio, tail: MetricsTail) -> None:
     threading.Thread(target=work, daemon=True).start()
 
 
+def _command_of(studio, run_dir) -> str:
+    """infer_command of the run's config.yaml, cached while the file is unchanged (the list is polled)."""
+    p = run_file(run_dir, "config.yaml")
+    try:
+        st = os.stat(p) if p is not None else None
+    except OSError:
+        st = None
+    key = (str(run_dir), st and (st.st_mtime_ns, st.st_size))
+    cache = studio.pages.setdefault("_commands", {})
+    if key not in cache:
+        cache[key] = infer_command(_config(run_dir))
+    return cache[key]
+
+
 def run_row(studio, run_id: str, run_dir) -> dict:
     """One line of the runs table."""
     mpath = run_file(run_dir, "metrics.jsonl")
@@ -146,7 +160,7 @@ def run_row(studio, run_id: str, run_dir) -> dict:
         mtime = max(os.stat(p).st_mtime for p in (run_dir, mpath) if p is not None)
     except OSError:
         mtime = None
-    return {"id": run_id, "command": infer_command(_config(run_dir)), "status": run_status(run_dir),
+    return {"id": run_id, "command": _command_of(studio, run_dir), "status": run_status(run_dir),
             "last_step": cols.last_step, "headline": headline(cols), "rows": None if loading else cols.rows,
             "bad_lines": None if loading else bad, "modified": mtime}
 
