@@ -55,7 +55,7 @@ OPTIONS = ("algo", "lora", "lora_rank", "gradient_checkpointing", "gpus", "shard
 
 def model_spec(size: str | None = None, hf_config: str | None = None, tmp: Path | None = None) -> str:
     """The `model=` the CLI would get: a parameter count (never a path: a request names no file),
-    or a pasted HF config.json written to a private directory (`tmp`, a fresh one by default)."""
+    or a pasted HF config.json written into the directory `tmp` (the caller's, removed after use)."""
     if hf_config:
         try:
             cfg = json.loads(hf_config)
@@ -63,8 +63,9 @@ def model_spec(size: str | None = None, hf_config: str | None = None, tmp: Path 
             raise UserError(f"HF config: not JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             raise UserError("HF config: expected a config.json object with a `model_type` field")
-        d = Path(tmp or tempfile.mkdtemp(prefix="tether-studio-config-"))
-        d.mkdir(parents=True, exist_ok=True)
+        if tmp is None:
+            raise ValueError("model_spec: a pasted config needs a directory to be written to")
+        d = Path(tmp)
         (d / "config.json").write_text(json.dumps(cfg))
         return str(d)
     if parse_count(str(size or "")) is None:
@@ -121,9 +122,11 @@ def memory_bars(est: dict) -> list[dict]:
 def explore(size: str | None = None, hf_config: str | None = None, options: dict | None = None) -> dict:
     """Everything the page draws for one choice of model and options: `tether memory`'s estimate
     (the CLI's JSON, unchanged), its bars, the markers, and the card of the chosen algorithm."""
-    spec = model_spec(size, hf_config)
-    cfg = memory_config(spec, options or {})
-    est = estimate(cfg)
+    with tempfile.TemporaryDirectory(prefix="tether-studio-config-") as tmp:
+        spec = model_spec(size, hf_config, Path(tmp))
+        est = estimate(memory_config(spec, options or {}))
+    if hf_config:  # the directory was the page's own, and is gone: name what the user gave
+        est["model"] = est["config"]["model"] = f"pasted config.json ({json.loads(hf_config)['model_type']})"
     return {"estimate": est, "bars": memory_bars(est), "markers_gb": list(MARKERS_GB),
             "peak_gb": est["totals_gb"]["peak"], "fits": {str(m): est["totals_gb"]["peak"] <= m for m in MARKERS_GB}}
 
