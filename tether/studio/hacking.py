@@ -252,6 +252,9 @@ def study(run: str, request: Request):
     path = _study_path(request, run)
     out = load_study(path) if path.exists() else {"status": "empty", "progress": None}
     out["state"] = _state(get_studio(request), path)
+    proc = get_studio(request).pages.get("hacking", {}).get("started", {}).get(str(path))
+    if out["state"] == "failed" and getattr(proc, "log", None):  # why: the last lines the study printed
+        out["log"] = Path(proc.log).read_text(errors="replace")[-1500:]
     if out["status"] != "done":
         out["progress"] = study_progress(path)
     if out["status"] == "done":
@@ -283,5 +286,6 @@ def start(body: StartIn, request: Request):
         raise HTTPException(409, "a study started here is still running")
     settings = body.model_dump(exclude={"name"})
     log = Path(tempfile.mkdtemp(prefix="tether-studio-study-")) / "study.log"
-    started[str(path)] = start_study(studio.runs_dir, body.name, settings, log)
+    proc = started[str(path)] = start_study(studio.runs_dir, body.name, settings, log)
+    proc.log = log
     return {"run": body.name, "command": "tether " + " ".join(study_command(studio.runs_dir, body.name, settings)[3:])}

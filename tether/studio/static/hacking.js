@@ -93,7 +93,7 @@
       $("progress").dataset.value = String(p.fraction);
       // failed: the study this studio started died; stopped: nobody is writing it now (it may be
       // copied in, or resumed elsewhere), so the page keeps looking
-      if (s.state === "failed") { if (stopPoll) stopPoll(); T.status(`study ${id} failed before it finished`, true); }
+      if (s.state === "failed") { if (stopPoll) stopPoll(); T.status(`study ${id} failed before it finished: ${(s.log || "").trim().split("\n").pop()}`, true); }
       else if (s.state === "stopped") T.status(`study ${id}: no process is writing it; its curves appear when its summary does`);
     }, 1000);
   }
