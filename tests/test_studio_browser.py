@@ -220,3 +220,15 @@ def test_labeler_page(tmp_path, browser):  # noqa: F811 - the fixture
         shot(tab1, "labeler", tmp_path)
         assert_no_errors(tab1)
         assert tab2.errors == []
+
+
+def test_token_in_the_printed_url_lets_the_browser_in(tmp_path, browser):  # noqa: F811 - the fixture
+    app = make_app(tmp_path / "runs", token="t0ken-xyz")
+    with serve(app) as url:
+        page = open_page(browser, url + "/runs?token=t0ken-xyz")  # the URL `tether studio host=...` prints
+        page.wait_for_selector("#no-runs")                         # the page's own API calls carried the cookie
+        page.click("#nav-labeler")
+        page.wait_for_selector("#response-a:not(:empty)")
+        assert_no_errors(page)
+        other = open_page(browser, url + "/runs")                  # another browser profile, no token
+        assert "missing or wrong token" in other.text_content("body")

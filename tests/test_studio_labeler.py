@@ -147,3 +147,31 @@ def test_pairs_sampled_live_from_a_model_at_two_temperatures(tmp_path):
     assert row == {"prompt": p["prompt"], "chosen": p["b"], "rejected": p["a"]}
     assert make_app(tmp_path / "r2", label_source="model") and client(make_app(tmp_path / "r2", label_source="model")) \
         .post("/api/labeler/next", json={"session": "s"}).status_code == 400  # no model= : one clear error
+
+
+def test_pairs_from_a_preference_file_and_a_prompt_completion_file(tmp_path):
+    from tether.studio.labeler_store import FilePairs
+
+    pref = tmp_path / "pref.jsonl"
+    pref.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": f"good{i}", "rejected": f"bad{i}"}) + "\n"
+                            for i in range(40)))
+    src = FilePairs(str(pref), seed=0)
+    sides = [src.pair(i)["a"].startswith("good") for i in range(40)]
+    assert 5 < sum(sides) < 35                                  # the chosen response is not always A
+    assert all({src.pair(i)["a"], src.pair(i)["b"]} == {f"good{i}", f"bad{i}"} for i in range(40))
+    pc = tmp_path / "pc.jsonl"
+    rows = [{"prompt": "p1", "completion": "x"}, {"prompt": "p2", "completion": "u"}, {"prompt": "p1", "completion": "y"},
+            {"prompt": "p1", "completion": "z"}, {"prompt": "p2", "completion": "v"}]
+    pc.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = [(p["prompt"], p["a"], p["b"]) for p in (FilePairs(str(pc)).pair(i) for i in range(2))]
+    assert got == [("p1", "x", "y"), ("p2", "u", "v")] and len(FilePairs(str(pc))) == 2  # z has no partner
+    c = client(make_app(tmp_path / "runs", label_source=str(pref), retrain_every=1000))
+    p = c.post("/api/labeler/next", json={"session": "s"}).json()["pair"]
+    good = "a" if p["a"].startswith("good") else "b"
+    c.post("/api/labeler/label", json={"session": "s", "index": p["index"], "choice": good})
+    row = json.loads((tmp_path / "runs" / "studio-labels" / "preferences.jsonl").read_text())
+    assert row == {"prompt": "q0", "chosen": "good0", "rejected": "bad0"}
+    single = tmp_path / "single.jsonl"
+    single.write_text(json.dumps({"prompt": "p", "completion": "only one"}) + "\n")
+    r = client(make_app(tmp_path / "r3", label_source=str(single))).post("/api/labeler/next", json={"session": "s"})
+    assert r.status_code == 400 and "no pairs" in r.json()["detail"]
