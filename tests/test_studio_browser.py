@@ -124,6 +124,7 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         shot(page, "runs", tmp_path)
 
         # live: a run being written shows its new metrics without a reload, within 3 s
+        page.click("#runs th[data-key=last_step]")                               # sorted: most steps first
         page.click("tr[data-id='live'] td[data-key=id]")
         page.wait_for_selector(".chart-box[data-metric=reward] .last[data-run='live']")
 
@@ -139,6 +140,8 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         wait_until(page, lambda: page.text_content("tr[data-id='live'] td[data-key=last_step]") == "11", timeout=3.0,
                    what="live last step")
         live.close()
+        order = page.eval_on_selector_all("#runs tbody tr", "trs => trs.map(t => t.dataset.id)")
+        assert order == ["grpo-a", "grpo-b", "live", "custom", "no-metrics"]     # the sort survived the redraws
         assert_no_errors(page)
 
         empty = make_app(tmp_path / "empty-runs")

@@ -77,7 +77,8 @@
 
   // --- tables ---------------------------------------------------------------------------------
   // columns: [{key, label, format(value,row) -> string|Node, sortable, numeric}]. Clicking a sortable
-  // header sorts by it (again: reverses). opts: {id, sortKey, descending, onRowClick(row, tr), rowId(row)}.
+  // header sorts by it (again: reverses). opts: {id, sortKey, descending, onRowClick(row, tr), rowId(row),
+  // onSort(key, descending) (to keep the order when the table is drawn again)}.
   function table(container, rows, columns, opts) {
     opts = opts || {};
     let sortKey = opts.sortKey, desc = !!opts.descending;
@@ -98,6 +99,7 @@
         if (c.sortable) th.addEventListener("click", () => {
           desc = sortKey === c.key ? !desc : !!c.numeric;
           sortKey = c.key; render();
+          if (opts.onSort) opts.onSort(sortKey, desc);
         });
         return th;
       }));

@@ -3,7 +3,7 @@
 "use strict";
 (function () {
   const T = window.tether;
-  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: null, gen: 0};
+  const state = {selected: [], curves: [], data: {}, versions: {}, smooth: 0, runs: null, gen: 0, sort: {key: null, desc: false}};
   const DEFAULT_CURVES = ["reward", "kl", "loss", "entropy", "lr", "grad_norm", "eval/pass@1", "pass@1", "accuracy", "eval/accuracy"];
 
   function statusCell(s) { return T.el("span", {class: "status-" + s}, s); }
@@ -26,7 +26,8 @@
       {key: "last_step", label: "last step", sortable: true, numeric: true},
       {key: "headline", label: "headline metric", format: h => h ? T.el("span", {}, h.name + " = ", T.num(h.value)) : "–"},
       {key: "bad_lines", label: "corrupt lines", numeric: true},
-    ], {id: "runs", rowId: r => r.id, onRowClick: r => open(r.id)});
+    ], {id: "runs", rowId: r => r.id, onRowClick: r => open(r.id), sortKey: state.sort.key, descending: state.sort.desc,
+        onSort: (key, desc) => { state.sort = {key, desc}; }});
   }
 
   function toggle(id, on) {
