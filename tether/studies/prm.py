@@ -44,7 +44,7 @@ class PRMStudyConfig:
     "seed of the quickstart policy, the samples, the rollouts and the reward models"
     policy: str = ""
     "the SFT policy; '' = the quickstart's (rl=false), built into <runs_dir>/<name>/quickstart or reused from there"
-    n_train: PositiveInt = 600
+    n_train: PositiveInt = 400
     "training problems (the quickstart's training split) whose sampled solutions train every reward model"
     samples_per_problem: PositiveInt = 4
     "solutions sampled per training problem (the budget shared by PRM and ORM)"
@@ -56,7 +56,7 @@ class PRMStudyConfig:
     "random subsets of size n per problem the selection accuracy is averaged over"
     temperature: Positive = 1.0
     "sampling temperature of solutions and rollouts"
-    ms_k: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    ms_k: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8])
     "Math-Shepherd rollouts per step prefix to measure (one set of max(ms_k) rollouts, the first K used)"
     ms_train_k: PositiveInt = 8
     "K of the hard Math-Shepherd labels the MS-PRM is trained on (one of ms_k)"
@@ -197,6 +197,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
     root = Path(cfg.runs_dir) / cfg.name
     policy, qs = _policy(cfg, root)
     timings["policy_s"] = round(time.time() - t_start, 1)
+    print(f"[study prm] policy: {timings['policy_s']} s", flush=True)
     run = RunDir(root, overwrite=True)  # a study regenerates itself from its seed (its quickstart is kept)
     run.write_config(cfg)
     train_problems, test_problems = arithmetic.make_splits(qs.n_train, qs.n_test, qs.level, qs.seed)
@@ -211,6 +212,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
     train_samples = complete(encode(train_problems), cfg.samples_per_problem, cfg.seed + 1)
     test_samples = complete(encode(test_problems), cfg.max_n, cfg.seed + 2)
     timings["sampling_s"] = round(time.time() - t0, 1)
+    print(f"[study prm] sampling: {timings['sampling_s']} s", flush=True)
 
     train_rows = [(p, c) for p, cs in zip(train_problems, train_samples) for c in cs]
     truth = [arithmetic.stepwise_example(p, c) for p, c in train_rows]
@@ -226,6 +228,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
                            [train_rows[i][1] for i in keep], complete, verify, tokenizer,
                            arithmetic.STEP_SEPARATOR, k_max, cfg.seed + 3)
     timings["math_shepherd_s"] = round(time.time() - t0, 1)
+    print(f"[study prm] math_shepherd: {timings['math_shepherd_s']} s", flush=True)
     quality = label_quality([truth[i]["labels"] for i in keep], outcomes, sorted(cfg.ms_k))
 
     # -- the three reward models on the same budget ---------------------------------------------
@@ -249,6 +252,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
             "prm_ms": _train(cfg, policy, "prm-math-shepherd", prm_ms, prm_eval),
             "orm": _train(cfg, policy, "orm", orm, orm_eval)}
     timings["reward_models_s"] = round(time.time() - t0, 1)
+    print(f"[study prm] reward_models: {timings['reward_models_s']} s", flush=True)
 
     # -- selection among n held-out candidates ---------------------------------------------------
     t0 = time.time()
@@ -265,6 +269,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
     ns = [n for n in (2 ** i for i in range(12)) if n <= cfg.max_n]
     curves = selection_curves(correct, answers, scores, ns, cfg.subsets, cfg.seed + 4)
     timings["selection_s"] = round(time.time() - t0, 1)
+    print(f"[study prm] selection: {timings['selection_s']} s", flush=True)
 
     step_truth = [r["labels"] for r in truth]
     summary = {
