@@ -11,7 +11,9 @@ import ipaddress
 import secrets
 import socket
 from dataclasses import dataclass, field
+from typing import Annotated
 
+from tether.constraints import PositiveInt, Range, Seed
 from tether.errors import UserError
 
 
@@ -21,7 +23,7 @@ class StudioConfig:
     "the directory whose runs the Runs page lists (read only)"
     host: str = "127.0.0.1"
     "address to bind; anything but loopback requires the printed token on every request"
-    port: int = 7860
+    port: Annotated[int, Range(ge=0, le=65535)] = 7860
     "TCP port (0: any free port)"
     model: str = ""
     "a policy (HF folder) the pages sample from live; '' = pages use run files and the gold-reward world"
@@ -33,9 +35,9 @@ class StudioConfig:
     "prompts of label_source=model: a prompt-only JSONL ('' = the gold-reward world's prompts)"
     label_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.3])
     "label_source=model: the two sampling temperatures whose completions are compared"
-    retrain_every: int = 5
+    retrain_every: PositiveInt = 5
     "the labeler's Bradley-Terry model retrains in the background after every this many labels"
-    seed: int = 0
+    seed: Seed = 0
     "seed of the labeler's pair order and the world's writer"
 
 
@@ -55,10 +57,6 @@ def run_studio(cfg: StudioConfig) -> dict:
         from tether.studio.app import create_app
     except ImportError as e:
         raise UserError(f"tether studio needs its extra: pip install 'tether[studio]' ({e})") from None
-    if not 0 <= cfg.port < 65536:
-        raise UserError(f"studio: port must be 0..65535, got {cfg.port}")
-    if cfg.retrain_every < 1:
-        raise UserError(f"studio: retrain_every must be >= 1, got {cfg.retrain_every}")
     token = None if is_loopback(cfg.host) else secrets.token_urlsafe(24)
     app = create_app(cfg, token=token)
     # Bind here, not in uvicorn: the URL printed names the port really bound (port=0 picks one),
