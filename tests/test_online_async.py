@@ -119,16 +119,18 @@ def test_refusals(setup):
     with pytest.raises(ConfigError, match="remax"):
         _cfg(setup, "x", advantage="remax", num_generations=1, max_staleness=1)
     with pytest.raises(ConfigError, match="sampler_ranks"):
-        _cfg(setup, "x", placement="disaggregated", sampler_ranks=2)
+        _cfg(setup, "x", placement="disaggregated", sampler_ranks=2, dynamic_sampling=True)
     with pytest.raises(UserError, match="nproc-per-node 2"):
         train_grpo(_cfg(setup, "x", placement="disaggregated"), reward_funcs=[digit_frac])
 
 
-@pytest.mark.slow  # two torchrun processes: ~90 s on the 2 shared cores
-def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup):
-    """torchrun, 2 processes (gloo): one trains, one samples (batches through the store, weights
-    broadcast back). At staleness 1 every batch is sampled with the same weights as the
-    interleaved placement's, so the run is the same: every metric and the final weights."""
+@pytest.mark.slow  # two or three torchrun processes: ~90 s on the 2 shared cores
+@pytest.mark.parametrize("samplers", [1, 2])
+def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, samplers):
+    """torchrun (gloo): one process trains, one or two sample (batches through the store, weights
+    broadcast back; with two, batch j is sampler j mod 2's). At staleness 1 every batch is sampled
+    with the same weights as the interleaved placement's, so the run is the same: every metric and
+    the final weights."""
     import sys
     if sys.platform != "linux":
         pytest.skip("torchrun + gloo on Linux")
@@ -141,8 +143,8 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup):
     args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="dis1",
                 batch_size=2, num_generations=4, max_new_tokens=8, max_steps=4, lr=1e-2, device="cpu",
                 progress="false", seed=0, overwrite="true", placement="disaggregated",
-                reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", **kw)
-    ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=2, timeout=600))
+                reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", sampler_ranks=samplers, **kw)
+    ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=1 + samplers, timeout=600))
     rows = _rows(setup, "dis1", drop=("queue/dropped",))
     assert rows == _rows(setup, "inter1", drop=("queue/dropped",))
     assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]

@@ -54,7 +54,7 @@ class QueueSection:
     placement: Literal["auto", "interleaved", "disaggregated"] = "auto"
     "auto: synchronous at max_staleness 0, else interleaved; interleaved: one process, a sampler thread on a copy of the policy; disaggregated: under torchrun the last sampler_ranks processes sample, the others train (FSDP2 among them)"
     sampler_ranks: PositiveInt = 1
-    "disaggregated: how many of torchrun's processes sample (the last ones; 1 for now)"
+    "disaggregated: how many of torchrun's processes sample (the last ones; batch j is sampler j mod sampler_ranks's)"
 
 
 def check_queue(cfg) -> None:
@@ -65,8 +65,10 @@ def check_queue(cfg) -> None:
     if grpo.advantage == "remax":
         raise ConfigError("config key 'queue.placement': advantage=remax needs the synchronous loop "
                           "(max_staleness=0, placement=auto): its greedy baseline is sampled by the trainer")
-    if q.placement == "disaggregated" and q.sampler_ranks != 1:
-        raise ConfigError("config key 'queue.sampler_ranks' must be 1 for now (one sampler process)")
+    if q.placement == "disaggregated" and q.sampler_ranks > 1 and grpo.dynamic_sampling:
+        # each sampler skips the others' batches in the data order: it must know how many prompts they draw
+        raise ConfigError("config key 'queue.sampler_ranks' must be 1 with dynamic_sampling (its rounds "
+                          "draw a data-dependent number of prompts)")
 
 
 # ---- off-policy correction --------------------------------------------------------------------------
@@ -207,6 +209,10 @@ class Link:
     timeout: float
     trainers: int = 1
     "trainer processes (torchrun's first ones; FSDP2 among them as under plain torchrun)"
+    samplers: int = 1
+    "sampler processes (the last ones)"
+    index: int = 0
+    "this sampler's number among them (it samples batches j with j mod samplers = index)"
 
 
 def split_world(cfg) -> Optional[Link]:
@@ -236,15 +242,17 @@ def split_world(cfg) -> Optional[Link]:
     group = None
     if rank == 0 or rank >= trainers:  # trainer rank 0 (link rank 0) and the sampler (link rank 1)
         pg_store, link_rank = dist.PrefixStore("tether/weights", store), 0 if rank == 0 else rank - trainers + 1
-        group = dist.ProcessGroupNCCL(pg_store, link_rank, 2) if cuda else \
-            dist.ProcessGroupGloo(pg_store, link_rank, 2, datetime.timedelta(seconds=timeout))
+        size = 1 + cfg.queue.sampler_ranks
+        group = dist.ProcessGroupNCCL(pg_store, link_rank, size) if cuda else \
+            dist.ProcessGroupGloo(pg_store, link_rank, size, datetime.timedelta(seconds=timeout))
     samples = rank >= trainers
     # From here each side is what tether.distributed expects: the trainers a torchrun world of
     # their own (distributed.init joins it over the same store), the sampler one process.
     os.environ["WORLD_SIZE"] = "1" if samples else str(trainers)
     if not samples and trainers > 1:
         distributed.init(store=dist.PrefixStore("tether/trainers", store))
-    return Link(samples=samples, store=prefixed, weights=group, timeout=timeout, trainers=trainers)
+    return Link(samples=samples, store=prefixed, weights=group, timeout=timeout, trainers=trainers,
+                samplers=cfg.queue.sampler_ranks, index=max(rank - trainers, 0))
 
 
 def sampler_config(cfg, link: Link):
@@ -326,11 +334,16 @@ class Disaggregated:
 
 
 def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict:
-    """The sampler process: every batch of the run, batch j with version max(0, j − S), put in the
-    store for the trainer; the weights received between batches. Returns its counts."""
+    """A sampler process: its batches of the run (j mod samplers = its index; the others' prompts
+    skipped in the data order), batch j with version max(0, j − S), put in the store for the
+    trainer; every version's weights received in order (the broadcast is collective over all the
+    samplers: each joins it when it needs the version, or at the end). Returns its counts."""
     _broadcast(link, sampler.model)
-    version, produced, seconds = 0, 0, 0.0
+    version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
     for j in range(t.total_steps):
+        if j % link.samplers != link.index:
+            t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
+            continue
         while version < j - max_staleness:  # the versions in order, each broadcast once
             _broadcast(link, sampler.model)
             version += 1
@@ -339,6 +352,9 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
         seconds += time.perf_counter() - started
         link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
         produced += 1
+    while version < last:  # the trainer broadcasts every version a batch needs: join the rest
+        _broadcast(link, sampler.model)
+        version += 1
     return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
 
 
