@@ -75,6 +75,8 @@ def create_app(cfg, token: str | None = None) -> FastAPI:
 
     for mod in modules.values():
         app.include_router(mod.router)
+        if hasattr(mod, "startup"):  # optional: work a page starts when the app is made (in a thread)
+            mod.startup(app.state.studio)
 
     @app.get("/api/pages")
     def pages():

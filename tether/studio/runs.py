@@ -7,7 +7,6 @@ incremental JSONL reader (a file being appended, a corrupt line, a file replaced
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import threading
@@ -42,21 +41,34 @@ def _flat(tree, out=None) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=1)
+_SIGNATURES: dict | None = None
+_SIGNATURES_LOCK = threading.Lock()
+
+
 def _command_signatures() -> dict:
     """{command: {leaf name: default as describe() shows it}} for every command with a config
-    (tether.cli.COMMANDS: the registry is the one list of commands)."""
+    (tether.cli.COMMANDS: the registry is the one list of commands). Importing every command's
+    module takes seconds: `startup` starts it when the app is made, a request waits for the rest."""
+    global _SIGNATURES
     from tether.cli import COMMANDS, _load
     from tether.config import describe
 
-    sigs = {}
-    for name in COMMANDS:
-        try:
-            cfg_cls, _ = _load(name)
-        except Exception:  # noqa: BLE001 - a command whose optional extra is missing is just not guessed
-            continue
-        sigs[name] = {key.rsplit(".", 1)[-1]: default for key, _, default, _ in describe(cfg_cls)}
-    return sigs
+    with _SIGNATURES_LOCK:
+        if _SIGNATURES is None:
+            sigs = {}
+            for name in COMMANDS:
+                try:
+                    cfg_cls, _ = _load(name)
+                except Exception:  # noqa: BLE001 - a command whose optional extra is missing is just not guessed
+                    continue
+                sigs[name] = {key.rsplit(".", 1)[-1]: default for key, _, default, _ in describe(cfg_cls)}
+            _SIGNATURES = sigs
+        return _SIGNATURES
+
+
+def startup(studio) -> None:
+    """Called once by create_app: the commands' signatures load while the person opens the page."""
+    threading.Thread(target=_command_signatures, daemon=True).start()
 
 
 def infer_command(config: dict) -> str:
