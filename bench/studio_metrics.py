@@ -52,6 +52,10 @@ def main():
     c.get("/api/pages")
     t = time.perf_counter()
     r = c.get("/api/runs/metrics", params={"run": "big"})
+    first = time.perf_counter() - t
+    while r.json().get("loading"):  # answered at once; the whole file is read in the background
+        time.sleep(0.05)
+        r = c.get("/api/runs/metrics", params={"run": "big"})
     cold = time.perf_counter() - t
     t = time.perf_counter()
     r2 = c.get("/api/runs/metrics", params={"run": "big", "smooth": 0.9})
@@ -64,6 +68,7 @@ def main():
     t = time.perf_counter()
     c.get("/api/runs/list")
     listing = time.perf_counter() - t
+    print(f"API first answer ('loading'): {first:.3f} s")
     print(f"API all {len(r.json()['metrics'])} metrics, cold (parse whole file): {cold:.3f} s, "
           f"{len(r.content) / 1e3:.0f} kB sent ({len(r.json()['metrics']['reward']['x'])} points per curve)")
     print(f"API warm, smoothing 0.9: {warm:.3f} s ({len(r2.content) / 1e3:.0f} kB); one line appended, "
@@ -78,14 +83,16 @@ def main():
             page = b.new_page()
             page.goto(url + "/runs")
             page.wait_for_selector("tr[data-id='big']")
-            t = time.perf_counter()  # the list reads a big file in the background: wait for it
-            while page.text_content("tr[data-id='big'] td[data-key=bad_lines]") != "0":
-                page.wait_for_timeout(50)
-            print(f"browser: runs list -> file parsed in the background: {time.perf_counter() - t:.3f} s")
+            t = time.perf_counter()  # at once: the page says it is reading, then draws
+            page.click("tr[data-id='big'] td[data-key=id]")
+            page.wait_for_selector(".chart-box[data-metric=reward] path.series", timeout=300_000)
+            print(f"browser, cold: click -> curves drawn (the first read of the file included): {time.perf_counter() - t:.3f} s")
+            page.reload()
+            page.wait_for_selector("tr[data-id='big']")
             t = time.perf_counter()
             page.click("tr[data-id='big'] td[data-key=id]")
             page.wait_for_selector(".chart-box[data-metric=reward] path.series")
-            print(f"browser: click -> reward, kl, loss, lr, grad_norm, entropy curves drawn: "
+            print(f"browser, warm (page reloaded): click -> reward, kl, loss, lr, grad_norm, entropy curves drawn: "
                   f"{time.perf_counter() - t:.3f} s")
             b.close()
 

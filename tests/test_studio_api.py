@@ -347,3 +347,20 @@ def test_command_port_in_use_is_one_line(tmp_path):
                            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [f"tether studio: error: studio: cannot bind 127.0.0.1:{port}: Address already in use"]
+
+
+def test_a_big_first_read_never_holds_the_metrics_request(tmp_path, monkeypatch):
+    import time
+
+    from tether.studio import runs as runs_page
+
+    monkeypatch.setattr(runs_page, "BIG", 1000)
+    _run(tmp_path / "runs", "big", [{"step": i, "reward": float(i)} for i in range(3000)])
+    c = client(make_app(tmp_path / "runs"))
+    r = c.get("/api/runs/metrics", params={"run": "big"}).json()
+    deadline = time.monotonic() + 20
+    while r.get("loading"):                                           # answered at once, then polled
+        assert r["metrics"] == {} and time.monotonic() < deadline
+        time.sleep(0.05)
+        r = c.get("/api/runs/metrics", params={"run": "big", "since": r["version"]}).json()
+    assert r["rows"] == 3000 and r["metrics"]["reward"]["n"] == 3000 and r["metrics"]["reward"]["y"][-1] == 2999.0

@@ -200,6 +200,10 @@ def metrics(request: Request, run: str, smooth: float = Query(0.0, ge=0.0, lt=1.
         return {"version": "none", "rows": 0, "bad_lines": 0, "metrics": {}, "names": [], "defaults": [],
                 "status": run_status(run_dir)}
     tail = tail_of(studio, mpath, MetricsTail)
+    if tail.unread() > BIG:  # never hold a request for a big first read: the page polls until it is done
+        _load_in_background(studio, tail)
+        return {"version": "loading", "loading": True, "unread_bytes": tail.unread(), "rows": None, "bad_lines": None,
+                "metrics": {}, "names": [], "defaults": [], "status": run_status(run_dir)}
     cols = tail.read()
     version = tail.version
     if since and since == version:

@@ -91,8 +91,11 @@
     charts.replaceChildren();
     const total = state.selected.reduce((a, id) => a + ((state.data[id] || {}).rows || 0), 0);
     document.getElementById("live").textContent = `${total} logged rows`;
+    const loading = state.selected.filter(id => state.data[id] && state.data[id].loading);
+    if (loading.length) charts.append(T.el("p", {id: "loading", class: "muted"},
+      loading.map(id => `reading ${id}'s metrics (${(state.data[id].unread_bytes / 1e6).toFixed(0)} MB left)…`).join(" ")));
     if (!names.size) {
-      charts.append(T.el("p", {id: "no-metrics", class: "muted"}, "No metrics logged yet."));
+      if (!loading.length) charts.append(T.el("p", {id: "no-metrics", class: "muted"}, "No metrics logged yet."));
       return;
     }
     for (const name of state.curves) {
