@@ -140,9 +140,12 @@ class Labeler:
         return {k: sum(e["choice"] == k for e in labels) for k in ("a", "b", "tie", "skip")} | {"labels": len(labels)}
 
 
+_MAKING = threading.Lock()  # not studio._lock: loading a model= for live pairs takes seconds
+
+
 def labeler(request: Request) -> Labeler:
     studio = get_studio(request)
-    with studio._lock:
+    with _MAKING:
         lab = studio.pages.get("labeler")
         if lab is None:
             try:
