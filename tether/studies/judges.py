@@ -352,8 +352,12 @@ def plot_judges(summary: dict, plots: Path) -> list[Path]:
 def _report(cfg: JudgesConfig, s: dict) -> str:
     w = s["world"]
     cmd = "tether study judges publish_dir=benchmarks/judges"
-    if cfg.hh_judge:
-        cmd += f" hh_judge={cfg.hh_judge} hh_data={cfg.hh_data}" + (f" hh_pairs={cfg.hh_pairs}" if cfg.hh_pairs else "")
+    default = JudgesConfig()
+    for key in ("seed", "n_pairs", "position_p", "verbosity_q", "ppo_beta", "ppo_steps", "ppo_seeds",
+                "hh_judge", "hh_data", "hh_pairs", "hh_cot_pairs", "constitution"):
+        value = getattr(cfg, key)
+        if value != getattr(default, key):  # the settings that differ from the defaults
+            cmd += f" {key}=" + (",".join(map(str, value)) if isinstance(value, list) else str(value))
     lines = ["# AI judges with known biases, measured against the truth", "",
              f"Regenerate: `{cmd}` (seed {cfg.seed}; part (a) {s['world_seconds']:.0f} s"
              + (f", part (b) {s['hh_seconds']:.0f} s" if "hh" in s else "") + " on this machine, 2 CPU cores shared).", "",
