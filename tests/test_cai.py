@@ -102,3 +102,28 @@ def test_cai_bad_input_is_one_line(capsys, tiny, tmp_path):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_rl_cai_pairs_sampled_from_a_policy_load_in_dpo_and_rm(tiny, tmp_path):
+    """RL-CAI's labelling step: prompt-only red-team rows, two responses sampled per prompt from the
+    policy, judged under the constitution; the file is what `tether dpo` / `tether rm` read."""
+    from tether.feedback.label import LabelPairsConfig, label_pairs
+    from tether.models import load_tokenizer
+    from tether.trainers.offline import DPOConfig
+    from tether.trainers.offline_data import load_offline_data
+    from tether.trainers.rm import load_pairs
+
+    cons = tmp_path / "c.md"
+    cons.write_text("- Be harmless.\n- Be honest.\n")
+    data = tmp_path / "red.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"bad request {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "ai_pairs.jsonl"
+    s = label_pairs(LabelPairsConfig(judge=str(tiny), policy=str(tiny), constitution=str(cons), data=str(data),
+                                     out=str(out), policy_max_new_tokens=10, device="cpu", dtype="fp32"))
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == s["pairs"] == 6 - s["dropped_empty"] > 0
+    assert all(r["prompt"].startswith("bad request") and r["chosen"] and r["rejected"] for r in rows)
+    tok = load_tokenizer(str(tiny))
+    train, _, _, paired, _ = load_offline_data(DPOConfig(model=str(tiny), data=str(out), eval_fraction=0.0), tok)
+    assert paired and len(train) == len(rows)
+    assert len(load_pairs(str(out), tok, 256)[0]) == len(rows)
