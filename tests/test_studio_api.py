@@ -67,6 +67,30 @@ def test_downsample_leaves_short_series_alone():
     np.testing.assert_array_equal(dy, y)
 
 
+def test_columns_add_many_equals_adding_row_by_row():
+    import random
+
+    rng = random.Random(0)
+    choices = [1.5, 2, float("nan"), float("inf"), None, True, False, "x", -3.25, 7]
+    for _ in range(500):
+        rows, same = [], rng.random() < 0.5
+        for i in range(rng.randrange(30)):
+            r = {}
+            if rng.random() < 0.9:
+                r["step"] = rng.choice([i, float(i), True, None, "x", 2.5]) if rng.random() < 0.2 else i
+            for k in ("a", "b", "c", "time"):
+                if same or rng.random() < 0.7:
+                    r[k] = rng.choice(choices) if rng.random() < 0.3 else rng.random()
+            rows.append(r)
+        one, many = series.Columns(), series.Columns()
+        for r in rows:
+            one.add(r)
+        many.add_many(rows[:len(rows) // 2])
+        many.add_many(rows[len(rows) // 2:])
+        assert (one.rows, one.last_step, one.last) == (many.rows, many.last_step, many.last)
+        assert {k: (list(one.x[k]), list(one.y[k])) for k in one.x} == {k: (list(many.x[k]), list(many.y[k])) for k in many.x}
+
+
 def test_columns_skip_bad_values():
     rows = [{"step": 1, "time": 0.1, "loss": 2.0, "kl": None}, {"step": 2, "loss": float("nan"), "kl": 0.5},
             {"loss": 9.0}, {"step": 3, "loss": 1.0, "flag": True, "name": "x"}]
@@ -145,6 +169,17 @@ def test_runs_list_statuses_headlines_and_commands(tmp_path):
     assert got["live"]["status"] == "failed" and got["live"]["last_step"] == 7
 
 
+def _metrics(c, params, timeout=60.0):
+    """/api/runs/metrics, asked again while it answers 'loading' (a big file's first read)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (r := c.get("/api/runs/metrics", params=params).json()).get("loading"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return r
+
+
 def test_metrics_downsampled_smoothed_and_robust(tmp_path):
     runs = tmp_path / "runs"
     rng = np.random.default_rng(1)
@@ -154,7 +189,7 @@ def test_metrics_downsampled_smoothed_and_robust(tmp_path):
         f.write('{"step": 100000, "rew\n')                 # a torn line in the middle of the file
         f.write(json.dumps({"step": 100001, "reward": 0.5, "kl": 0.1}) + "\n")
     c = client(make_app(runs))
-    r = c.get("/api/runs/metrics", params={"run": "big", "smooth": 0.9, "max_points": 1000}).json()
+    r = _metrics(c, {"run": "big", "smooth": 0.9, "max_points": 1000})  # > 4 MB: read in the background first
     assert r["rows"] == 100_001 and r["bad_lines"] == 1
     m = r["metrics"]["reward"]
     x = np.array(list(range(100_000)) + [100_001], dtype=float)

@@ -133,7 +133,7 @@ class JsonlTail:
     line still being written is left for the next read). A line that is not a JSON object is
     skipped and counted (`bad`), not fatal: one corrupt line must not hide the rest of a run. A file
     that shrank or was replaced (resume's truncate_after rewrites it) is read again from the start.
-    A subclass keeps something other than the rows by overriding `reset` and `add`."""
+    A subclass keeps something other than the rows by overriding `reset`, `add` and `add_many`."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -148,6 +148,10 @@ class JsonlTail:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
+
+    def add_many(self, rows: list[dict]) -> None:
+        for r in rows:
+            self.add(r)
 
     def unread(self) -> int:
         """Bytes written since the last read (the whole file when it was replaced)."""
@@ -174,6 +178,7 @@ class JsonlTail:
                     f.seek(self._offset)
                     chunk = f.read(st.st_size - self._offset)
                 end = chunk.rfind(b"\n") + 1  # complete lines only
+                batch: list[dict] = []
                 for line in chunk[:end].splitlines():
                     if not line.strip():
                         continue
@@ -182,9 +187,13 @@ class JsonlTail:
                     except ValueError:
                         row = None
                     if isinstance(row, dict):
-                        self.add(row)
+                        batch.append(row)
+                        if len(batch) == 4096:  # bounded memory on a big first read
+                            self.add_many(batch)
+                            batch = []
                     else:
                         self.bad += 1
+                self.add_many(batch)
                 self._offset += end
             return self.rows
 

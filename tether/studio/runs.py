@@ -110,6 +110,9 @@ class MetricsTail(JsonlTail):
     def add(self, row: dict) -> None:
         self.cols.add(row)
 
+    def add_many(self, rows: list[dict]) -> None:
+        self.cols.add_many(rows)
+
 
 BIG = 4 << 20
 "unread bytes of metrics.jsonl beyond which the runs list reads the file in the background"
