@@ -28,7 +28,8 @@ explore|final)
     i=0; mkdir -p /tmp/rl
     for spec in "$@"; do          # spec: lib:recipe:seed[:k=v,...]
         IFS=: read -r lib recipe seed sets <<<"$spec"
-        extra=(); IFS=, read -ra kv <<<"${sets:-}"; for s in "${kv[@]}"; do extra+=(--set "$s"); done
+        extra=(); IFS=, read -ra kv <<<"${sets:-}"
+        for s in "${kv[@]}"; do if [ "$s" = nohead ]; then extra+=(--no-head-kernels); else extra+=(--set "$s"); fi; done
         name="$lib-$recipe-s$seed${sets:+-$(echo "$sets" | tr ',=/' '_-_')}"
         CUDA_VISIBLE_DEVICES=$i python3 bench/real_model_rl.py "$lib" --model /tmp/smollm2 --data /tmp/arith \
             --out "/tmp/rl/$name" --seed "$seed" --recipe "$recipe" --budget "$budget" --eval-every 25 "${extra[@]}" \
@@ -36,13 +37,14 @@ explore|final)
         i=$((i + 1))
     done
     wait
+    # at most 8 files come back from $OUT: one archive of the small files of every run
+    (cd /tmp/rl && find . -maxdepth 3 \( -name curve.json -o -name config.yaml -o -name metrics.jsonl \
+        -o -name samples.jsonl -o -name '*.log' \) -print0 | tar czf "$OUT/rl-$mode.tgz" --null -T -)
     for d in /tmp/rl/*/; do
-        n=$(basename "$d"); mkdir -p "$OUT/$n"
-        cp "$d/curve.json" "$OUT/$n/" 2>/dev/null; cp "$d/config.yaml" "$OUT/$n/" 2>/dev/null
-        cp "$d/run/metrics.jsonl" "$d/run/samples.jsonl" "$OUT/$n/" 2>/dev/null
-        tail -20 "/tmp/rl/$n.log" > "$OUT/$n/tail.log"
+        n=$(basename "$d")
+        [ -n "${ONLY:-}" ] && [[ "$n" != *"$ONLY"* ]] && continue
         python3 -c "
-import json,sys; c=json.load(open('$d/curve.json')); p=c['points']
+import json; c=json.load(open('$d/curve.json')); p=c['points']
 print('$n', [(x['step'], round(x['train_seconds']), round(x['pass@1'],3)) for x in p])" 2>/dev/null || echo "$n: no curve"
     done
     ;;

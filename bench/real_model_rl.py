@@ -94,7 +94,11 @@ def run_tether(a) -> None:
         cfg.setdefault(sec, {})[key] = v
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
     metrics = out / "run" / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "tether", "grpo", "--config", str(out / "config.yaml")],
+    cmd = [sys.executable, "-m", "tether", "grpo", "--config", str(out / "config.yaml")]
+    if a.no_head_kernels:  # diagnosis: the chunked LM head's torch path instead of its Triton kernels
+        cmd[1:3] = ["-c", "import sys, tether.models.head_kernels as h; h.triton = None; "
+                          "from tether.cli import main; sys.exit(main(sys.argv[1:]))"]
+    proc = subprocess.Popen(cmd,
                             stdout=open(out / "stdout.log", "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     # stop at the budget of training time: the run has no notion of it, so it is watched from here
@@ -243,6 +247,7 @@ def main() -> None:
         p.add_argument("--set", action="append", default=[], help="override a recipe key: k=v (JSON value)")
         p.add_argument("--budget", type=float, default=600.0, help="seconds of training")
         p.add_argument("--eval-every", type=int, default=25)
+        p.add_argument("--no-head-kernels", action="store_true", help="tether: torch path of the chunked head")
     p = sub.add_parser("plot")
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True)

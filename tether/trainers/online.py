@@ -195,6 +195,8 @@ class Batch:
     "[N] −β·Σ_t k1 added to the reward (kl_in=reward)"
     filler: Optional[dict] = None
     "one sampled row (training_batch form): the input of the forwards that count for nothing (torchrun)"
+    on_policy: bool = False
+    "μ = 1, no staleness, no IS correction: the ratio's π_old is the update's own forward, detached"
 
 
 def reward_functions(cfg: GRPOConfig, funcs: Optional[Sequence], weights: Optional[Sequence[float]]):
@@ -238,7 +240,15 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
                                                                 t.amp)[0].float())
         ref = forwards(lambda micro: t.reference_logps(micro, cfg.rollout.temperature).float()) \
             if grpo.beta > 0 else None
-    return Batch(collected, tensors, valid, mask, truncated, old, ref, filler=filler)
+    # On-policy (one update on samples of the current weights, no IS correction) π_old is π_θ itself:
+    # the loss takes the update's own log-probs, detached (ratio ≡ 1; TRL does the same). Not the
+    # sampler's: on CUDA they differ by the training–inference mismatch (bf16 autocast vs the
+    # sampler's kernels), and a ratio against them reweighs every token by exp(mismatch) — on
+    # SmolLM2-135M (fp32 master weights, bf16 autocast) that fed back into the policy and collapsed
+    # it within 50 steps (mismatch max 0.3 -> 16 nats, clip fraction 0.28), while TRL's identical
+    # recipe learned. The mismatch stays logged (sampling/*); grpo.is_correction corrects for it.
+    on_policy = grpo.num_iterations == 1 and grpo.is_correction == "none" and cfg.queue.max_staleness == 0
+    return Batch(collected, tensors, valid, mask, truncated, old, ref, filler=filler, on_policy=on_policy)
 
 
 def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:

@@ -90,7 +90,8 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
             micro = {k: v[part] for k, v in batch.tensors.items()}
             logps, entropy = completion_token_logps(model, micro, rollout.logprob_temperature, training.amp,
                                                     want_entropy=grpo.log_entropy and iteration == 0)
-            loss, metrics = policy_loss(logps, batch.old_logps[part], batch.advantages[part], batch.mask[part],
+            old = logps.detach() if batch.on_policy else batch.old_logps[part]  # online.prepare_batch
+            loss, metrics = policy_loss(logps, old, batch.advantages[part], batch.mask[part],
                                         clip_low=grpo.clip_low, clip_high=grpo.clip_high, agg=grpo.loss_agg,
                                         ref_logps=None if batch.ref_logps is None else batch.ref_logps[part],
                                         beta=grpo.beta if grpo.kl_in == "loss" else 0.0,
