@@ -90,15 +90,19 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
         last = ".chart-box[data-metric=reward] .last[data-run='grpo-a'] .num"
         assert value_of(page, last) == rows[-1]["reward"]
         assert value_of(page, ".chart-box[data-metric=kl] .last .num") == rows[-1]["kl"]
+        page.click("#run-detail summary")                                       # its summary.json
+        assert page.text_content("#summary td[data-key=key]") == "done"
 
         # smoothing slider dragged by the mouse to its end (0.99): the server's EMA is what is drawn
+        page.locator("#smooth").scroll_into_view_if_needed()
         box = page.locator("#smooth").bounding_box()
         page.mouse.move(box["x"] + 4, box["y"] + box["height"] / 2)
         page.mouse.down()
         page.mouse.move(box["x"] + box["width"] + 40, box["y"] + box["height"] / 2, steps=8)
         page.mouse.up()
         expect = float(series.ema(reward, 0.99)[-1])
-        wait_until(page, lambda: value_of(page, last) == expect, what="smoothed curve")
+        wait_until(page, lambda: value_of(page, last) == expect,
+                   what=f"smoothed curve ({page.input_value('#smooth')}, {value_of(page, last)} vs {expect})")
         assert page.text_content("#smooth-value") == "0.99"
         page.focus("#smooth")
         page.keyboard.press("ArrowLeft")                                         # one step down: 0.98

@@ -49,6 +49,7 @@
     const pick = document.getElementById("samples-run");
     pick.replaceChildren(...state.selected.map(id => T.el("option", {value: id}, id)));
     reask().then(loadSamples);
+    loadDetail();
   }
 
   // Every change of what is asked (runs, curves, smoothing) bumps state.gen; an answer to an older
@@ -110,6 +111,26 @@
       const last = ser.map(s => T.el("span", {class: "last", "data-run": s.name}, s.name + ": ", T.num(s.y[s.y.length - 1]), " "));
       box.append(T.el("div", {class: "muted"}, "last: ", ...last));
     }
+  }
+
+  // One run open: its summary.json (flattened, numbers as T.num) and its resolved config.
+  async function loadDetail() {
+    const box = document.getElementById("run-detail");
+    box.hidden = state.selected.length !== 1;
+    if (box.hidden) return;
+    const d = await T.api(`/api/runs/detail?run=${encodeURIComponent(state.selected[0])}`);
+    document.getElementById("detail-name").textContent = d.id;
+    const flat = (obj, pre, out) => {
+      for (const [k, v] of Object.entries(obj || {}))
+        if (v && typeof v === "object" && !Array.isArray(v)) flat(v, pre + k + ".", out);
+        else out.push({key: pre + k, value: v});
+      return out;
+    };
+    const show = v => typeof v === "number" ? T.num(v) : T.el("span", {class: "mono"}, typeof v === "string" ? v : JSON.stringify(v));
+    T.table(document.getElementById("summary-table"), flat(d.summary, "", []),
+            [{key: "key", label: "summary", sortable: true}, {key: "value", label: "value", format: show}], {id: "summary"});
+    T.table(document.getElementById("config-table"), flat(d.config, "", []),
+            [{key: "key", label: "config", sortable: true}, {key: "value", label: "value", format: show}], {id: "config"});
   }
 
   let samplesTable = null;
