@@ -83,24 +83,26 @@ def test_grpo_page(tmp_path, tmp_path_factory, browser):  # noqa: F811 - the fix
         # a logged group from the RL run's samples
         page.select_option("#source", "samples")
         page.select_option("#run-pick", "quickstart/rl")
-        wait_until(page, lambda: page.locator(f"{ROWS} td[data-key='completion'] pre").count() > 0, what="logged group")
+        wait_until(page, lambda: page.locator("#group-pick option").count() > 0
+                   and page.locator(f"{ROWS} td[data-key='completion'] pre").count() > 0, timeout=15, what="logged group")
         wait_until(page, lambda: _matches(page), what="advantages of the logged group")
 
-        # live: 4 completions from the SFT checkpoint, scored by the arithmetic verifier
+        # live: 8 completions from the SFT checkpoint of a carry problem (the quickstart's SFT imitates
+        # the annotator's slip on most: with the full quickstart 3 of 8 are right, greedy is not)
         from tether.tasks.arithmetic import check_answer
 
         page.select_option("#source", "live")
-        page.click("#g-4")
+        page.click("#g-8")
         ckpt = next(o for o in page.eval_on_selector_all("#ckpt-pick option", "os => os.map(o => o.value)")
                     if o.startswith("quickstart/sft/"))
         page.select_option("#ckpt-pick", ckpt)
-        page.fill("#prompt", "What is 8 - 7?")
-        page.fill("#answer", "1")
+        page.fill("#prompt", "What is 49 + 1?")
+        page.fill("#answer", "50")
         page.click("#sample")
-        wait_until(page, lambda: page.locator(f"{ROWS} td[data-key='completion'] pre").count() == 4, timeout=30,
+        wait_until(page, lambda: page.locator(f"{ROWS} td[data-key='completion'] pre").count() == 8, timeout=30,
                    what="live group")
-        texts = [page.text_content(f"{ROWS}[data-id='{i + 1}'] td[data-key='completion'] pre") for i in range(4)]
-        assert _rewards(page) == [check_answer(t, 1) for t in texts]
+        texts = [page.text_content(f"{ROWS}[data-id='{i + 1}'] td[data-key='completion'] pre") for i in range(8)]
+        assert _rewards(page) == [check_answer(t, 50) for t in texts]
         wait_until(page, lambda: _matches(page), what="advantages of the live group")
         page.click(f"{ROWS}[data-id='2']")
         wait_until(page, lambda: "completion 2" in page.text_content("#surrogate-chart"), what="row 2's curve")

@@ -221,7 +221,9 @@ def groups(run: str, request: Request):
     out = sample_groups(run_file(path, "samples.jsonl")) if run_file(path, "samples.jsonl") else []
     ckpt = checkpoints.latest_of(path)
     if ckpt is not None and out:
-        _, tok = checkpoints.load(ckpt)
+        from tether.models import load_tokenizer
+
+        tok = load_tokenizer(str(ckpt))  # the tokenizer alone: no model weights to read
         for g in out:
             g["lengths"] = token_lengths(tok, g["completions"])
     return {"run": run, "groups": out, "lengths_from": str(ckpt.name) if ckpt is not None else None}

@@ -31,23 +31,30 @@
     pending = setTimeout(() => { pending = null; recompute().catch(e => T.status(e.message, true)); }, 30);
   }
 
+  // Answers can arrive out of order (a slider fires many requests) or after the group changed:
+  // only the newest request's answer is drawn, and advantages are drawn only for their own group.
+  let advFor = null, advSeq = 0, surSeq = 0;
   async function recompute() {
     if (!group) return;
-    const greedy = Number($("greedy").value);
+    const g = group, greedy = Number($("greedy").value), mine = ++advSeq;
     $("greedy-value").replaceChildren(T.num(greedy, {id: "greedy-shown"}));
-    const r = await T.api("/api/grpo/advantages", {rewards: group.rewards, lengths: group.lengths,
+    const r = await T.api("/api/grpo/advantages", {rewards: g.rewards.slice(), lengths: g.lengths,
                                                    greedy_reward: greedy, scale: $("scale").value});
-    adv = r.advantages;
+    if (g !== group || mine !== advSeq) return;
+    adv = r.advantages; advFor = g;
     await surrogate();
   }
 
   async function surrogate() {
-    const est = $("estimator").value, a = adv[est];
+    const g = group;
+    if (advFor !== g) return;  // its advantages are on their way; recompute() calls back
+    const est = $("estimator").value, a = adv[est], mine = ++surSeq, forAdv = adv;
     const ratio = Number($("ratio").value), lo = Number($("eps-low").value), hi = Number($("eps-high").value);
     $("ratio-value").replaceChildren(T.num(ratio, {id: "ratio-shown"}));
     $("eps-low-value").replaceChildren(T.num(lo)); $("eps-high-value").replaceChildren(T.num(hi));
-    const s = await T.api("/api/grpo/surrogate", {advantages: a, lengths: group.lengths, ratio, eps_low: lo, eps_high: hi,
+    const s = await T.api("/api/grpo/surrogate", {advantages: a, lengths: g.lengths, ratio, eps_low: lo, eps_high: hi,
                                                   curve_advantage: a[selectedRow]});
+    if (g !== group || advFor !== g || adv !== forAdv || mine !== surSeq) return;
     drawTable(s);
     const c = s.curve, clipped = c.ratio.map((r, i) => c.clipped[i] ? c.objective[i] : null);
     T.lineChart($("curve"), [
