@@ -199,6 +199,16 @@ def test_labeler_page(tmp_path, browser):  # noqa: F811 - the fixture
         wait_until(tab1, lambda: value_of(tab1, "#count-labels") == 0, what="count after undo")
         assert (labels_dir / "preferences.jsonl").read_text() == ""
 
+        # a reload keeps the tab's pair and its undo stack (sessionStorage)
+        label(tab1)
+        shown = tab1.get_attribute("main", "data-pair-index")
+        tab1.reload()
+        wait_until(tab1, lambda: tab1.get_attribute("main", "data-pair-index") == shown, what="same pair after reload")
+        wait_until(tab1, lambda: value_of(tab1, "#count-labels") == 1, what="count after reload")
+        tab1.keyboard.press("u")
+        wait_until(tab1, lambda: tab1.get_attribute("main", "data-pair-index") == first, what="undo after reload")
+        wait_until(tab1, lambda: value_of(tab1, "#count-labels") == 0, what="count after undo")
+
         n_ab, k = 0, 0
         while n_ab < 20:
             tab = (tab1, tab2)[k % 2]

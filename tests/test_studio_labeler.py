@@ -41,11 +41,13 @@ def test_labels_make_trl_rows_ties_apart_and_undo(tmp_path):
     out = tmp_path / "runs" / "studio-labels"
     read = lambda f: [json.loads(x) for x in (out / f).read_text().splitlines()]  # noqa: E731
     assert read("preferences.jsonl") == expect_pref and read("ties.jsonl") == expect_ties
-    r = c.post("/api/labeler/undo", json={"session": "t", "id": ids[-1], "showing": None}).json()
+    r = c.post("/api/labeler/undo", json={"session": "t", "id": ids[-1]}).json()
     assert r["counts"]["labels"] == 11 and r["pair"]["index"] == 11   # the undone pair comes back
     assert read("preferences.jsonl") + read("ties.jsonl") != expect_pref + expect_ties
     assert len(read("preferences.jsonl")) + len(read("ties.jsonl")) == 11
     assert c.post("/api/labeler/undo", json={"session": "t", "id": ids[-1]}).status_code == 404
+    assert c.post("/api/labeler/next", json={"session": "t"}).json()["pair"]["index"] == 11  # still on screen
+    assert c.get("/api/labeler/mine", params={"session": "t"}).json()["ids"] == ids[:-1]
     assert c.post("/api/labeler/label", json={"session": "t", "index": 3, "choice": "maybe"}).status_code == 400
 
 
@@ -175,3 +177,18 @@ def test_pairs_from_a_preference_file_and_a_prompt_completion_file(tmp_path):
     single.write_text(json.dumps({"prompt": "p", "completion": "only one"}) + "\n")
     r = client(make_app(tmp_path / "r3", label_source=str(single))).post("/api/labeler/next", json={"session": "s"})
     assert r.status_code == 400 and "no pairs" in r.json()["detail"]
+
+
+def test_a_tab_keeps_its_pair_and_other_tabs_get_others(tmp_path):
+    c = client(make_app(tmp_path / "runs", retrain_every=1000))
+    nxt = lambda s: c.post("/api/labeler/next", json={"session": s}).json()["pair"]["index"]  # noqa: E731
+    assert nxt("one") == 0 and nxt("one") == 0                        # a reload shows the same pair
+    assert nxt("two") == 1 and nxt("three") == 2
+    c.post("/api/labeler/label", json={"session": "two", "index": 1, "choice": "skip"})
+    assert nxt("two") == 3 and nxt("one") == 0                        # skipped counts as done
+    lid = c.post("/api/labeler/label", json={"session": "one", "index": 0, "choice": "a"}).json()["id"]
+    assert nxt("one") == 4
+    c.post("/api/labeler/undo", json={"session": "one", "id": lid})
+    assert nxt("one") == 0 and nxt("four") == 4                       # 4 went back to the pool
+    assert c.get("/api/labeler/mine", params={"session": "one"}).json()["ids"] == []
+

@@ -162,7 +162,6 @@ def _shown(pair: dict) -> dict:
 
 class NextBody(BaseModel):
     session: str
-    release: int | None = None
 
 
 class LabelBody(BaseModel):
@@ -174,7 +173,6 @@ class LabelBody(BaseModel):
 class UndoBody(BaseModel):
     session: str
     id: str
-    showing: int | None = None
 
 
 @router.get("/state")
@@ -190,7 +188,7 @@ def state(request: Request):
 @router.post("/next")
 def next_pair(request: Request, body: NextBody):
     lab = labeler(request)
-    i = lab.store.next_index(len(lab.source), release=body.release)
+    i = lab.store.next_index(len(lab.source), body.session)
     return {"pair": None if i is None else _shown(lab.source.pair(i))}
 
 
@@ -214,10 +212,14 @@ def undo(request: Request, body: UndoBody):
         entry = lab.store.undo(body.id, body.session)
     except UserError as e:
         raise HTTPException(404, str(e)) from None
-    lab.store.release(body.showing)  # the pair on screen goes back to the pool
-    lab.store.hold(entry["index"])
     lab.maybe_retrain()
     return {"pair": _shown(lab.source.pair(entry["index"])), "counts": lab.counts()}
+
+
+@router.get("/mine")
+def mine(request: Request, session: str):
+    """This tab's labels in force, oldest first: what its undo takes back after a reload."""
+    return {"ids": labeler(request).store.mine(session)}
 
 
 @router.post("/retrain")

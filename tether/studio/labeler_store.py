@@ -184,7 +184,7 @@ class LabelStore:
         self.ties = self.dir / "ties.jsonl"
         self._lockfile = self.dir / ".lock"
         self._cursor_lock = threading.Lock()
-        self._handed: set[int] = set()  # pairs handed to some tab and not labelled yet
+        self._showing: dict[str, int] = {}  # session (a tab) -> the pair on its screen, not labelled yet
 
     @contextmanager
     def locked(self):
@@ -240,7 +240,8 @@ class LabelStore:
             if out is not None:
                 self._append(self.preferences if out[0] == "preferences" else self.ties, out[1])
         with self._cursor_lock:
-            self._handed.discard(pair["index"])
+            if self._showing.get(session) == pair["index"]:
+                del self._showing[session]
         return label
 
     def undo(self, label_id: str, session: str) -> dict:
@@ -260,29 +261,29 @@ class LabelStore:
                 tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[kind]),
                                encoding="utf-8")
                 os.replace(tmp, path)
+        with self._cursor_lock:  # the undone pair is on this tab's screen again
+            self._showing[session] = live[label_id]["index"]
         return live[label_id]
 
-    def next_index(self, n_pairs: int, release: int | None = None) -> int | None:
-        """The next pair nobody labelled (skips count as labelled) and no other tab holds; None
-        when every pair is done. `release`: a pair this tab gives back (after an undo)."""
+    def next_index(self, n_pairs: int, session: str) -> int | None:
+        """The pair `session` (a tab) shows: the one it already holds (a reloaded tab keeps its pair),
+        else the first pair nobody labelled (skips count) and no other tab shows; None when every
+        pair is done."""
         done = {e["index"] for e in self.labels()}
         with self._cursor_lock:
-            if release is not None:
-                self._handed.discard(release)
+            held = self._showing.get(session)
+            if held is not None and held not in done:
+                return held
+            shown = set(self._showing.values())
             i = 0
-            while i < n_pairs and (i in done or i in self._handed):
+            while i < n_pairs and (i in done or i in shown):
                 i += 1
             if i >= n_pairs:
+                self._showing.pop(session, None)
                 return None
-            self._handed.add(i)
+            self._showing[session] = i
             return i
 
-    def hold(self, index: int) -> None:
-        """Mark a pair as on some tab's screen (an undone label's pair, shown again)."""
-        with self._cursor_lock:
-            self._handed.add(index)
-
-    def release(self, index: int | None) -> None:
-        """A pair a tab no longer shows goes back to the pool."""
-        with self._cursor_lock:
-            self._handed.discard(index)
+    def mine(self, session: str) -> list[str]:
+        """The ids of `session`'s labels in force, oldest first (a reloaded tab's undo stack)."""
+        return [e["id"] for e in self.labels() if e.get("session") == session]

@@ -3,8 +3,13 @@
 "use strict";
 (function () {
   const T = window.tether;
-  // one id per tab: the server keeps the pair each tab shows apart from the others'
-  const session = "tab-" + Date.now().toString(36) + "-" + Math.random().toString(36).slice(2);
+  // one id per tab, kept across reloads (sessionStorage is per tab): the server keeps the pair each
+  // tab shows apart from the others', and a reloaded tab gets its pair and its undo stack back
+  let session = sessionStorage.getItem("tether-labeler-session");
+  if (!session) {
+    session = "tab-" + Date.now().toString(36) + "-" + Math.random().toString(36).slice(2);
+    sessionStorage.setItem("tether-labeler-session", session);
+  }
   let pair = null, busy = false;
   const done = [];  // this tab's label ids, newest last: what undo takes back
 
@@ -23,8 +28,8 @@
                        " · tie ", T.num(c.tie), " · skip ", T.num(c.skip));
   }
 
-  async function next(release) {
-    const d = await T.api("/api/labeler/next", {session, release: release === undefined ? null : release});
+  async function next() {
+    const d = await T.api("/api/labeler/next", {session});
     show(d.pair);
   }
 
@@ -46,7 +51,7 @@
     if (busy || !done.length) return;
     busy = true;
     try {
-      const d = await T.api("/api/labeler/undo", {session, id: done[done.length - 1], showing: pair ? pair.index : null});
+      const d = await T.api("/api/labeler/undo", {session, id: done[done.length - 1]});
       done.pop();
       show(d.pair);
       showCounts(d.counts);
@@ -106,7 +111,7 @@
 
   T.nav("labeler");
   let last = "";
-  next().then(() => T.poll(async () => {
+  T.api(`/api/labeler/mine?session=${encodeURIComponent(session)}`).then(d => done.push(...d.ids)).then(next).then(() => T.poll(async () => {
     const s = await T.api("/api/labeler/state"), key = JSON.stringify(s);
     if (key !== last) { last = key; renderModel(s); }
   }, 1000));
