@@ -192,3 +192,14 @@ def test_a_tab_keeps_its_pair_and_other_tabs_get_others(tmp_path):
     assert nxt("one") == 0 and nxt("four") == 4                       # 4 went back to the pool
     assert c.get("/api/labeler/mine", params={"session": "one"}).json()["ids"] == []
 
+
+def test_another_sources_labels_do_not_hide_this_sources_pairs(tmp_path):
+    labels = tmp_path / "labels"
+    c = client(make_app(tmp_path / "runs", labels_dir=str(labels), seed=0, retrain_every=1000))
+    for _ in range(3):
+        p = c.post("/api/labeler/next", json={"session": "s"}).json()["pair"]
+        c.post("/api/labeler/label", json={"session": "s", "index": p["index"], "choice": "a"})
+    c2 = client(make_app(tmp_path / "runs", labels_dir=str(labels), seed=1, retrain_every=1000))  # other pairs
+    assert c2.post("/api/labeler/next", json={"session": "s2"}).json()["pair"]["index"] == 0
+    assert c2.get("/api/labeler/state").json()["counts"]["labels"] == 3   # the file keeps every label
+

@@ -56,7 +56,7 @@ def rm_report(labels: list[dict], source) -> dict:
     report = {"n_labels": len(train) + len(held), "n_train": len(train), "n_held_out": len(held),
               "held_out_accuracy": pair_accuracy(model, *_sides(held)),
               "train_accuracy": pair_accuracy(model, *_sides(train)), "train_loss": model.train_loss}
-    labelled = {e["index"] for e in labels}
+    labelled = {e["index"] for e in labels if e.get("pair") == source.pair_id(e["index"])}
     unseen = []
     if hasattr(source, "world"):
         pairs = [source.pair(i, split="test") for i in range(getattr(source, "eval_pairs", WORLD_EVAL_PAIRS))]
@@ -188,7 +188,7 @@ def state(request: Request):
 @router.post("/next")
 def next_pair(request: Request, body: NextBody):
     lab = labeler(request)
-    i = lab.store.next_index(len(lab.source), body.session)
+    i = lab.store.next_index(lab.source, body.session)
     return {"pair": None if i is None else _shown(lab.source.pair(i))}
 
 

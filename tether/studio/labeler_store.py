@@ -57,6 +57,9 @@ class WorldPairs:
     def __len__(self) -> int:
         return 1 << 30  # endless
 
+    def pair_id(self, i: int, split: str = "train") -> str:
+        return f"world-{self.seed}-{split}-{i}"
+
     def pair(self, i: int, split: str = "train") -> dict:
         rng = random.Random(f"{self.seed}:{split}:{i}")
         prompts = self._prompts if split == "train" else self.world.prompts(None, split=split)
@@ -66,7 +69,7 @@ class WorldPairs:
         while b == a:
             b = self.world.write(prompt, rng)
         g = self.world.gold_reward([prompt, prompt], [a, b])
-        return {"pair": f"world-{self.seed}-{split}-{i}", "index": i, "prompt": prompt, "a": a, "b": b,
+        return {"pair": self.pair_id(i, split), "index": i, "prompt": prompt, "a": a, "b": b,
                 "gold_a": g[0], "gold_b": g[1]}
 
 
@@ -100,9 +103,12 @@ class FilePairs:
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def pair_id(self, i: int, split: str = "train") -> str:
+        return f"{self.name}-{i}"
+
     def pair(self, i: int, split: str = "train") -> dict:
         prompt, a, b = self.pairs[i]
-        return {"pair": f"{self.name}-{i}", "index": i, "prompt": prompt, "a": a, "b": b}
+        return {"pair": self.pair_id(i), "index": i, "prompt": prompt, "a": a, "b": b}
 
 
 class ModelPairs:
@@ -136,6 +142,9 @@ class ModelPairs:
     def __len__(self) -> int:
         return 1 << 30
 
+    def pair_id(self, i: int, split: str = "train") -> str:
+        return f"model-{self.seed}-{split}-{i}"
+
     def sample_seed(self, split: str, i: int, side: int) -> int:
         """The sampler's seed of pair i's completion at temperature number `side` (stable across runs)."""
         return zlib.crc32(f"{self.seed}:{split}:{i}:{side}".encode())
@@ -154,7 +163,7 @@ class ModelPairs:
                          for k, t in enumerate(self.temperatures)]
                 if rng.random() < 0.5:
                     texts.reverse()
-                p = {"pair": f"model-{self.seed}-{split}-{i}", "index": i, "prompt": prompt, "a": texts[0], "b": texts[1]}
+                p = {"pair": self.pair_id(i, split), "index": i, "prompt": prompt, "a": texts[0], "b": texts[1]}
                 if hasattr(self, "world"):
                     p["gold_a"], p["gold_b"] = self.world.gold_reward([prompt, prompt], texts)
                 self._cache[key] = p
@@ -265,11 +274,13 @@ class LabelStore:
             self._showing[session] = live[label_id]["index"]
         return live[label_id]
 
-    def next_index(self, n_pairs: int, session: str) -> int | None:
-        """The pair `session` (a tab) shows: the one it already holds (a reloaded tab keeps its pair),
-        else the first pair nobody labelled (skips count) and no other tab shows; None when every
-        pair is done."""
-        done = {e["index"] for e in self.labels()}
+    def next_index(self, source, session: str) -> int | None:
+        """The pair of `source` that `session` (a tab) shows: the one it already holds (a reloaded
+        tab keeps its pair), else the first pair nobody labelled (skips count; a label counts for
+        this source only if its pair id is this source's: a journal may hold another source's
+        labels) and no other tab shows; None when every pair is done."""
+        n_pairs = len(source)
+        done = {e["index"] for e in self.labels() if e.get("pair") == source.pair_id(e["index"])}
         with self._cursor_lock:
             held = self._showing.get(session)
             if held is not None and held not in done:
