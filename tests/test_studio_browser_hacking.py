@@ -70,9 +70,17 @@ def test_hacking_page(tmp_path, tmp_path_factory, browser):  # noqa: F811 - the 
         assert_no_errors(page)
 
 
-def test_hacking_page_without_studies(tmp_path, browser):  # noqa: F811 - the fixture
+def test_pages_on_an_empty_runs_dir(tmp_path, browser):  # noqa: F811 - the fixture
+    """Pages 2, 4, 5, 6 with nothing to show: each says so (or works from its own inputs), no error."""
     with serve(make_app(tmp_path / "runs")) as url:
         page = open_page(browser, url + "/hacking")
-        wait_until(page, lambda: page.is_visible("#empty"), what="the empty state")
+        wait_until(page, lambda: page.is_visible("#empty"), what="the hacking page's empty state")
         assert not page.is_visible("#study-view")
+        page.goto(url + "/stages")
+        wait_until(page, lambda: page.is_visible("#empty") and page.is_disabled("#run"), what="the stages page's empty state")
+        page.goto(url + "/grpo")  # hand-set rewards need no run
+        wait_until(page, lambda: page.locator("#advantages-table tbody tr").count() == 8, what="a hand-set group")
+        assert page.is_disabled("#source option[value='samples']") and page.is_disabled("#source option[value='live']")
+        page.goto(url + "/algorithms")
+        wait_until(page, lambda: page.locator("#memory-bars g.bar").count() >= 1, what="memory bars")
         assert_no_errors(page)
