@@ -45,5 +45,27 @@ def test_stages_page(tmp_path, tmp_path_factory, browser):  # noqa: F811 - the f
         assert "sft → pretrain" in page.text_content("#detail-title")
         changed = sum(a["completion"] != b["completion"] for a, b in zip(want["sft"]["answers"], want["pretrain"]["answers"]))
         assert page.locator("#diff-table pre.diff:has(del), #diff-table pre.diff:has(ins)").count() == changed
+        for stage in want:  # next to it, what the quickstart itself recorded on all its problems
+            assert value_of(page, f"#stage-table tr[data-id='{stage}'] td[data-key='recorded'] .num") == next(
+                s["accuracy"] for s in chain["stages"] if s["stage"] == stage)
         shot(page, "stages", tmp_path)
+
+        # a chain the user lists: the rl and sft checkpoints, on the quickstart's default split
+        from tether.studio.stages import default_split
+
+        ids = page.eval_on_selector_all("#ckpt-pick option", "os => os.map(o => o.value)")
+        mine = [next(i for i in ids if i.startswith(f"quickstart/{s}/")) for s in ("rl", "sft")]
+        page.select_option("#chain-pick", "__custom__")
+        for ckpt in mine:
+            page.select_option("#ckpt-pick", ckpt)
+            page.click("#ckpt-add")
+        assert page.text_content("#chain-list") == " → ".join(mine)
+        page.fill("#count", "5")
+        page.click("#run")
+        wait_until(page, lambda: page.locator(bars).count() == 2 and "2 stages" in page.text_content("#progress"),
+                   timeout=60, what="the listed chain")
+        problems = held_out(default_split(), 5)
+        for ckpt in mine:
+            path = runs / "quickstart" / ckpt.split("/")[1] / "checkpoints" / ckpt.split("/")[2]
+            assert float(page.get_attribute(f"{bars}[data-label='{ckpt}']", "data-value")) == answer(str(path), problems)["accuracy"]
         assert_no_errors(page)

@@ -26,10 +26,13 @@
                                              color: selected.includes(r.stage) ? "#d62728" : "#1f77b4"})),
                {id: "stage-bars", title: "held-out accuracy (pass@1, greedy)", yLabel: "accuracy", width: 420,
                 hlines: [], onClick: (b) => select(b.label)});
-    T.table($("summary"), results, [
+    const c = currentChain(), q = c.run && sources.quickstarts.find(x => x.run === c.run);
+    const recorded = q ? Object.fromEntries(q.stages.map(s => [s.stage, s.accuracy])) : null;
+    T.table($("summary"), results.map(r => Object.assign({recorded: recorded ? recorded[r.stage] : null}, r)), [
       {key: "stage", label: "stage"},
       {key: "accuracy", label: "accuracy", numeric: true},
       {key: "correct", label: "right", numeric: true},
+      ...(q ? [{key: "recorded", label: `quickstart's (all ${q.split.n_test})`, numeric: true}] : []),
       {key: "misses", label: "misses by kind", format: m => Object.entries(m || {}).map(([k, n]) => `${k} ${n}`).join(", ")},
     ], {id: "stage-table", rowId: r => r.stage, onRowClick: r => select(r.stage)});
   }
