@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import json
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
@@ -34,7 +35,8 @@ DEFAULT_PROMPTS = 20
 "held-out problems answered per stage unless the page asks for more"
 
 _LOCK = threading.Lock()  # one generation at a time: the machine's cores are shared with training
-_CACHE: dict[tuple, dict] = {}
+_CACHE: "OrderedDict[tuple, dict]" = OrderedDict()
+CACHE_SIZE = 32  # stage answers kept (a chain of 3 stages at a few problem counts)
 
 
 def quickstart_chain(run_path: Path) -> dict | None:
@@ -90,6 +92,7 @@ def answer(checkpoint: str, problems: list, max_new_tokens: int = 64) -> dict:
     key = (str(checkpoint), tuple(p.prompt for p in problems), int(max_new_tokens))
     with _LOCK:
         if key in _CACHE:
+            _CACHE.move_to_end(key)
             return _CACHE[key]
         model, tok = load_model(str(checkpoint), device="cpu"), load_tokenizer(str(checkpoint))
         acc, comps = accuracy(model, tok, problems, max_new_tokens)
@@ -98,6 +101,8 @@ def answer(checkpoint: str, problems: list, max_new_tokens: int = 64) -> dict:
                             "correct": bool(arithmetic.check_answer(c, p.answer)),
                             "kind": arithmetic.diagnose(c, p)} for p, c in zip(problems, comps)]}
         _CACHE[key] = out
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
         return out
 
 
