@@ -368,3 +368,16 @@ def test_diff_words_by_hand():
     assert diff_words("a b c", "a x c") == [{"op": "equal", "text": "a"}, {"op": "delete", "text": "b"},
                                             {"op": "insert", "text": "x"}, {"op": "equal", "text": "c"}]
     assert diff_words("same", "same") == [{"op": "equal", "text": "same"}]
+
+
+def test_the_studios_model_is_a_checkpoint_to_sample(tmp_path, tmp_path_factory):
+    """`tether studio model=<dir>`: the live pages offer it as "model" (and never a path from a request)."""
+    runs = quickstart_runs(tmp_path_factory)
+    sft = sorted((runs / "quickstart" / "sft" / "checkpoints").glob("step-*"))[-1]
+    c = client(make_app(tmp_path / "runs", model=str(sft)))
+    assert c.get("/api/grpo/sources").json()["checkpoints"] == ["model"]
+    assert c.get("/api/stages/sources").json()["checkpoints"] == ["model"]
+    job = c.post("/api/grpo/sample", json={"checkpoint": "model", "prompt": "What is 8 - 7?", "answer": "1", "n": 2,
+                                           "max_new_tokens": 8}).json()
+    assert wait(c, f"/api/grpo/job/{job['id']}")["state"] == "done"
+    assert c.post("/api/grpo/sample", json={"checkpoint": str(sft), "prompt": "x", "answer": "1"}).status_code == 404
