@@ -51,7 +51,7 @@ from tether.trainers.common import lend_gradients
 from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
                                       load_eval_prompts)
 from tether.trainers.online_async import (QueueSection, batch_source, check_queue, correct_off_policy,
-                                          sampler_config, serve, split_world)
+                                          finish_sampler, sampler_config, serve, split_world)
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
@@ -403,11 +403,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         return collected
 
     if link is not None and link.samples:  # a sampler process: batches to the trainer until the last
-        counts = serve(t, link, produce, sampler, cfg.queue.max_staleness)
-        t.bar.close()
-        t.run.write_summary(counts)
-        t.run.close()
-        return counts
+        return finish_sampler(t, serve(t, link, produce, sampler, cfg.queue.max_staleness))
     # Where step k's batch comes from: sampled here and now (max_staleness 0), by a thread ahead of
     # the trainer (interleaved) or by another process (disaggregated); online_async.
     source = batch_source(cfg, t, produce, sampler, make_sampler, link)

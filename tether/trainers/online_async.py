@@ -256,9 +256,21 @@ def split_world(cfg) -> Optional[Link]:
 
 
 def sampler_config(cfg, link: Link):
-    """The sampler process's config: no progress bar, no evaluation. (It writes no run directory:
-    tether.run leaves that to RANK 0, the trainer.)"""
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, progress=False, save_every=0, eval_every=0))
+    """A sampler process's config: no progress bar, no evaluation, and a scratch runs_dir (removed by
+    `finish_sampler`): it writes nothing there (tether.run leaves writing to RANK 0), but would
+    check the trainer's run directory and its lock, which the trainer is taking at that moment."""
+    import tempfile
+    return dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, progress=False, save_every=0, eval_every=0, runs_dir=tempfile.mkdtemp(prefix="tether-sampler-")))
+
+
+def finish_sampler(t, counts: dict) -> dict:
+    """A sampler process's end: its run closed, its scratch runs_dir removed; returns `counts`."""
+    import shutil
+    t.bar.close()
+    t.run.close()
+    shutil.rmtree(t.cfg.run.runs_dir, ignore_errors=True)
+    return counts
 
 
 def _broadcast(link: Link, model) -> None:
