@@ -152,6 +152,19 @@ def selection_curves(correct: list[list[bool]], answers: list[list], scores: dic
     return out
 
 
+def _kind(checks, answer: int) -> str:
+    """A held-out sample's kind: right; a right chain (every expression equals the answer) under
+    a wrong answer line (the SFT demonstrations' slip); or a wrong chain."""
+    if checks[-1].correct:
+        return "right"
+    chain = all(c.correct for c in checks[:-1]) and checks[-1].value == answer
+    return "slipped answer line" if chain else "wrong chain"
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def _plot(ns: list[int], curves: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -265,6 +278,13 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
         s = [aggregate_steps(x, agg) for x in probs]
         scores[name] = [s[i * cfg.max_n:(i + 1) * cfg.max_n] for i in range(len(test_problems))]
     correct = [[bool(arithmetic.check_answer(c, p.answer)) for c in cs] for p, cs in zip(test_problems, test_samples)]
+    kinds = [_kind(arithmetic.check_steps(c, p), p.answer) for p, cs in zip(test_problems, test_samples) for c in cs]
+    diagnosis = {}  # each reward model's mean score by kind of sample: what does it tell apart?
+    for name, per_problem in scores.items():
+        flat_scores = [x for row in per_problem for x in row]
+        diagnosis[name] = {kind: _mean([x for x, k in zip(flat_scores, kinds) if k == kind])
+                           for kind in ("right", "slipped answer line", "wrong chain")}
+    diagnosis["samples"] = dict(Counter(kinds))
     answers = [[arithmetic.extract_answer(c) for c in cs] for cs in test_samples]
     ns = [n for n in (2 ** i for i in range(12)) if n <= cfg.max_n]
     curves = selection_curves(correct, answers, scores, ns, cfg.subsets, cfg.seed + 4)
@@ -276,6 +296,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
         "policy": policy, "ns": ns, "selection": curves,
         "target_met_at_n>=16": {str(n): curves["prm"][j] >= curves["orm"][j] >= curves["majority"][j]
                                 for j, n in enumerate(ns) if n >= 16},
+        "score_by_kind": diagnosis,
         "math_shepherd_quality": quality,
         "prm_step_metrics": {name: {k.split("/", 1)[1]: v for k, v in runs[name].items() if k.startswith("eval/")}
                              for name in runs},
@@ -329,5 +350,12 @@ def report(s: dict) -> str:
     for name, m in s["prm_step_metrics"].items():
         lines.append(f"| {name} | {f(m['step_accuracy'])} | {f(m['step_f1'])} | {f(m['error_f1'])} | "
                      f"{f(m['first_error_accuracy'])} | {m['steps']} |")
+    kinds = ("right", "slipped answer line", "wrong chain")
+    counts = s["score_by_kind"]["samples"]
+    lines += ["", "## Mean score of held-out samples by kind (what each model tells apart)", "",
+              "| model | " + " | ".join(f"{k} ({counts.get(k, 0)})" for k in kinds) + " |",
+              "|---|" + "---:|" * len(kinds)]
+    for name in ("prm", "prm_ms", "orm"):
+        lines.append(f"| {name} | " + " | ".join(f(s["score_by_kind"][name][k]) for k in kinds) + " |")
     lines += ["", "Timings (s): " + ", ".join(f"{k} {v}" for k, v in s["timings"].items()), ""]
     return "\n".join(lines)
