@@ -310,8 +310,7 @@ def run_prm_study(cfg: PRMStudyConfig) -> dict:
         "timings": {**timings, "total_s": round(time.time() - t_start, 1)},
     }
     run.write_summary(summary)
-    title = (f"arithmetic (quickstart SFT policy), {len(test_problems)} held-out problems; "
-             f"reward models on {len(keep)} samples")
+    title = f"arithmetic, quickstart SFT policy: {len(test_problems)} held-out problems, RMs on {len(keep)} samples"
     _plot(ns, curves, root / "selection.png", title)
     (root / "report.md").write_text(report(summary))
     print(report(summary))
