@@ -17,7 +17,8 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 LAYERS = [
     ["studio"],  # `tether studio`: a web app over run directories and every layer below (it reads cli's COMMANDS)
     ["cli", "__main__"],
-    ["quickstart", "studies", "init_model", "convert"],
+    ["studies", "init_model", "convert"],
+    ["quickstart"],  # below the studies: a study may start from the quickstart's policy (study prm)
     ["trainers", "labeling"],  # labeling: `tether label steps` (Math-Shepherd MC step labels)
     ["evaluation", "feedback"],  # held-out metrics (`tether eval`, eval points); AI feedback (judges, CAI)
     ["rollout", "rewards"],
