@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Callable, Literal
 
-from tether.config import check_values
+from tether.config import ConfigError, check_values
 from tether.constraints import PositiveInt, Range, Seed
 from tether.errors import UserError
 
@@ -71,7 +71,7 @@ class LabelStepsConfig:
     def __post_init__(self):
         check_values(self)
         if not self.separator:
-            raise UserError("label steps: separator must be a non-empty string")
+            raise ConfigError("config key 'separator' must be a non-empty string")
 
 
 def step_prefix_contexts(tokenizer, prompt: str, steps: list[str], separator: str) -> list[list[int]]:
@@ -161,6 +161,7 @@ def label_steps(cfg: LabelStepsConfig) -> dict:
     import torch
 
     from tether.data import load_data
+    from tether.data.steps import encode_steps, split_steps
     from tether.models import load_model, load_tokenizer
 
     if not cfg.policy or not cfg.data:
@@ -170,19 +171,21 @@ def label_steps(cfg: LabelStepsConfig) -> dict:
     if any(not isinstance(r["prompt"], str) for r in rows):
         raise UserError(f"{cfg.data}: label steps needs standard (string) prompts")
     verify = verifier(cfg.reward)  # a bad spec fails before the model loads
+    if rows:  # and so does data the verifier cannot read (e.g. no `answer` column for 'arithmetic')
+        try:
+            verify(rows[:1], [""])
+        except UserError as e:
+            raise UserError(f"{cfg.data}:1: the verifier {cfg.reward!r} cannot score this row: {e}") from None
     t0 = time.time()
     tokenizer = load_tokenizer(cfg.policy)
     model = load_model(cfg.policy, device=cfg.device).eval()
     complete = sampler_completer(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.batch_size)
     with torch.no_grad():
-        from tether.data.steps import encode_steps
         prompts = [encode_steps(tokenizer, r["prompt"], [], cfg.separator)[0] for r in rows]
         sols = complete(prompts, cfg.num_solutions, cfg.seed)
         sol_rows = [r for r, s in zip(rows, sols) for _ in s]
         solutions = [t for s in sols for t in s]
         counts = mc_counts(sol_rows, solutions, complete, verify, tokenizer, cfg.separator, cfg.k, cfg.seed + 1)
-    from tether.data.steps import split_steps
-
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     written = 0
