@@ -206,7 +206,9 @@ def train_prm(cfg: PRMConfig) -> dict:
     model, device, amp, batch_size, sep = t.model, t.device, t.amp, cfg.data.batch_size, cfg.prm.step_separator
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else 0
     # the separator travels with every checkpoint: `prm:<run>` cuts completions at it
-    t.save_extra = lambda path: (Path(path) / PRM_CONFIG).write_text(json.dumps({"separator": sep}) + "\n")
+    def save_separator(path) -> None:
+        (Path(path) / PRM_CONFIG).write_text(json.dumps({"separator": sep}) + "\n")
+    t.save_extra = save_separator
 
     def evaluate(examples, prefix="eval/"):
         return evaluate_steps(model, examples, pad_id, cfg.prm.threshold, amp, batch_size * 4, prefix)
@@ -237,7 +239,11 @@ def train_prm(cfg: PRMConfig) -> dict:
     final_eval = evaluate(t.data.eval)
     train_eval = evaluate(t.data.train[:len(t.data.eval) or 512], prefix="train/")
     t.log_eval({**final_eval, **train_eval})
-    return t.finish({"train_rows": len(t.data.train), "eval_rows": len(t.data.eval),
+    summary = t.finish({"train_rows": len(t.data.train), "eval_rows": len(t.data.eval),
                      "separator": sep, "final_loss": last.get("loss"),
                      "train_seconds": round(time.time() - started, 2), **t.data.report,
                      **final_eval, "train/step_accuracy": train_eval.get("train/step_accuracy")})
+    best = Path(t.run.path) / "checkpoints" / "best"  # keep_best's copy is written without save_extra
+    if best.is_dir():
+        save_separator(best)
+    return summary
