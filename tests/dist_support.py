@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 # Wall-clock and throughput are not results; the rest of a metrics row must match.
 TIMING = {"time", "step_time", "tokens_per_second", "gather_time", "sample_time", "update_time", "queue/wait_seconds",
-          "sampling_time", "rollout_time", "samples_per_second", "rollout/seconds",
+          "eval/seconds", "sampling_time", "rollout_time", "samples_per_second", "rollout/seconds",
           "rollout/tokens_per_second"}
 
 
