@@ -152,6 +152,11 @@ CONFIG_CASES = [
     ("cai", "rounds=0", "'rounds' must be >= 1"),
     ("cai", "keep=some", "'keep' must be one of 'final', 'all'"),
     ("study judges", "position_p=0.2", "'position_p' must be in [0.5, 1]"),
+    ("prm", "lr=0", "'optim.lr' must be > 0"),
+    ("prm", "threshold=2", "'prm.threshold' must be in (0, 1)"),
+    ("label steps", "k=0", "'k' must be >= 1"),
+    ("label steps", "estimate=x", "'estimate' must be one of 'hard', 'soft'"),
+    ("study prm", "max_n=0", "'max_n' must be >= 1"),
     ("study judges", "ppo_seeds=", "'ppo_seeds' must list at least one seed"),
     ("study judges", "hh_judge=m", "'hh_judge' and 'hh_data' go together"),
     ("studio", "port=70000", "'port' must be in [0, 65535]"),
@@ -163,7 +168,8 @@ def test_bad_config_value_is_one_line_and_writes_nothing(capsys, tmp_path, comma
     runs = tmp_path / "runs"  # where the command would write
     base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"], "label pairs": [f"out={runs}/p.jsonl"], "cai": [f"out={runs}/c.jsonl"],
             "quickstart": [f"runs_dir={runs}"], "studio": [f"runs_dir={runs}"],
-            "study frontier": [f"runs_dir={runs}"], "study judges": [f"runs_dir={runs}"], "study overoptimization": [f"runs_dir={runs}"]}
+            "study frontier": [f"runs_dir={runs}"], "study judges": [f"runs_dir={runs}"], "study overoptimization": [f"runs_dir={runs}"],
+            "study prm": [f"runs_dir={runs}"], "label steps": ["policy=m", "data=d.jsonl", f"out={runs}/s.jsonl"]}
     argv = command.split() + base.get(command, ["model=m", "data=d.jsonl", f"runs_dir={runs}"]) + [arg]
     _refused(capsys, argv, needle, code=2)
     assert not runs.exists()
