@@ -395,7 +395,27 @@ def test_a_big_first_read_never_holds_the_metrics_request(tmp_path, monkeypatch)
     r = c.get("/api/runs/metrics", params={"run": "big"}).json()
     deadline = time.monotonic() + 20
     while r.get("loading"):                                           # answered at once, then polled
-        assert r["metrics"] == {} and time.monotonic() < deadline
+        # meanwhile a preview: real rows spread over the file (reward = step in every row), in
+        # order, none twice, through to the last one
+        x, y = r["metrics"]["reward"]["x"], r["metrics"]["reward"]["y"]
+        assert r["preview"] and x == y and x[0] == 0 and x[-1] == 2999 and x == sorted(set(x))
+        assert time.monotonic() < deadline
         time.sleep(0.05)
         r = c.get("/api/runs/metrics", params={"run": "big", "since": r["version"]}).json()
     assert r["rows"] == 3000 and r["metrics"]["reward"]["n"] == 3000 and r["metrics"]["reward"]["y"][-1] == 2999.0
+
+
+def test_strided_rows_are_real_rows_spread_over_the_file_in_order(tmp_path):
+    from tether.studio.common import last_rows, strided_rows
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "loss": 1.0 / (i + 1), "name": "x" * (i % 7)} for i in range(20000)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = strided_rows(path, 100, window=4096)
+    steps = [r["step"] for r in got]
+    assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 19999   # in order, none twice
+    assert all(r == rows[r["step"]] for r in got)                                 # whole, unaltered rows
+    assert got[-len(last_rows(path, 4096)):] == last_rows(path, 4096)              # ends with the last lines
+    body = steps[:len(got) - len(last_rows(path, 4096))]                           # one per offset before them
+    assert 90 <= len(body) <= 100 and max(b - a for a, b in zip(body, body[1:])) < 2 * 20000 / 100  # even
+    assert strided_rows(tmp_path / "none.jsonl", 10) == []

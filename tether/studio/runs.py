@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from tether.studio import series
 from tether.studio.common import (JsonlTail, get_studio, known_runs, last_rows, read_json, resolve_run, run_file,
-                                  run_status, tail_of)
+                                  run_status, strided_rows, tail_of)
 
 TITLE = "Runs"
 router = APIRouter(prefix="/api/runs")
@@ -205,12 +205,27 @@ def metrics(request: Request, run: str, smooth: float = Query(0.0, ge=0.0, lt=1.
     tail = tail_of(studio, mpath, MetricsTail)
     if tail.unread() > BIG:  # never hold a request for a big first read: the page polls until it is done
         _load_in_background(studio, tail)
-        return {"version": "loading", "loading": True, "unread_bytes": tail.unread(), "rows": None, "bad_lines": None,
-                "metrics": {}, "names": [], "defaults": [], "status": run_status(run_dir)}
+        # meanwhile the curves of PREVIEW_ROWS rows spread over the file (strided_rows, a few ms):
+        # the page draws them at once and replaces them when the whole file is read
+        preview = series.Columns()
+        preview.add_many(strided_rows(mpath, PREVIEW_ROWS))
+        return _curves(preview, names, smooth, max_points,
+                       {"version": "loading", "loading": True, "preview": True, "unread_bytes": tail.unread(),
+                        "rows": None, "bad_lines": None, "status": run_status(run_dir)})
     cols = tail.read()
     version = tail.version
     if since and since == version:
         return {"version": version, "unchanged": True, "status": run_status(run_dir)}
+    return _curves(cols, names, smooth, max_points, {"version": version, "rows": cols.rows, "bad_lines": tail.bad,
+                                                     "status": run_status(run_dir)})
+
+
+PREVIEW_ROWS = 2000
+"rows a big unread metrics file is previewed by while it is read in the background"
+
+
+def _curves(cols: series.Columns, names: str, smooth: float, max_points: int, head: dict) -> Response:
+    """`head` + the curves of `cols` asked for by `names` (all when empty), smoothed then downsampled."""
     wanted = [n for n in names.split(",") if n] or list(cols.x)
     out = {}
     for name in wanted:
@@ -221,9 +236,8 @@ def metrics(request: Request, run: str, smooth: float = Query(0.0, ge=0.0, lt=1.
         dx, dy = series.downsample(x, ys, max_points)
         out[name] = {"x": dx.tolist(), "y": dy.tolist(), "n": len(x)}
     # json.dumps directly: FastAPI's encoder walks every float of the curves (~10x slower)
-    return Response(json.dumps({"version": version, "rows": cols.rows, "bad_lines": tail.bad, "metrics": out,
-                                "names": sorted(cols.x), "defaults": [n for n in DEFAULT_CURVES if n in cols.x],
-                                "status": run_status(run_dir)}), media_type="application/json")
+    return Response(json.dumps({**head, "metrics": out, "names": sorted(cols.x),
+                                "defaults": [n for n in DEFAULT_CURVES if n in cols.x]}), media_type="application/json")
 
 
 @router.get("/samples")

@@ -94,7 +94,8 @@
     document.getElementById("live").textContent = `${total} logged rows`;
     const loading = state.selected.filter(id => state.data[id] && state.data[id].loading);
     if (loading.length) charts.append(T.el("p", {id: "loading", class: "muted"},
-      loading.map(id => `reading ${id}'s metrics (${(state.data[id].unread_bytes / 1e6).toFixed(0)} MB left)…`).join(" ")));
+      loading.map(id => `reading ${id}'s metrics (${(state.data[id].unread_bytes / 1e6).toFixed(0)} MB left)…` +
+                        (state.data[id].preview ? " The curves show rows spread over the file until then." : "")).join(" ")));
     if (!names.size) {
       if (!loading.length) charts.append(T.el("p", {id: "no-metrics", class: "muted"}, "No metrics logged yet."));
       return;
