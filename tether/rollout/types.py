@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,6 +38,8 @@ class Rollout:
     pad_token_id: int = 0
     stats: dict = field(default_factory=dict)
     "timings: prefill_s, decode_s, capture_s, total_s, decode_steps, ms_per_step, tokens, tokens_per_s, ..."
+    versions: Optional[Tensor] = None
+    "[N, T] int64: the policy version that sampled each token (-1 at padding); set by partial rollouts (trainers/online_partial.py), whose completions may span weight updates"
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

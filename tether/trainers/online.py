@@ -52,6 +52,7 @@ from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval
                                       load_eval_prompts)
 from tether.trainers.online_async import (QueueSection, batch_source, check_queue, correct_off_policy,
                                           finish_sampler, sampler_config, serve, split_world)
+from tether.trainers.online_partial import PartialRollouts, fresh, partial_metrics
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
@@ -247,7 +248,8 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
     # SmolLM2-135M (fp32 master weights, bf16 autocast) that fed back into the policy and collapsed
     # it within 50 steps (mismatch max 0.3 -> 16 nats, clip fraction 0.28), while TRL's identical
     # recipe learned. The mismatch stays logged (sampling/*); grpo.is_correction corrects for it.
-    on_policy = grpo.num_iterations == 1 and grpo.is_correction == "none" and cfg.queue.max_staleness == 0
+    on_policy = grpo.num_iterations == 1 and grpo.is_correction == "none" and cfg.queue.max_staleness == 0 \
+        and fresh(rollout, t.step)  # no token of a partial rollout from an earlier version
     return Batch(collected, tensors, valid, mask, truncated, old, ref, filler=filler, on_policy=on_policy)
 
 
@@ -401,6 +403,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                             max_rounds=grpo.max_sampling_rounds, every_rank=every_rank)
         collected.epoch = t.order.epoch
         return collected
+    if cfg.queue.partial:  # completions continue across weight updates (online_partial)
+        produce = PartialRollouts(next_prompts, score_completions, cfg, start=t.step, epoch=lambda: t.order.epoch)
 
     if link is not None and link.samples:  # a sampler process: batches to the trainer until the last
         return finish_sampler(t, serve(t, link, produce, sampler, cfg.queue.max_staleness))
@@ -435,7 +439,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             source.after_update(t.step)  # the samplers' weights: version t.step
             # 6. log / samples / checkpoint
             last = {**step_metrics(t, batch, update, names, time.perf_counter() - started), **correction,
-                    **queue_stats}
+                    **queue_stats, **partial_metrics(batch, t.step - 1)}
             if t.replica is not None:
                 last["gather_time"] = t.gather_seconds - gathered
             history.append(last["reward"])

@@ -55,11 +55,22 @@ class QueueSection:
     "auto: synchronous at max_staleness 0, else interleaved; interleaved: one process, a sampler thread on a copy of the policy; disaggregated: under torchrun the last sampler_ranks processes sample, the others train (FSDP2 among them)"
     sampler_ranks: PositiveInt = 1
     "disaggregated: how many of torchrun's processes sample (the last ones; batch j is sampler j mod sampler_ranks's)"
+    partial: bool = False
+    "partial rollouts (online_partial): each round generates at most partial_tokens more tokens per unfinished completion; finished groups are the batch, the others continue with the next version's weights, every token tagged with the version that sampled it"
+    partial_tokens: PositiveInt = 64
+    "partial rollouts: the tokens a completion may grow per round (batch); a completion of L tokens spans ceil(L / partial_tokens) rounds"
 
 
 def check_queue(cfg) -> None:
     """Config combinations the queue refuses (one-line errors, before anything loads)."""
     q, grpo = cfg.queue, cfg.grpo
+    if q.partial:
+        for key, bad, why in (("grpo.dynamic_sampling", grpo.dynamic_sampling, "its refill rounds"),
+                              ("grpo.advantage", grpo.advantage == "remax", "remax's greedy baseline"),
+                              ("queue.placement", q.placement == "disaggregated", "the sampler process"),
+                              ("run.resume", cfg.run.resume, "a resume (the groups in flight are not checkpointed)")):
+            if bad:
+                raise ConfigError(f"config key '{key}': partial rollouts do not work with {why} yet")
     if q.placement == "auto" and q.max_staleness == 0:
         return
     if grpo.advantage == "remax":
