@@ -43,6 +43,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "study judges": ("tether.studies.judges", "JudgesConfig", "run_judges",
                      "AI judges with known position/verbosity biases vs gold (labels, proxy RM, PPO); an LM judge vs HH-RLHF labels"),
     "dpo": ("tether.trainers.offline", "DPOConfig", "train_offline", "offline preference: DPO, cDPO, rDPO, IPO, hinge (loss=...)"),
+    "odpo": ("tether.trainers.online_dpo", "ODPOConfig", "train_odpo",
+             "online / iterative DPO: k samples per prompt from the current policy, best vs worst by a reward (or self), DPO steps; reference=fixed|reset"),
     "kto": ("tether.trainers.offline", "KTOConfig", "train_offline", "KTO on unpaired labelled completions (pairs are split)"),
     "simpo": ("tether.trainers.offline", "SimPOConfig", "train_offline", "SimPO: reference-free, length-normalized, margin γ"),
     "orpo": ("tether.trainers.offline", "ORPOConfig", "train_offline", "ORPO: SFT + odds-ratio preference term, no reference"),
