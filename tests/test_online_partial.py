@@ -1,0 +1,223 @@
+"""Partial rollouts (tether/trainers/online_partial.py): completions continue across weight updates,
+each token tagged with the version that sampled it. The tags are checked against truth: every
+token's sampler log-prob is recomputed with the weights of the version it names (and differs under
+another version's); a budget that never splits a completion is the loop without partial rollouts,
+bit for bit; the TIS weight is per token (a completion's tokens of the current version weigh 1,
+its older tokens π_old / μ)."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tether.config import ConfigError
+from tether.models import make_tiny_model
+from tether.models.load import load_model, load_tokenizer
+from tether.models.logprobs import completion_token_logps
+from tether.rollout import Sampler
+from tether.trainers import online
+from tether.trainers.online import GRPOConfig, train_grpo
+from tether.trainers.online_partial import PartialRollouts
+
+VOLATILE = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
+            "queue/wait_seconds"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def no_plots(monkeypatch):
+    monkeypatch.setattr("tether.trainers.setup.plot_metrics", lambda path: [])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online_partial")
+    make_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=64)
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(64):
+            f.write(json.dumps({"prompt": f"Say {i}:"}) + "\n")
+    return root
+
+
+def digit_frac(prompts, completions, completion_ids, **_):
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+
+
+def _cfg(root, name, **kw):
+    base = dict(model=str(root / "model"), data=str(root / "prompts.jsonl"), runs_dir=str(root / "runs"),
+                name=name, batch_size=2, num_generations=4, max_new_tokens=8, max_steps=3,
+                lr=1e-2, device="cpu", progress=False, seed=0, overwrite=True)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def _rows(root, name, drop=()):
+    rows = [json.loads(x) for x in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in VOLATILE and k not in drop} for r in rows]
+
+
+def _logps(model, rollout):
+    """The training forward's log-probs of the rollout's completion tokens [N, T]."""
+    batch = rollout.training_batch()
+    with torch.no_grad():
+        lp, _ = completion_token_logps(model, batch, rollout.logprob_temperature, contextlib.nullcontext())
+    return lp[:, -rollout.completion_ids.shape[1]:]
+
+
+def test_a_completion_started_at_v_and_finished_at_v_plus_1_is_split_by_construction(setup):
+    """Hand case: two prompts, 2 samples each, 4 tokens a round, 8 at most. A's samples end in round
+    0 (each at an end token chosen from its own first tokens), B's run on; the weights change (version
+    1) and B's samples finish: their first 4 tokens are round 0's, tagged 0, with round 0's log-probs
+    (the v0 weights'), the rest tagged 1 with the v1 weights' log-probs."""
+    model, tok = load_model(str(setup / "model"), device="cpu"), load_tokenizer(str(setup / "model"))
+    model.eval()
+    cfg = _cfg(setup, "hand", num_generations=2, partial=True, partial_tokens=4, max_new_tokens=8)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    A, B = {"prompt_ids": ids("a=")}, {"prompt_ids": ids("b=")}
+    sampler = Sampler(model, tok, cfg.rollout.sampling())
+    seed0 = cfg.run.seed * 1_000_003  # step 0's seed (the loop's)
+    first = sampler.sample([A["prompt_ids"], B["prompt_ids"]], n=2, seed=seed0, max_new_tokens=4)
+    assert first.finish_reasons == ["length"] * 4  # none ends by itself within 4 tokens
+    b_tokens = set(first.completion_ids[2:].flatten().tolist())
+    ends = [next(t for t in first.completion_ids[i].tolist() if t not in b_tokens) for i in (0, 1)]
+    sampler = Sampler(model, tok, cfg.rollout.sampling(), stop_token_ids=ends)  # A's samples end there
+    batches = iter([[A, B], [{"prompt_ids": ids("c=")}, {"prompt_ids": ids("d=")}]])
+    produce = PartialRollouts(lambda: (next(batches), None),
+                              lambda rows, ro: (torch.zeros(len(ro), 1), torch.zeros(len(ro))), cfg, start=0)
+    b0 = produce(0, sampler)
+    assert [r["prompt_ids"] for r in b0.prompt_rows] == [A["prompt_ids"]] and len(produce.pool) == 1
+    ro0 = b0.rollout
+    assert ro0.finish_reasons == ["eos", "eos"]
+    for i in (0, 1):
+        n = int(ro0.lengths[i])
+        assert n <= 4 and int(ro0.completion_ids[i, n - 1]) in ends
+        assert ro0.versions[i, :n].tolist() == [0] * n and (ro0.versions[i, n:] == -1).all()
+        torch.testing.assert_close(ro0.logprobs[i, :n], first.logprobs[i, :n], atol=1e-6, rtol=0)
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # version 1: the weights move
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    b1 = produce(1, sampler)
+    assert b1.prompt_rows[0] is B  # the oldest group first
+    ro1 = b1.rollout
+    lp1 = _logps(model, ro1)
+    model.load_state_dict(v0)
+    lp0 = _logps(model, ro1)
+    for i in (0, 1):  # B's two samples
+        n = int(ro1.lengths[i])
+        assert n > 4
+        assert ro1.versions[i, :n].tolist() == [0] * 4 + [1] * (n - 4)
+        assert torch.equal(ro1.completion_ids[i, :4], first.completion_ids[2 + i])
+        torch.testing.assert_close(ro1.logprobs[i, :4], first.logprobs[2 + i], atol=1e-6, rtol=0)  # batch size differs
+        torch.testing.assert_close(ro1.logprobs[i, :4], lp0[i, :4], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ro1.logprobs[i, 4:n], lp1[i, 4:n], atol=1e-5, rtol=0)
+        assert (ro1.logprobs[i, 4:n] - lp0[i, 4:n]).abs().max() > 1e-2  # the tag matters
+
+
+def test_every_token_logp_is_its_tagged_versions(setup, monkeypatch):
+    """A partial run (3 tokens a round, 8 at most, lr 1e-2, at staleness 0 and 1): each trained token's
+    sampler log-prob equals the training forward's under the checkpoint of the version it is tagged
+    with, and not under the next version's; completions do span versions; two runs are equal."""
+    seen = []
+    real = online.prepare_batch
+
+    def spy(t, collected, cfg):
+        seen.append((t.step, collected.rollout))
+        return real(t, collected, cfg)
+    monkeypatch.setattr(online, "prepare_batch", spy)
+    for S in (0, 1):
+        seen.clear()
+        kw = dict(partial=True, partial_tokens=3, max_steps=4, save_every=1, keep_last=0, max_staleness=S)
+        train_grpo(_cfg(setup, f"tags{S}", **kw), reward_funcs=[digit_frac])
+        rows = _rows(setup, f"tags{S}")
+        ckpt = setup / "runs" / f"tags{S}" / "checkpoints"
+        model = load_model(str(setup / "model"), device="cpu")
+        weights = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+        for v in range(1, 4):
+            weights[v] = load_file(str(ckpt / f"step-{v}" / "model.safetensors"))
+        spanning = checked = 0
+        for step, ro in seen:
+            tags = ro.versions
+            m = ro.completion_mask
+            assert (tags[m] <= step).all() and (tags[m] >= 0).all() and (tags[~m] == -1).all()
+            spanning += int(((torch.where(m, tags, 99).amin(1)) < tags.amax(1)).sum())
+            for v in tags[m].unique().tolist():
+                model.load_state_dict(weights[v], strict=False)
+                at = m & (tags == v)
+                torch.testing.assert_close(ro.logprobs[at], _logps(model, ro)[at], atol=1e-4, rtol=0)
+                checked += int(at.sum())
+                if v + 1 in weights:  # another version's weights do not explain these tokens
+                    model.load_state_dict(weights[v + 1], strict=False)
+                    assert (ro.logprobs[at] - _logps(model, ro)[at]).abs().max() > 1e-3
+        assert spanning > 0 and checked == sum(int(ro.completion_mask.sum()) for _, ro in seen)
+        assert max(r["partial/token_staleness/max"] for r in rows) >= 1
+        if S == 0:  # on-policy (the ratio exactly 1) only while no token is an older version's
+            assert all((r["ratio/mean"] != 1.0) == (r["partial/token_staleness/max"] > 0) for r in rows)
+        assert any(r["partial/spanning_completions"] > 0 for r in rows)
+    train_grpo(_cfg(setup, "tags1b", **kw), reward_funcs=[digit_frac])
+    assert _rows(setup, "tags1") == _rows(setup, "tags1b")  # reproducible
+
+
+@pytest.mark.parametrize("extra", [{}, {"placement": "interleaved", "max_staleness": 1}])
+def test_a_budget_that_never_splits_is_the_loop_without_partial_rollouts(setup, extra):
+    plain = train_grpo(_cfg(setup, "plain", **extra), reward_funcs=[digit_frac])
+    partial = train_grpo(_cfg(setup, "part", partial=True, partial_tokens=8, **extra), reward_funcs=[digit_frac])
+    new = {"partial/token_staleness/mean", "partial/token_staleness/max", "partial/spanning_completions",
+           "partial/groups_in_flight"}
+    rows = _rows(setup, "part")
+    assert _rows(setup, "plain") == _rows(setup, "part", drop=new)  # every logged value, bit for bit
+    assert all(r["partial/spanning_completions"] == 0 and r["partial/groups_in_flight"] == 0 for r in rows)
+    assert [r["partial/token_staleness/max"] for r in rows] == ([0, 0, 0] if not extra else [0, 1, 1])
+    wa, wb = (load_file(f"{s['checkpoint']}/model.safetensors") for s in (plain, partial))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_tis_on_a_partial_rollout_weighs_each_token(setup, monkeypatch):
+    """is_correction=tis at staleness 0: within one spanning completion the tokens sampled with the
+    trainer's current weights weigh 1 (π_old = μ up to float rounding), its older tokens
+    min(π_old / μ, cap) ≠ 1 — one weight per token, from the per-token behaviour log-probs."""
+    got = []
+    real = online.correct_off_policy
+
+    def spy(batch, grpo):
+        before = batch.advantages.clone()
+        out = real(batch, grpo)
+        got.append((batch, before))
+        return out
+    monkeypatch.setattr(online, "correct_off_policy", spy)
+    cap = 1.5
+    train_grpo(_cfg(setup, "tis", partial=True, partial_tokens=3, max_steps=3, is_correction="tis", is_cap=cap),
+               reward_funcs=[digit_frac])
+    older = 0
+    for step, (batch, before) in enumerate(got):
+        ro = batch.collected.rollout
+        T = ro.completion_ids.shape[1]
+        tags, m = ro.versions, batch.mask[:, -T:]
+        nz = m & (before[:, -T:] != 0)
+        w = batch.advantages[:, -T:][nz] / before[:, -T:][nz]
+        rho = (batch.old_logps[:, -T:] - batch.tensors["logprobs"][:, -T:]).exp()[nz]
+        torch.testing.assert_close(w, rho.clamp(max=cap), atol=1e-6, rtol=1e-6)
+        current = tags[nz] == step
+        assert (w[current] - 1).abs().max() < 1e-4
+        if (~current).any():
+            assert (w[~current] - 1).abs().max() > 1e-3
+            older += int((~current).sum())
+    assert older > 0
+
+
+def test_refusals(setup):
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        _cfg(setup, "x", partial=True, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="placement"):
+        _cfg(setup, "x", partial=True, placement="disaggregated")
