@@ -100,6 +100,10 @@ CONFIG_CASES = [
     ("dpo", "dpop_lambda=-1", "'preference.dpop_lambda' must be >= 0"),
     ("dpo", "max_prompt_length=0", "'data.max_prompt_length' must be >= 1"),
     ("kto", "desirable_weight=0", "'preference.desirable_weight' must be > 0"),
+    ("odpo", "num_generations=1", "'rollout.num_generations' must be >= 2 for odpo"),
+    ("odpo", "method=kto", "'preference.method': odpo trains pairs"),
+    ("odpo", "reference=latest", "'odpo.reference'"),
+    ("odpo", "dpo_epochs=0", "'odpo.dpo_epochs' must be >= 1"),
     ("simpo", "gamma_beta_ratio=-1", "'preference.gamma_beta_ratio' must be >= 0"),
     ("orpo", "beta=inf", "'preference.beta' must be > 0 and finite"),
     ("rm", "center_rewards_coefficient=-1", "'rm.center_rewards_coefficient' must be >= 0"),
@@ -313,6 +317,15 @@ def test_bon_nan_reward_is_named_too(capsys, monkeypatch, world, tmp_path):
     _refused(capsys, ["bon", f"model={world / 'model'}", f"data={world / 'prompts.jsonl'}",
                       f"runs_dir={tmp_path / 'runs'}", "n=2", "max_new_tokens=4", "device=cpu",
                       "reward_funcs=rewards_mod:nan"], "reward function 'nan' returned NaN", code=1)
+
+
+def test_odpo_unknown_reward_is_named_before_anything_loads(capsys, world, tmp_path):
+    _refused(capsys, ["odpo", f"model={world / 'model'}", f"data={world / 'prompts.jsonl'}",
+                      f"runs_dir={tmp_path / 'runs'}", "device=cpu", "reward_funcs=no_such_reward"],
+             "reward 'no_such_reward' is neither a built-in", code=1)
+    _refused(capsys, ["odpo", f"model={world / 'model'}", f"data={world / 'prompts.jsonl'}",
+                      f"runs_dir={tmp_path / 'runs'}", "device=cpu"], "'reward.reward_funcs' must name", code=2)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_none_still_skips(capsys, monkeypatch, world, tmp_path):
