@@ -11,6 +11,11 @@ and <out>/heldout.jsonl (400 problems disjoint from train), both conversational 
 list of messages), the format both libraries read.
 
     python bench/real_model_data.py --out /tmp/arith [--n-train 20000] [--n-test 400] [--seed 0]
+    python bench/real_model_data.py --out /tmp/gsm8k --gsm8k DIR   # GSM8K (DIR/train.jsonl, test.jsonl)
+
+With --gsm8k the rows are GSM8K's (OpenAI's `question` / `answer` files, the answer's '#### n'
+line is the target): every train row, and the first --n-test test rows as held-out (report only:
+issue 17 §4).
 """
 
 from __future__ import annotations
@@ -30,20 +35,31 @@ def row(p) -> dict:
     return {"prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}], "answer": str(p.answer)}
 
 
+def gsm8k_row(r: dict) -> dict:
+    answer = r["answer"].split("####")[-1].strip().replace(",", "")
+    return {"prompt": [{"role": "user", "content": f"{r['question']} {INSTRUCTION}"}], "answer": answer}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-train", type=int, default=20000)
     ap.add_argument("--n-test", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gsm8k", default="", help="a folder with GSM8K's train.jsonl and test.jsonl")
     a = ap.parse_args()
-    train, test = make_splits(a.n_train, a.n_test, level=3, seed=a.seed)
+    if a.gsm8k:
+        def read(name):
+            return [json.loads(x) for x in open(Path(a.gsm8k) / name) if x.strip()]
+        train, test = [gsm8k_row(r) for r in read("train.jsonl")], [gsm8k_row(r) for r in read("test.jsonl")[:a.n_test]]
+    else:
+        problems = make_splits(a.n_train, a.n_test, level=3, seed=a.seed)
+        train, test = ([row(p) for p in part] for part in problems)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, problems in (("train", train), ("heldout", test)):
+    for name, rows in (("train", train), ("heldout", test)):
         with open(out / f"{name}.jsonl", "w") as f:
-            for p in problems:
-                f.write(json.dumps(row(p)) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     print(f"{out}/train.jsonl: {len(train)} rows; {out}/heldout.jsonl: {len(test)} rows")
 
 

@@ -12,6 +12,11 @@ until `--budget` seconds of *training* (evaluation time excluded on both sides),
     python bench/real_model_rl.py trl    --model M --data D --out O/trl-s0    --seed 0 [--recipe R]
     python bench/real_model_rl.py plot   --out benchmarks/real_model O/*
 
+`--command rloo|ppo` trains with that tether command instead of grpo (another estimator of the grpo
+loop: `--set grpo.advantage=dr_grpo`); ppo drops the recipe's grpo.* keys and takes ppo.* ones
+(`--recipe ppo`). `--nproc N` launches tether under torchrun with N processes (e.g. the trajectory
+queue's disaggregated placement: `--nproc 2 --set queue.placement=disaggregated --set queue.max_staleness=1`).
+
 Each run writes <out>/curve.json: [{step, train_seconds, pass@1, reward}], and the run itself.
 tether's eval points are its own (run.eval_every, the sampler, greedy; `eval/seconds` is logged);
 TRL's are a callback doing greedy `generate` on the same 400 prompts, scored by the same verifier.
@@ -42,6 +47,10 @@ RECIPES = {
     "lr1e5_g16_ds": {"optim.lr": 1e-5, "data.batch_size": 16, "rollout.num_generations": 16,
                      "rollout.temperature": 1.0, "grpo.dynamic_sampling": True},
     "lr2e5_g8_t07": {"optim.lr": 2e-5, "data.batch_size": 32, "rollout.num_generations": 8, "rollout.temperature": 0.7},
+    # PPO with the same samples per step (64 prompts × 4) and lr; a critic from the policy (a fresh
+    # value head), no KL (as the GRPO recipe), 2 epochs × 4 minibatches over each rollout batch
+    "ppo": {"optim.lr": 1e-5, "data.batch_size": 64, "rollout.num_generations": 4, "rollout.temperature": 1.0,
+            "ppo.value_model": "policy", "ppo.kl_coef": 0.0, "ppo.ppo_epochs": 2, "ppo.num_minibatches": 4},
 }
 
 
@@ -85,6 +94,8 @@ def run_tether(a) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     r = recipe(a.recipe, a.set)
+    if a.command == "ppo":  # PPO has no grpo section: its KL and aggregation are ppo.* keys
+        r = {k: v for k, v in r.items() if not k.startswith("grpo.")}
     cfg: dict = {}
     for k, v in {**r, "model.path": a.model, "data.path": f"{a.data}/train.jsonl",
                  "data.eval_data": f"{a.data}/heldout.jsonl", "reward.eval_reward_funcs": ["math"],
@@ -94,7 +105,13 @@ def run_tether(a) -> None:
         cfg.setdefault(sec, {})[key] = v
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
     metrics = out / "run" / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "tether", "grpo", "--config", str(out / "config.yaml")]
+    cmd = [sys.executable, "-m", "tether", a.command, "--config", str(out / "config.yaml")]
+    if a.nproc > 1:
+        import socket
+        with socket.socket() as sock:  # runs side by side on one host each need their own port
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd[1:2] = ["-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc), "--master-port", str(port), "-m"]
     if a.no_head_kernels:  # diagnosis: the chunked LM head's torch path instead of its Triton kernels
         cmd[1:3] = ["-c", "import sys, tether.models.head_kernels as h; h.triton = None; "
                           "from tether.cli import main; sys.exit(main(sys.argv[1:]))"]
@@ -112,8 +129,9 @@ def run_tether(a) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
             break
-    write_curve(out, tether_points(metrics), {"library": "tether", "recipe": a.recipe, "settings": r,
-                                              "seed": a.seed, "returncode": proc.returncode})
+    write_curve(out, tether_points(metrics), {"library": "tether", "command": a.command, "recipe": a.recipe,
+                                              "settings": r, "seed": a.seed, "nproc": a.nproc,
+                                              "returncode": proc.returncode})
 
 
 # -- TRL ---------------------------------------------------------------------------------------
@@ -251,6 +269,8 @@ def main() -> None:
         p.add_argument("--budget", type=float, default=600.0, help="seconds of training")
         p.add_argument("--eval-every", type=int, default=25)
         p.add_argument("--no-head-kernels", action="store_true", help="tether: torch path of the chunked head")
+        p.add_argument("--command", default="grpo", choices=["grpo", "rloo", "ppo"], help="tether: the command")
+        p.add_argument("--nproc", type=int, default=1, help="tether: processes under torchrun")
     p = sub.add_parser("plot")
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True)

@@ -136,11 +136,15 @@ def worker(a) -> None:
         pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
         args[-1] = f"batch_size={pairs}"
         args += [f"max_length={a.dpo_len + 8}", f"grad_accum={a.per_gpu * N // pairs}"]
+    args += a.set or []  # --set k=v: any tether key (e.g. fsdp_reshard=false), for diagnosis
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    prof = _profiler(a, N) if a.profile else None
     keep = cli._leave_process_group
     distributed.init()  # joined here, so the CLI keeps the group and the peaks gather over every rank
     code = cli.main(args) if not distributed.active() else _in_group(cli, args)
+    if prof is not None:
+        prof.__exit__(None, None, None)
     mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) \
         if a.device == "cuda" else (0.0, 0.0)
     peaks = distributed.all_gather_object(mem) if distributed.active() else [mem]
@@ -150,6 +154,43 @@ def worker(a) -> None:
     if distributed.active():
         keep()  # the group left as the CLI leaves it (barrier, destroy)
     sys.exit(code)
+
+
+def _profiler(a, N: int):
+    """torch.profiler over steps warmup+1 .. warmup+2 of rank 0 (stepped by each metrics row
+    rank 0 logs); writes <profile>/<algo><N>-<set>.txt: the top ops by self CUDA and self CPU time,
+    and the CUDA-busy share of the profiled wall time (how launch/CPU-bound the step is)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from tether import distributed, run
+    if distributed.rank() != 0:
+        return None
+    tag = f"{a.algo}{N}" + ("-" + "_".join(a.set).replace("=", "-") if a.set else "")
+
+    def ready(p):
+        ev = p.key_averages()
+        cuda = sum(e.self_device_time_total for e in ev) / 1e6  # µs -> s (kernels; overlapping streams add up)
+        steps = [r for r in times if r is not None][-2:]
+        text = (f"{tag}: profiled steps' step_time {steps}; summed self CUDA time {cuda:.3f} s\n\n"
+                + ev.table(sort_by="self_device_time_total", row_limit=40) + "\n\n"
+                + ev.table(sort_by="self_cpu_time_total", row_limit=30))
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        Path(a.profile, tag + ".txt").write_text(text)
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=a.warmup, warmup=1, active=2, repeat=1), on_trace_ready=ready)
+    prof.__enter__()
+    times: list = []
+    log = run.RunDir.log
+
+    def stepping(self, step, metrics, *rest, **kw):
+        out = log(self, step, metrics, *rest, **kw)
+        if "step_time" in metrics:
+            times.append(metrics["step_time"])
+            prof.step()
+        return out
+    run.RunDir.log = stepping
+    return prof
 
 
 def _in_group(cli, args):
@@ -172,7 +213,8 @@ def launch(a, N: int) -> dict:
            "--generations", str(a.generations), "--new-tokens", str(a.new_tokens),
            "--prompt-len", str(a.prompt_len), "--dpo-len", str(a.dpo_len),
            "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--grad-ckpt", a.grad_ckpt]
+           "--grad-ckpt", a.grad_ckpt] + (["--profile", a.profile] if a.profile else []) \
+        + [x for kv in (a.set or []) for x in ("--set", kv)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if a.device == "cpu":
         env["TETHER_DIST_BACKEND"] = "gloo"
@@ -323,6 +365,8 @@ def main(argv=None):
                     "the steps it finished are still reported")
     ap.add_argument("--log-dir", default=None, help="write each run's stdout and stderr here")
     ap.add_argument("--run-timeout", type=float, default=0, help="seconds before one tether run is killed (0: none)")
+    ap.add_argument("--profile", default=None, help="write rank 0's torch.profiler tables of 2 steps here")
+    ap.add_argument("--set", action="append", default=None, help="extra tether key=value for every run (diagnosis)")
     ap.add_argument("--keep-model", default=None, help="build the model into this folder once and reuse it "
                     "(a later call with the same folder skips the build); default: a temporary folder")
     a = ap.parse_args(argv)
