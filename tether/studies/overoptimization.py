@@ -99,13 +99,23 @@ def _ppo_curve(run_path: Path, gold_key: str, proxy_key: str) -> dict:
             "final_kl": float(_smooth(kl)[-1]), "fit": fit_rl(d, gain_g), "fit_proxy": fit_rl(d, gain_p)}
 
 
+def train_proxy_rm(root: Path, policy, train_pairs, seed: int, epochs: float = 2.0, lr: float = 1e-3,
+                   progress: bool = False) -> dict:
+    """The study's proxy reward model (root/rm), trained on the labelled pairs; the rm summary.
+    Held out two ways: 10 % of the pairs (prompts PPO trains on) here, pairs on unseen prompts by
+    the caller. The frontier study trains the same one when it runs without this study."""
+    from tether.trainers.rm import RMConfig, train_rm
+    return train_rm(RMConfig(model=str(policy), data=str(train_pairs), eval_fraction=0.1,
+                             name="rm", runs_dir=str(root), epochs=epochs, lr=lr,
+                             batch_size=32, device="cpu", seed=seed, progress=progress, overwrite=True))
+
+
 def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     from tether.models import load_model, load_tokenizer
     from tether.rewards.learned import LearnedReward
     from tether.studies.world import sample_completions
     from tether.tasks.preference_world import PreferenceWorld
     from tether.trainers.ppo import PPOConfig, train_ppo
-    from tether.trainers.rm import RMConfig, train_rm
 
     t0 = time.time()
     root = Path(cfg.runs_dir) / cfg.name
@@ -124,11 +134,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
 
     # 3. proxy reward model
     t = time.time()
-    # Held out two ways: 10 % of the pairs (prompts PPO trains on), and pairs on unseen prompts.
-    rm = train_rm(RMConfig(model=str(policy), data=str(train_pairs), eval_fraction=0.1,
-                           name="rm", runs_dir=str(root), epochs=cfg.rm_epochs, lr=cfg.rm_lr,
-                           batch_size=32, device="cpu", seed=cfg.seed,
-                           progress=cfg.progress, overwrite=True))
+    rm = train_proxy_rm(root, policy, train_pairs, cfg.seed, cfg.rm_epochs, cfg.rm_lr, cfg.progress)
     timings["rm"] = time.time() - t
     rm_dir = rm["checkpoint"]
     proxy = LearnedReward(rm_dir, device="cpu")
