@@ -242,7 +242,7 @@ def run_frontier(cfg: FrontierConfig) -> dict:
             # at least one of the method's points on or above PPO's frontier at its own KL
             "matches_ppo_at_matched_kl": any(p["gold"] >= frontier_gold_at(ppo_env, p["kl"]) for p in mine),
             "implicit_accuracy": [p.get("implicit_accuracy") for p in mine],
-            "seconds": sum(p.get("seconds", 0.0) for p in mine),
+            **({"seconds": sum(p["seconds"] for p in mine)} if all("seconds" in p for p in mine) else {}),
             "raises_gold_every_beta": all(p["gold"] > sft["gold"] for p in mine)}
     summary = {"sft": {k: v for k, v in sft.items() if k != "samples"}, "points": points,
                "methods": by_method, "seconds": round(time.time() - t0, 1)}
