@@ -120,3 +120,21 @@ def test_reward_moves_the_policy_the_right_way(setup, reference):
     s_down, e_down = start_end(f"down-{reference}", -1.0)
     assert e_up > s_up + 0.15, (s_up, e_up)
     assert e_down < s_down - 0.03, (s_down, e_down)
+
+
+def test_resume_matches_uninterrupted(setup):
+    """A run stopped after round 2 and resumed ends as one that never stopped (rounds are steps)."""
+    kw = dict(reference="reset", dpo_epochs=2)
+    train_odpo(_cfg(setup, "whole", max_steps=4, **kw))
+    train_odpo(_cfg(setup, "halves", max_steps=2, **kw))
+    train_odpo(_cfg(setup, "halves", max_steps=4, resume=True, **kw))
+    keys = ("loss", "reward", "kl", "rewards/margins", "pairs")
+    whole, halves = _metrics(setup, "whole"), _metrics(setup, "halves")
+    assert [[r[k] for k in keys] for r in whole] == [[r[k] for k in keys] for r in halves]
+
+
+def test_sampler_thread_trains_on_batches_one_round_stale(setup):
+    """queue.max_staleness=1: round j is sampled with the weights of round j − 1 (round 0 with the
+    initial ones) by the trajectory queue's sampler thread, while the trainer updates."""
+    train_odpo(_cfg(setup, "stale", max_steps=4, max_staleness=1))
+    assert [r["queue/staleness"] for r in _metrics(setup, "stale")] == [0, 1, 1, 1]

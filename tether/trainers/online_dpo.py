@@ -66,10 +66,10 @@ class ODPOSection:
     "pairs per optimizer step (0 = all of the round's pairs in one step)"
     micro_batch_size: NonNegativeInt = 0
     "pairs per forward/backward within a step (0 = the whole step at once)"
-    judge_template: str = "{prompt}{completion}\n\nIs this a good response? Answer:"
+    judge_template: str = "{prompt}{completion}\n\nIs this a good response? Answer (Yes or No): "
     "reward_funcs=self: the text the policy judges ({prompt}, {completion}); rendered as a user turn with the chat template when the tokenizer has one"
-    judge_answers: list[str] = field(default_factory=lambda: [" Yes", " No"])
-    "reward_funcs=self: the positive and the negative answer; the reward is log p(positive) − log p(negative) after the judge text"
+    judge_answers: list[str] = field(default_factory=lambda: ["Yes", "No"])
+    "reward_funcs=self: the positive and the negative answer (their first tokens must differ; a BPE's ' Yes' after the template's space is found); the reward is log p(positive) − log p(negative) after the judge text"
 
 
 @dataclass
