@@ -7,12 +7,20 @@ off-policy correction (TIS / MIS) on vs off, on the arithmetic task's verifier r
     python bench/async.py --model M --device cuda --configs sync:0:none,disaggregated:1:none \\
         --seeds 0,1,2 --results                         # 2 GPUs: the sampler process on the second
 
-A configuration is placement:staleness:correction — placement sync (the synchronous loop, one
+A configuration is placement:staleness:correction[:pN] — placement sync (the synchronous loop, one
 process), interleaved (one process, a sampler thread on a copy of the policy) or disaggregated
 (torchrun, 2 processes: trainer + sampler; on CUDA each on its own GPU); correction none | tis |
-mis (``--level``, ``--cap``). Every configuration runs the same prompts, seeds and steps as an
-ordinary `tether grpo` run (its metrics.jsonl is what is read), so reward-vs-samples curves are
-comparable: samples = steps × prompts × generations.
+mis (``--level``, ``--cap``); pN: partial rollouts of N tokens a round (queue.partial_tokens=N).
+Every configuration runs the same prompts, seeds and steps as an ordinary `tether grpo` run (its
+metrics.jsonl is what is read), so reward-vs-samples curves are comparable: samples = trained
+completions (steps × prompts × generations, except with partial rollouts, whose batches hold the
+groups that finished: `partial/groups` a step).
+
+A long tail of lengths (partial rollouts' case): ``--eos-scale 0.6`` samples from a copy of the
+model whose end-of-sequence logit is scaled by 0.6 (its tied embedding row): on the quickstart's
+SFT model most completions still end after their answer line (~43 tokens) and a few ramble on,
+some to max_new_tokens; the verifier reads the first answer line, so the rambling costs time, not
+reward.
 
 Reported per configuration (means over seeds; ± the std over seeds where there are several):
 step time (median over the steps after --warmup, wall clock of the trainer's step, its wait for
@@ -67,21 +75,36 @@ def prepare(work: Path, args) -> tuple[str, Path, Path]:
         make_tiny_model(work / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                         intermediate_size=64)
         model = str(work / "model")
+    if model and args.eos_scale != 1.0:
+        model = long_tail_copy(model, work / "model-long-tail", args.eos_scale)
     if not model:
         sys.exit("--model is required (e.g. the quickstart's SFT checkpoint: tether quickstart rl=false), or --dry-run")
     return model, data, reward
 
 
+def long_tail_copy(src: str, out: Path, scale: float) -> str:
+    """A copy of the model whose end-of-sequence logit is scaled by `scale` (module doc)."""
+    import torch
+    from tether.models.load import load_model, load_tokenizer
+    model, tok = load_model(src, device="cpu"), load_tokenizer(src)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tok.eos_token_id] *= scale
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
 def run_one(spec: str, seed: int, model: str, data: Path, reward: Path, work: Path, args) -> Path:
-    placement, staleness, correction = spec.split(":")
-    name = f"{placement}-s{staleness}-{correction}-seed{seed}"
+    placement, staleness, correction, *partial = spec.split(":")
+    name = f"{placement}-s{staleness}-{correction}{''.join('-' + p for p in partial)}-seed{seed}"
     kw = dict(model=model, data=data, runs_dir=work / "runs", name=name, batch_size=args.batch,
               num_generations=args.generations, max_new_tokens=args.max_new_tokens, max_steps=args.steps,
               lr=args.lr, warmup_steps=args.warmup_steps, temperature=1.0, device=args.device, seed=seed,
               progress="false", overwrite="true", log_every=1, log_entropy="false", save_every=0,
               reward_funcs=f"[{reward}:verifier]", max_staleness=staleness,
               placement="auto" if placement == "sync" else placement, is_correction=correction,
-              is_level=args.level_is, is_cap=args.cap, **({"compile": "true"} if args.compile else {}))
+              is_level=args.level_is, is_cap=args.cap, **({"compile": "true"} if args.compile else {}),
+              **({"partial": "true", "partial_tokens": int(partial[0][1:])} if partial else {}))
     argv = [f"{k}={v}" for k, v in kw.items()]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if placement == "disaggregated":
@@ -96,18 +119,32 @@ def run_one(spec: str, seed: int, model: str, data: Path, reward: Path, work: Pa
     return work / "runs" / name
 
 
-def summarize(run: Path, warmup: int) -> dict:
+def summarize(run: Path, warmup: int, per_step: int, G: int) -> dict:
+    """`per_step`: the completions a step trains without partial rollouts (the quarters' unit)."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "reward" in r]
     times = [r["step_time"] for r in rows[warmup:]] or [r["step_time"] for r in rows]
-    q = max(len(rows) // 4, 1)
-    quarters = [statistics.fmean(r["reward"] for r in rows[i * q:(i + 1) * q]) for i in range(4) if rows[i * q:]]
+    # reward by quarters of the samples a run without partial rollouts trains (weighted by each
+    # step's completions: a partial batch holds the groups that finished)
+    n = [r.get("partial/groups", per_step // G) * G for r in rows]
+    edge, seen, sums = len(rows) * per_step / 4, 0, [[0.0, 0] for _ in range(4)]
+    for r, k in zip(rows, n):
+        i = min(int(seen // edge), 3)
+        sums[i][0] += r["reward"] * k
+        sums[i][1] += k
+        seen += k
+    quarters = [s / k for s, k in sums if k]
+    waits = [r.get("queue/wait_seconds", r.get("rollout/seconds", 0.0)) for r in rows[warmup:]]
+    late = rows[warmup:] or rows
 
     def mean(key):
         vals = [r[key] for r in rows if key in r]
         return statistics.fmean(vals) if vals else None
     frac = mean("is_weight/frac_truncated")
     return {"step_time": statistics.median(times), "quarters": quarters, "is_mean": mean("is_weight/mean"),
+            "wait": statistics.median(waits) if waits else 0.0, "samples": sum(n),
+            "s_per_1k": 1000 * sum(r["step_time"] for r in late) / max(sum(n[len(rows) - len(late):]), 1),
+            "token_lag": mean("partial/token_staleness/mean"), "spanning": mean("partial/spanning_completions"),
             "is_max": max((r["is_weight/max"] for r in rows if "is_weight/max" in r), default=None),
             "is_capped": frac if frac is not None else mean("is_weight/frac_masked"),
             "staleness": mean("queue/staleness") or 0.0,
@@ -128,8 +165,9 @@ def table(results: dict, args, samples_per_step: int) -> str:
     q = max(steps // 4, 1)
     head = [f"quarter {i + 1} (≤{(i + 1) * q * samples_per_step} samples)" for i in range(4)]
     lines = ["| config | step s | × sync | " + " | ".join(f"reward {h}" for h in head)
-             + " | IS mean | IS max | frac capped | staleness | max abs Δlogp |",
-             "|---" * (8 + len(head)) + "|"]
+             + " | IS mean | IS max | frac capped | staleness | max abs Δlogp | wait s | s / 1k samples"
+             " | samples | token lag | spanning |",
+             "|---" * (13 + len(head)) + "|"]
     for spec, runs in results.items():
         st = statistics.fmean(r["step_time"] for r in runs)
         ratio = f"{st / base:.2f}" if base else "–"
@@ -137,7 +175,9 @@ def table(results: dict, args, samples_per_step: int) -> str:
         lines.append(f"| {spec} | {_fmt([r['step_time'] for r in runs])} | {ratio} | " + " | ".join(rewards)
                      + f" | {_fmt([r['is_mean'] for r in runs])} | {_fmt([r['is_max'] for r in runs])}"
                      f" | {_fmt([r['is_capped'] for r in runs])} | {_fmt([r['staleness'] for r in runs], 2)}"
-                     f" | {_fmt([r['mismatch'] for r in runs], 4)} |")
+                     f" | {_fmt([r['mismatch'] for r in runs], 4)} | {_fmt([r['wait'] for r in runs])}"
+                     f" | {_fmt([r['s_per_1k'] for r in runs], 2)} | {_fmt([r['samples'] for r in runs], 0)}"
+                     f" | {_fmt([r['token_lag'] for r in runs], 2)} | {_fmt([r['spanning'] for r in runs], 3)} |")
     return "\n".join(lines)
 
 
@@ -160,6 +200,8 @@ def main() -> None:
     ap.add_argument("--level-is", default="token", choices=["token", "sequence"], help="is_level")
     ap.add_argument("--cap", type=float, default=2.0, help="is_cap")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--eos-scale", type=float, default=1.0,
+                    help="sample from a copy of the model with its EOS logit row scaled (a long tail of lengths)")
     ap.add_argument("--run-timeout", type=float, default=3600)
     ap.add_argument("--work", default="", help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--results", action="store_true", help="append the section to benchmarks/RESULTS.md")
@@ -171,10 +213,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model, data, reward = prepare(work, args)
     results: dict = {}
-    for spec in args.configs.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in (int(s) for s in args.seeds.split(",")):  # configs inner: a busy machine's noise spread over all
+        for spec in args.configs.split(","):
             run = run_one(spec, seed, model, data, reward, work, args)
-            results.setdefault(spec, []).append(summarize(run, args.warmup))
+            results.setdefault(spec, []).append(summarize(run, args.warmup, args.batch * args.generations,
+                                                          args.generations))
     import torch
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     section = (f"\n## GRPO through the trajectory queue (bench/async.py), {datetime.date.today()}\n\n"

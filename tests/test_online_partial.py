@@ -174,10 +174,11 @@ def test_a_budget_that_never_splits_is_the_loop_without_partial_rollouts(setup, 
     plain = train_grpo(_cfg(setup, "plain", **extra), reward_funcs=[digit_frac])
     partial = train_grpo(_cfg(setup, "part", partial=True, partial_tokens=8, **extra), reward_funcs=[digit_frac])
     new = {"partial/token_staleness/mean", "partial/token_staleness/max", "partial/spanning_completions",
-           "partial/groups_in_flight"}
+           "partial/groups_in_flight", "partial/groups"}
     rows = _rows(setup, "part")
     assert _rows(setup, "plain") == _rows(setup, "part", drop=new)  # every logged value, bit for bit
-    assert all(r["partial/spanning_completions"] == 0 and r["partial/groups_in_flight"] == 0 for r in rows)
+    assert all(r["partial/spanning_completions"] == 0 and r["partial/groups_in_flight"] == 0
+               and r["partial/groups"] == 2 for r in rows)
     assert [r["partial/token_staleness/max"] for r in rows] == ([0, 0, 0] if not extra else [0, 1, 1])
     wa, wb = (load_file(f"{s['checkpoint']}/model.safetensors") for s in (plain, partial))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -221,3 +222,38 @@ def test_refusals(setup):
         _cfg(setup, "x", partial=True, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="placement"):
         _cfg(setup, "x", partial=True, placement="disaggregated")
+
+
+class Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("extra", [{"max_staleness": 1}, {"max_staleness": 2, "partial": True, "partial_tokens": 3},
+                                   {"max_staleness": 0, "partial": True, "partial_tokens": 3}])
+def test_resume_under_the_queue_is_exact(setup, extra):
+    """A run that dies after its step-2 checkpoint (its sampler fails on batch 4), resumed, logs
+    and learns exactly what the uninterrupted run does: the checkpoint holds the batches in flight
+    (sampled with versions older than its weights), the data position after them and the groups
+    partial rollouts had in flight."""
+    kw = dict(placement="interleaved", max_steps=5, save_every=2, keep_last=0, **extra)
+    tag = "-".join(f"{k}{v}" for k, v in extra.items())
+    whole = train_grpo(_cfg(setup, f"whole{tag}", **kw), reward_funcs=[digit_frac])
+    calls = []
+
+    def dies(prompts, completions, completion_ids, **cols):
+        calls.append(1)
+        if len(calls) == 5:  # scoring batch 4: steps 0-3 trained, the step-2 checkpoint written
+            raise Crash("the sampler's machine went away")
+        return digit_frac(prompts, completions, completion_ids)
+    dies.__name__ = dies.__qualname__ = "digit_frac"  # the same metric names as the whole run's
+    with pytest.raises(RuntimeError, match="went away"):
+        train_grpo(_cfg(setup, f"cut{tag}", **kw), reward_funcs=[dies])
+    cut = setup / "runs" / f"cut{tag}" / "checkpoints"
+    # at S > 0 the step-4 checkpoint needs batch 4 (in flight), which failed: it is not written
+    written = sorted(p.name for p in cut.iterdir() if not p.name.endswith(".tmp"))  # .tmp: abandoned (atomic)
+    assert written == ["step-2"] + (["step-4"] if extra["max_staleness"] == 0 else [])
+    assert (cut / "step-2" / "queue.pt").exists()
+    resumed = train_grpo(_cfg(setup, f"cut{tag}", resume=True, **kw), reward_funcs=[digit_frac])
+    assert _rows(setup, f"whole{tag}") == _rows(setup, f"cut{tag}")
+    wa, wb = (load_file(f"{s['checkpoint']}/model.safetensors") for s in (whole, resumed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

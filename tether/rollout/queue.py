@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 
@@ -82,6 +83,11 @@ class TrajectoryQueue:
                 if not self._cond.wait(timeout):
                     raise TimeoutError(f"no trajectories of version >= {floor} within {timeout} s")
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """A producer's error (`fail`), or None."""
+        return self._error
+
     def fail(self, error: BaseException) -> None:
         """A producer's error: every waiting and later `get` raises it (once the queue is empty)."""
         with self._cond:
@@ -93,3 +99,24 @@ class TrajectoryQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+QUEUE_STATE = "queue.pt"
+"a checkpoint's file of the queue's state (written only when something is in flight)"
+
+
+def save_queue_state(directory, position: int, producer: Any, pending: list) -> None:
+    """Into checkpoint `directory`: the data position after the last batch sampled, the producer's
+    state (partial rollouts' groups in flight; None) and the batches sampled but not yet trained
+    (`Trajectories`) — what a resumed run cannot sample again with the checkpoint's weights."""
+    if producer is not None or pending:
+        import torch
+        torch.save({"position": position, "producer": producer, "pending": pending}, Path(directory) / QUEUE_STATE)
+
+
+def load_queue_state(directory) -> Optional[dict]:
+    """`save_queue_state`'s dict from checkpoint `directory`, or None (none written, or no checkpoint)."""
+    if directory is None or not (Path(directory) / QUEUE_STATE).exists():
+        return None
+    import torch
+    return torch.load(Path(directory) / QUEUE_STATE, map_location="cpu", weights_only=False)

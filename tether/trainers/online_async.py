@@ -21,6 +21,12 @@ weights:
   schedule to S + 1 in flight), weights come back after each update by a broadcast (gloo on CPU,
   NCCL on GPUs) over a process group of their own.
 
+Resume (interleaved, and the synchronous loop with partial rollouts): each checkpoint holds what
+its weights cannot reproduce (`save_state`: the batches sampled with older versions but not yet
+trained, the data position after them, partial rollouts' groups in flight), so a run that dies and
+resumes computes what the uninterrupted run does (tested). A *finished* run extended by a resume
+has no batches in flight: its first S batches are sampled with the resumed weights.
+
 Off-policy correction (`correct_off_policy`): with is_correction = tis | mis the sampler's
 log-probs μ are the behaviour policy, the trainer's own (recomputed before the update, prepare_batch)
 π_old; every advantage is weighted by objectives.importance_weights(π_old / μ), which corrects both
@@ -44,7 +50,7 @@ from tether.config import ConfigError
 from tether.constraints import NonNegativeInt, PositiveInt
 from tether.errors import UserError
 from tether.objectives import importance_weights, is_metrics
-from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue
+from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
 
 
 @dataclass
@@ -67,8 +73,7 @@ def check_queue(cfg) -> None:
     if q.partial:
         for key, bad, why in (("grpo.dynamic_sampling", grpo.dynamic_sampling, "its refill rounds"),
                               ("grpo.advantage", grpo.advantage == "remax", "remax's greedy baseline"),
-                              ("queue.placement", q.placement == "disaggregated", "the sampler process"),
-                              ("run.resume", cfg.run.resume, "a resume (the groups in flight are not checkpointed)")):
+                              ("queue.placement", q.placement == "disaggregated", "the sampler process")):
             if bad:
                 raise ConfigError(f"config key '{key}': partial rollouts do not work with {why} yet")
     if q.placement == "auto" and q.max_staleness == 0:
@@ -104,12 +109,33 @@ def correct_off_policy(batch, grpo) -> dict:
 
 # ---- sources ------------------------------------------------------------------------------------
 
+def _restore(t, produce) -> list:
+    """On resume: the data position and the producer's state (partial rollouts' groups in flight)
+    as the checkpoint's source saved them (`save_state`); returns the batches it had in flight."""
+    state = load_queue_state(t.ckpt)
+    if state is None:  # nothing was in flight
+        return []
+    t.order.position = state["position"]
+    if state["producer"] is not None:
+        produce.load_state_dict(state["producer"], t.tokenizer)
+    return state["pending"]
+
+
+def _state(produce):
+    return produce.state_dict() if hasattr(produce, "state_dict") else None
+
+
 class Synchronous:
     """Sample step k's batch when the trainer asks for it, with the weights it is about to train."""
     lends_gradients = True  # sampling and the update never overlap: the KV cache may sit in the gradients
 
     def __init__(self, t, produce: Callable, sampler):
         self.t, self.produce, self.sampler = t, produce, sampler
+        _restore(t, produce)
+
+    def save_state(self, directory) -> None:
+        """Into a checkpoint: the producer's state (partial rollouts' pool; nothing otherwise)."""
+        save_queue_state(directory, self.t.order.position, _state(self.produce), [])
 
     def get(self, step: int):
         self.t.rollout_model()  # the sampler's copy of the policy brought up to date (torchrun; collective)
@@ -138,8 +164,16 @@ class Interleaved:
         self.model = copy.deepcopy(t.model).requires_grad_(False).eval()
         self.sampler = make_sampler(self.model)
         self.queue = TrajectoryQueue(max_staleness + 1)
+        # On resume the batches the checkpoint had in flight (sampled with versions older than its
+        # weights) go back in the queue, and sampling goes on after them (save_state).
+        pending = _restore(t, produce)
+        for item in pending:
+            self.queue.put(item)
+        self.first = self.start + len(pending)
+        # j -> (data position, producer state, the batch) once batch j is produced: a checkpoint's view
+        self.snaps: dict = {self.first - 1: (t.order.position, _state(produce), None)}
         self.cond = threading.Condition()
-        self.version, self.copied, self.stopped = self.start, self.start - 1, False
+        self.version, self.copied, self.stopped = self.start, self.first - 1, False
         cuda = next(t.model.parameters()).is_cuda
         self.stream = torch.cuda.Stream() if cuda else None
         self.thread = threading.Thread(target=self._produce_all, name="tether-sampler", daemon=True)
@@ -148,7 +182,7 @@ class Interleaved:
     def _produce_all(self) -> None:
         try:
             held = None  # the version the copy holds
-            for j in range(self.start, self.total):
+            for j in range(self.first, self.total):
                 with self.cond:
                     self.cond.wait_for(lambda: self.stopped or self.version >= max(self.start, j - self.S))
                     if self.stopped:
@@ -166,7 +200,11 @@ class Interleaved:
                     batch = self.produce(j, self.sampler)
                 if self.stream is not None:
                     self.stream.synchronize()  # the batch's tensors complete before the trainer reads them
-                self.queue.put(Trajectories(batch, version, j))
+                item = Trajectories(batch, version, j)
+                with self.cond:
+                    self.snaps[j] = (self.t.order.position, _state(self.produce), item)
+                    self.cond.notify_all()
+                self.queue.put(item)
         except QueueClosed:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
@@ -183,8 +221,27 @@ class Interleaved:
         started = time.perf_counter()
         item = self.queue.get(step, self.S)
         assert item.index == step, (item.index, step)
+        with self.cond:
+            for j in [j for j in self.snaps if j < step - 1]:
+                del self.snaps[j]
         return item.batch, {"queue/staleness": step - item.version, "queue/wait_seconds": time.perf_counter() - started,
                             "queue/dropped": self.queue.dropped}
+
+    def save_state(self, directory) -> None:
+        """Into the checkpoint of step s (weights: version s): the batches s .. s+S−1, sampled with
+        older versions (s−S .. s−1) and so not reproducible from it, and the data position and
+        producer state after the last of them; batch s+S on needs version s or later: a resumed
+        run samples them as this one does. Waits for the producer to finish batch s+S−1 (if it
+        fails first, raises: the checkpoint is not written)."""
+        s = self.t.step
+        last = min(s + self.S, self.total) - 1
+        with self.cond:
+            self.cond.wait_for(lambda: last in self.snaps or self.queue.error is not None)
+            if last not in self.snaps:  # no checkpoint that a resume could not continue exactly
+                raise RuntimeError(f"the sampler failed: {self.queue.error}") from self.queue.error
+            position, state, _ = self.snaps[last]
+            pending = [self.snaps[j][2] for j in range(s, last + 1)]
+        save_queue_state(directory, position, state, pending)
 
     def before_update(self, step: int) -> None:
         """Block until every batch that needs the current weights has copied them."""

@@ -7,8 +7,8 @@ fixed schedule, so v_j is known here without asking the source). Round j:
 
   1. `batch_size` new prompts join the pool (G sequences each), drawn from the data order as today;
   2. every unfinished sequence of the pool generates up to `partial_tokens` more tokens with v_j's
-     weights, in one sampler call: a new one from its prompt, a carried one from prompt + its tokens
-     so far, *re-prefilled* with v_j's weights (no KV cache survives a round: the prefix's keys and
+     weights: the new ones from their prompts (one sampler call), the carried ones from prompt + their
+     tokens so far (another), *re-prefilled* with v_j's weights (no KV cache survives a round: the prefix's keys and
      values would be an older version's, and the next token would belong to neither policy);
   3. a sequence ends at an end token, a stop string (matched across the round boundary: the
      checker keeps every token of the sequence) or at max_new_tokens; each new token records v_j
@@ -23,7 +23,7 @@ Every draw is a function of (seed, step, the weights): the run is reproducible w
 speeds. A sequence lives at most R = ceil(max_new_tokens / partial_tokens) rounds, so the pool
 holds at most R batches of prompts and a token lags the trainer by at most S + R − 1 versions. With
 partial_tokens ≥ max_new_tokens no completion spans two rounds and a round's new sequences are
-keyed exactly as the unpartial sampler keys them (one call, same seed, prompt-major): the batches,
+sampled exactly as the unpartial sampler samples them (one call, same seed, prompt-major): the batches,
 and at S = 0 the whole run, are the loop's without partial rollouts (tested). The groups still in
 flight when the run ends are never trained.
 
@@ -31,7 +31,8 @@ The trainer then corrects with the per-token behaviour log-probs as it does for 
 PPO's ratio against μ, or with is_correction = tis | mis the weight π_old / μ per token. Metrics:
 `partial/token_staleness/{mean,max}` (versions the trained tokens lag the trainer),
 `partial/spanning_completions` (the fraction of trained completions whose tokens come from more
-than one version), `partial/groups_in_flight` (carried into the next round).
+than one version), `partial/groups` (trained this step: their number varies) and
+`partial/groups_in_flight` (carried into the next round).
 """
 from __future__ import annotations
 
@@ -100,16 +101,20 @@ class PartialRollouts:
         stats, rounds, generated = [], 0, 0
         while True:
             self._draw(sampler)
-            # one sampler call: the new groups first, prompt-major (keyed as Sampler.sample(n=G) keys
-            # them), then the carried sequences, each from its prompt + completion so far
             live = [(g, k) for g in self.pool for k in range(self.G) if g.reasons[k] is None]
-            live = [x for x in live if not x[0].ids[x[1]]] + [x for x in live if x[0].ids[x[1]]]
-            ro = sampler.sample([g.row["prompt_ids"] + g.ids[k] for g, k in live], n=1,
-                                seed=seed + rounds * (1 << 32), max_new_tokens=self.budget)
+            # Two sampler calls: the new sequences (prompt-major, keyed as Sampler.sample(n=G) keys
+            # them), then the carried ones, each from its prompt + completion so far. One call would
+            # left-pad every short prompt to the longest carried context: on the CPU that prefill
+            # cost 0.16 s against 0.045 s for the two (bench/async.py's long tail, 32 + 8 rows).
+            for part, salt in (([x for x in live if not x[0].ids[x[1]]], 0), ([x for x in live if x[0].ids[x[1]]], 1)):
+                if not part:
+                    continue
+                ro = sampler.sample([g.row["prompt_ids"] + g.ids[k] for g, k in part], n=1,
+                                    seed=seed + rounds * (1 << 32) + salt * (1 << 31), max_new_tokens=self.budget)
+                stats.append(ro.stats)
+                for i, (g, k) in enumerate(part):
+                    generated += self._extend(g, k, ro, i, version)
             rounds += 1
-            stats.append(ro.stats)
-            for i, (g, k) in enumerate(live):
-                generated += self._extend(g, k, ro, i, version)
             if any(g.done for g in self.pool):
                 break
         done = [g for g in self.pool if g.done]
@@ -120,7 +125,8 @@ class PartialRollouts:
         per_fn, rewards = self.score([g.row for g in done for _ in range(self.G)], rollout)
         return StepBatch(rollout, prompt_rows, per_fn, rewards, rewards, per_fn,
                          torch.arange(len(rewards)) // self.G, generated,
-                         {"num_sampling_rounds": rounds, "partial/groups_in_flight": len(self.pool)},
+                         {"num_sampling_rounds": rounds, "partial/groups_in_flight": len(self.pool),
+                          "partial/groups": len(done)},
                          epoch=self.epoch())
 
     def _draw(self, sampler) -> None:
@@ -168,6 +174,20 @@ class PartialRollouts:
                        group=torch.arange(len(done), device=device).repeat_interleave(self.G),
                        logprob_temperature=temperature, pad_token_id=sampler.pad,
                        versions=_pad([g.versions[k] for g, k in seqs], width, -1, torch.long).to(device))
+
+    def state_dict(self) -> list:
+        """The groups in flight (checkpointed by the queue's sources, online_async): plain lists."""
+        return [(g.row, [list(x) for x in g.ids], [list(x) for x in g.logps], [list(x) for x in g.versions],
+                 list(g.reasons)) for g in self.pool]
+
+    def load_state_dict(self, state: list, tokenizer=None) -> None:
+        self.pool = []
+        for row, ids, logps, versions, reasons in state:
+            g = Group(row, ids, logps, versions, reasons)
+            if self.stop:  # the checker holds each sequence's tokens so far
+                g.stops = StopChecker(tokenizer, self.stop, self.G)
+                g.stops.ids = [list(x) for x in ids]
+            self.pool.append(g)
 
     def lifetime(self) -> int:
         """R: the most rounds a sequence lives."""
