@@ -84,7 +84,10 @@ def capture(step, st: State, kv: int, side=None, pool=None):
         torch.cuda.current_stream().wait_stream(side)
         scratch_state()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+        # thread_local: the queue's interleaved placement captures in its sampler thread while the
+        # trainer thread keeps syncing and allocating; the default (global) mode fails the trainer's
+        # calls with "operation not permitted when stream is capturing" (seen on an H200)
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             step()
     else:
         scratch_state()

@@ -13,10 +13,11 @@ The loop, top to bottom (docs/grpo.md):
        (objectives.policy_loss; online_update), + β·k3 KL to the reference in the loss (kl_in=loss)
     -> log (TRL's metric names) / samples / checkpoint (exactly resumable).
 
-Old log-probs: with μ = 1 the ratio's denominator is the sampler's own log-probs (same weights,
-so the ratio is 1 up to the training–inference mismatch, which is logged); with μ > 1 one
-no-grad forward before the first update recomputes them, so later updates are importance-weighted
-against exactly what the trainer computed.
+Old log-probs: with μ = 1 (and no is_correction) π_old is the update's own forward, detached (the
+ratio is 1; the sampler's log-probs differ from it by the training–inference mismatch and, under
+the trajectory queue, the staleness: both logged, corrected only on request, prepare_batch); with
+μ > 1 or is_correction one no-grad forward before the first update recomputes them, so later
+updates are importance-weighted against exactly what the trainer computed.
 
 Under torchrun (tether/distributed.py: ranks are micro-batches) each rank draws its share of the
 step's prompts and samples them from a whole copy of the policy (`Training.rollout_model`,
@@ -52,7 +53,7 @@ from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval
                                       load_eval_prompts)
 from tether.trainers.online_async import (QueueSection, batch_source, check_queue, correct_off_policy,
                                           finish_sampler, sampler_config, serve, split_world)
-from tether.trainers.online_partial import PartialRollouts, fresh, partial_metrics
+from tether.trainers.online_partial import PartialRollouts, partial_metrics
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
@@ -248,8 +249,13 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
     # SmolLM2-135M (fp32 master weights, bf16 autocast) that fed back into the policy and collapsed
     # it within 50 steps (mismatch max 0.3 -> 16 nats, clip fraction 0.28), while TRL's identical
     # recipe learned. The mismatch stays logged (sampling/*); grpo.is_correction corrects for it.
-    on_policy = grpo.num_iterations == 1 and grpo.is_correction == "none" and cfg.queue.max_staleness == 0 \
-        and fresh(rollout, t.step)  # no token of a partial rollout from an earlier version
+    # The same holds for a stale batch (queue.max_staleness > 0, partial rollouts): a ratio against
+    # the sampler's log-probs mixes the staleness with the mismatch, and the trajectory queue's
+    # disaggregated placement collapsed SmolLM2 just so on 2 H200s (staleness 1: clipped on 25 % of
+    # tokens, held-out pass@1 0.42 -> 0.00 in 100 steps, 2 of 3 seeds). So with one update and no
+    # correction the ratio is 1 whatever the staleness (it goes uncorrected, as in the synchronous
+    # loop's mismatch); is_correction = tis | mis weights by π_old / μ for both (decoupled PPO).
+    on_policy = grpo.num_iterations == 1 and grpo.is_correction == "none"
     return Batch(collected, tensors, valid, mask, truncated, old, ref, filler=filler, on_policy=on_policy)
 
 
