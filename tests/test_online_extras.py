@@ -110,7 +110,7 @@ def test_mask_truncated_completions_gets_no_gradient(root):
     assert moved[True] == 0.0 and moved[False] > 1e-4, moved
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", ["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow)])
 def test_skipping_zero_advantage_rows_gives_the_same_gradient(root, monkeypatch, agg):
     """Groups whose rewards all agree have advantage 0: they are left out of the forward/backward
     (skip_zero_advantage) and the accumulated gradient is the full batch's — not rescaled to the

@@ -151,6 +151,7 @@ def test_critic_starts_from_the_reward_model_of_an_rm_spec(tmp_path):
     assert not torch.allclose(policy_critic.head.weight, rm.head.weight)
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes (the GRPO loop's twin stays in it)
 def test_kv_cache_in_gradient_buffer_changes_nothing(tmp_path, monkeypatch):
     """The sampler's cache inside the policy + value gradient buffer (it fits here): the same run
     as with gradients freed after each step and a cache of its own."""

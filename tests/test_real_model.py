@@ -60,6 +60,7 @@ def test_converted_logits_equal_the_gguf_loaded_models(smollm2, smollm2_gguf):
     assert all(torch.equal(v, ref_state[k]) for k, v in ours.state_dict().items())
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes (run with -m slow)
 def test_a_gguf_path_trains_straight_from_the_cache(smollm2, smollm2_gguf, tmp_path, monkeypatch):
     """`model=<file.gguf>` to a trainer: tokenizer, model and checkpoint dtype all resolve to the
     session's converted folder; no second conversion (convert_gguf would raise)."""

@@ -41,6 +41,7 @@ def _metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes (run with -m slow)
 def test_sigkill_then_resume_matches_uninterrupted(setup):
     root = setup
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums

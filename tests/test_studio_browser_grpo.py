@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 from studio_pages_support import quickstart_runs  # noqa: E402
 from studio_support import assert_no_errors, browser, make_app, open_page, serve, shot, value_of, wait_until  # noqa: E402,F401
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]  # slow: the default suite keeps the labeler's and runs' pages
 ROWS = "#advantages-table tbody tr"
 
 
