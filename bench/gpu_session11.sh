@@ -4,6 +4,7 @@
 #               wheel), then one profiling job of issue 16 while the machine is held anyway:
 #               k=0: DPO 1 and 2 GPUs; k=1: GRPO 1 and 2 GPUs; k=2: DPO 2 GPUs with fsdp=false
 #               and with fsdp_reshard=false (bench/scale.py --profile: rank 0's op tables)
+#   join <k>    only append GGUF part k (a fresh machine: three calls before the runs)
 #   estimators  issue 17 §4: rloo, dr_grpo, reinforce_pp, ppo on the real model, one GPU each,
 #               the GRPO recipe of session 10, --budget seconds of training
 #   async       issue 19 §1: GPU 0 the synchronous loop, GPUs 1-2 disaggregated (1 trainer + 1
@@ -44,6 +45,9 @@ print('$(basename "$d")', c.get('returncode'), [(x['step'], round(x['train_secon
 }
 
 case "$mode" in
+join)
+    bash bench/gguf_to_gpu.sh join bench/gguf_parts/smollm2.gguf.part-0$1 $SHA $SIZE /tmp/gguf-0.19.0-py3-none-any.whl 2>&1 | tail -2
+    ;;
 part)
     k=$1
     bash bench/gguf_to_gpu.sh join bench/gguf_parts/smollm2.gguf.part-0$k $SHA $SIZE /tmp/gguf-0.19.0-py3-none-any.whl 2>&1 | tail -2
@@ -76,8 +80,8 @@ async)
         --set queue.placement=disaggregated --set queue.max_staleness=1; done) &
     (for c in none tis mis; do rl 3 inter4-$c-s0 "${common[@]}" --seed 0 --set queue.placement=interleaved \
         --set queue.max_staleness=4 --set grpo.is_correction=$c; done) &
-    rl 3 gsm8k-s0 --data /tmp/gsm8k --seed 0 --budget "${GSM8K_BUDGET:-300}" --eval-every 50 \
-        --set rollout.max_new_tokens=256 &
+    [ "${GSM8K_BUDGET:-300}" = 0 ] || rl 3 gsm8k-s0 --data /tmp/gsm8k --seed 0 --budget "${GSM8K_BUDGET:-300}" \
+        --eval-every 50 --set rollout.max_new_tokens=256 &
     wait
     archive async
     ;;
