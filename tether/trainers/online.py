@@ -409,8 +409,9 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                             max_rounds=grpo.max_sampling_rounds, every_rank=every_rank)
         collected.epoch = t.order.epoch
         return collected
-    if cfg.queue.partial:  # completions continue across weight updates (online_partial)
-        produce = PartialRollouts(next_prompts, score_completions, cfg, start=t.step, epoch=lambda: t.order.epoch)
+    # partial rollouts: completions continue across weight updates (online_partial)
+    produce = PartialRollouts(next_prompts, score_completions, cfg, start=t.step, epoch=lambda: t.order.epoch) \
+        if cfg.queue.partial else produce
 
     if link is not None and link.samples:  # a sampler process: batches to the trainer until the last
         return finish_sampler(t, serve(t, link, produce, sampler, cfg.queue.max_staleness))

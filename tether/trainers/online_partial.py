@@ -24,11 +24,13 @@ speeds. A sequence lives at most R = ceil(max_new_tokens / partial_tokens) round
 holds at most R batches of prompts and a token lags the trainer by at most S + R − 1 versions. With
 partial_tokens ≥ max_new_tokens no completion spans two rounds and a round's new sequences are
 sampled exactly as the unpartial sampler samples them (one call, same seed, prompt-major): the batches,
-and at S = 0 the whole run, are the loop's without partial rollouts (tested). The groups still in
-flight when the run ends are never trained.
+and at S = 0 the whole run, are the loop's without partial rollouts (tested). The groups in flight
+go into each checkpoint (`state_dict`, saved by the queue's sources: a resume is exact); those
+still in flight when the run ends are never trained.
 
-The trainer then corrects with the per-token behaviour log-probs as it does for stale batches:
-PPO's ratio against μ, or with is_correction = tis | mis the weight π_old / μ per token. Metrics:
+The trainer treats the tokens as it treats a stale batch (online.prepare_batch): with
+is_correction = tis | mis it weighs each by π_old / μ, μ the log-prob of the version that drew it;
+without, they are trained as if fresh. Metrics:
 `partial/token_staleness/{mean,max}` (versions the trained tokens lag the trainer),
 `partial/spanning_completions` (the fraction of trained completions whose tokens come from more
 than one version), `partial/groups` (trained this step: their number varies) and
@@ -85,9 +87,11 @@ class PartialRollouts:
         `score(seq_rows, rollout) -> (per_fn, rewards)`; `cfg`: the GRPO config (rollout, queue,
         run.seed); `start`: the step the run starts at; `epoch()`: the data order's epoch."""
         if distributed.active():
-            raise ConfigError("config key 'queue.partial': partial rollouts run in one process (not under torchrun) yet")
+            raise ConfigError("config key 'queue.partial': partial rollouts run in one process "
+                              "(not under torchrun) yet")
         self.next_prompts, self.score, self.epoch = next_prompts, score, epoch
-        self.G, self.max_new, self.stop = cfg.rollout.num_generations, cfg.rollout.max_new_tokens, list(cfg.rollout.stop)
+        self.G, self.max_new = cfg.rollout.num_generations, cfg.rollout.max_new_tokens
+        self.stop = list(cfg.rollout.stop)
         self.budget = min(cfg.queue.partial_tokens, self.max_new)
         self.seed, self.start, self.S = cfg.run.seed, start, cfg.queue.max_staleness
         self.pool: list[Group] = []
@@ -192,13 +196,6 @@ class PartialRollouts:
     def lifetime(self) -> int:
         """R: the most rounds a sequence lives."""
         return math.ceil(self.max_new / self.budget)
-
-
-def fresh(rollout: Rollout, step: int) -> bool:
-    """Every token sampled with the trainer's current weights (version `step`): no partial rollout
-    carried over, so the batch is on-policy (online.prepare_batch)."""
-    v = rollout.versions
-    return v is None or bool((v[rollout.completion_mask] == step).all())
 
 
 def partial_metrics(batch, step: int) -> dict:
