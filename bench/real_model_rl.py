@@ -36,8 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Recipes: tether config keys. `base` is the naive run the issue reports (0.215 -> 0.228).
+# optim.adam_betas: TRL's side sets β2 0.99 (run_trl); tether's default is 0.999, and sessions 10-11
+# ran tether with it (a recipe difference found afterwards, benchmarks/real_model/README.md)
 COMMON = {"model.dtype": "fp32", "model.mixed_precision": "bf16", "optim.schedule": "constant",
-          "optim.weight_decay": 0.0, "optim.max_grad_norm": 1.0, "optim.max_steps": 100000,
+          "optim.adam_betas": [0.9, 0.99], "optim.weight_decay": 0.0, "optim.max_grad_norm": 1.0, "optim.max_steps": 100000,
           "rollout.max_new_tokens": 96, "grpo.beta": 0.0, "grpo.loss_agg": "token-mean",
           "reward.reward_funcs": ["math"]}
 RECIPES = {
@@ -227,32 +229,42 @@ def plot(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     curves = [json.loads((Path(d) / "curve.json").read_text()) | {"dir": d} for d in a.runs]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"tether": "tab:blue", "trl": "tab:orange"}
-    for c in curves:
+    labels = [label(c) for c in curves]
+    palette = dict(zip(dict.fromkeys(labels), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
+    for c, name in zip(curves, labels):
         pts = [{"train_seconds": 0.0, "pass@1": a.base}] + c["points"]
-        ax.plot([p["train_seconds"] / 60 for p in pts], [p["pass@1"] for p in pts], color=colors[c["library"]],
-                alpha=0.8, label=f"{c['library']} seed {c['seed']}")
+        ax.plot([p["train_seconds"] / 60 for p in pts], [p["pass@1"] for p in pts], color=palette[name],
+                alpha=0.8, label=f"{name} seed {c['seed']}")
     ax.axhline(a.base + 0.20, color="gray", ls="--", lw=0.8, label="untrained + 20 points")
     ax.set_xlabel("training wall-clock (minutes, evaluation excluded)")
     ax.set_ylabel("held-out greedy pass@1 (400 problems)")
-    ax.set_title("GRPO on SmolLM2-135M-Instruct, two-digit arithmetic")
+    ax.set_title(a.title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "pass_at_1_vs_time.png", dpi=120)
+    fig.savefig(out / f"{a.name}.png", dpi=120)
     rows = []
     for c in curves:
         inside = [p for p in c["points"] if p["train_seconds"] <= a.budget] or [{"pass@1": float("nan"), "step": 0, "train_seconds": 0}]
         last = inside[-1]
-        rows.append({"library": c["library"], "recipe": c["recipe"], "seed": c["seed"], "step": last["step"],
+        rows.append({"run": label(c), "library": c["library"], "recipe": c["recipe"], "seed": c["seed"], "step": last["step"],
                      "train_seconds": round(last["train_seconds"], 1), "pass@1": last["pass@1"],
                      "gain_points": round(100 * (last["pass@1"] - a.base), 1),
                      "best": max(p["pass@1"] for p in inside),
                      # the first eval point at +20 points: when the issue's target was reached
                      "seconds_to_plus_20": next((round(p["train_seconds"], 1) for p in c["points"]
                                                  if p["pass@1"] >= a.base + 0.20), None)})
-    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{a.name}.json" if a.name != "pass_at_1_vs_time" else out / "summary.json").write_text(json.dumps(rows, indent=1))
     for row in rows:
         print(row)
+
+
+def label(c: dict) -> str:
+    """A curve's name in plots: the library, and for tether the command and a non-default estimator."""
+    if c["library"] != "tether":
+        return c["library"].upper() + " GRPO"
+    est = c.get("settings", {}).get("grpo.advantage")
+    cmd = c.get("command", "grpo")
+    return "tether " + (est if est and cmd == "grpo" else cmd)
 
 
 def main() -> None:
@@ -276,6 +288,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--base", type=float, default=0.215, help="the untrained model's pass@1")
     p.add_argument("--budget", type=float, default=600.0)
+    p.add_argument("--title", default="GRPO on SmolLM2-135M-Instruct, two-digit arithmetic")
+    p.add_argument("--name", default="pass_at_1_vs_time", help="the figure's file name (and its table's, .json)")
     a = ap.parse_args()
     {"tether": run_tether, "trl": run_trl, "plot": plot}[a.cmd](a)
 
