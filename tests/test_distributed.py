@@ -169,3 +169,15 @@ def test_chunked_lm_head_of_a_sharded_model_equals_the_plain_forward(shape):
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     assert out["lp_err"] < 1e-5 and out["ent_err"] < 1e-6 and out["grad_err"] < 1e-6, out
     assert out["head_grad_norm"] > 0.1  # the head did learn through the swapped forward
+
+
+def test_cat_ranks_rebuilds_the_rows_in_rank_order():
+    """distributed.cat_ranks (tensor all-gathers of row counts, then padded rows): uneven counts, an
+    empty rank, float / bf16 / int64 / bool rows come back exactly, in rank order, in their dtype."""
+    from dist_support import _free_port
+    script = os.path.join(os.path.dirname(__file__), "dist_cat_check.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), script],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "OK", proc.stdout

@@ -204,8 +204,24 @@ def cat_ranks(t: torch.Tensor) -> torch.Tensor:
     holding consecutive parts of a batch thus rebuild it in one process's order."""
     if not active():
         return t
-    parts = all_gather_object(t.detach().cpu())
-    return torch.cat(parts).to(t.device)
+    # Tensor collectives, not all_gather_object: that pickled every tensor through the host (a
+    # blocking device-to-host copy, then host-to-device and back, several syncs a call), called a
+    # few times per optimizer step by every sharded trainer (bench/scale.py's profiles, RESULTS.md
+    # session 11). Here: one small all-gather of the row counts (the one sync), one of the rows
+    # padded to the longest rank's. Bool travels as uint8 (not every backend reduces bool).
+    dev = _device()
+    x = t.detach().to(dev)
+    kind = x.dtype
+    if kind == torch.bool:
+        x = x.to(torch.uint8)
+    ws = world_size()
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ws)]
+    dist.all_gather(counts, torch.tensor([x.shape[0]], dtype=torch.int64, device=dev))
+    rows = torch.cat(counts).tolist()
+    padded = torch.cat([x, x.new_zeros((max(rows) - x.shape[0], *x.shape[1:]))]) if x.shape[0] < max(rows) else x
+    parts = [torch.empty_like(padded) for _ in range(ws)]
+    dist.all_gather(parts, padded.contiguous())
+    return torch.cat([p[:n] for p, n in zip(parts, rows)]).to(kind).to(t.device)
 
 
 # --- sharding ------------------------------------------------------------------------------------

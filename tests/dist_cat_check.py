@@ -1,0 +1,31 @@
+"""Run under torchrun (2 processes, gloo): distributed.cat_ranks on uneven row counts and several
+dtypes must equal the concatenation every rank's rows make in rank order (tests/test_distributed.py)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("TETHER_DIST_BACKEND", "gloo")
+from tether import distributed  # noqa: E402
+
+
+def rows(rank: int, dtype) -> torch.Tensor:
+    n = 3 if rank == 0 else 1  # uneven: the longer rank's padding must not leak into the result
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, 2, generator=g) * 10
+    return x > 0 if dtype == torch.bool else x.to(dtype)
+
+
+distributed.init()
+r, bad = distributed.rank(), []
+for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+    got = distributed.cat_ranks(rows(r, dtype))
+    want = torch.cat([rows(k, dtype) for k in range(distributed.world_size())])
+    if got.dtype != dtype or not torch.equal(got, want):
+        bad.append(str(dtype))
+got = distributed.cat_ranks(torch.empty(0) if r else torch.arange(3.0))  # a rank with no rows
+if not torch.equal(got, torch.arange(3.0)):
+    bad.append("empty rank")
+if r == 0:
+    print("BAD " + ",".join(bad) if bad else "OK")
