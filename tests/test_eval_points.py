@@ -215,7 +215,7 @@ def test_keep_best_survives_a_resume(world, tmp_path):
     ("dpo", ["data=PAIRS", "eval_fraction=0.25", "keep_best=eval/accuracy"],
      "eval/accuracy is never logged by this run; its eval metrics are eval/logps/chosen"),
     ("rm", ["data=PAIRS", "eval_fraction=0", "keep_best=eval/accuracy"], "this run has no held-out data"),
-    ("bon", ["data=P", "reward_funcs=[R]", "keep_best=eval/reward"], "run.keep_best is not used here"),
+    ("bon", ["data=P", "reward_funcs=[R]", "keep_best=eval/reward"], "config key 'run.keep_best' needs bon.rft=true"),
 ])
 def test_what_can_never_work_is_refused_in_one_line(world, tmp_path, capsys, command, args, needle):
     root = world["root"]

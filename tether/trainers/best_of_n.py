@@ -5,7 +5,9 @@ The command, top to bottom:
     (any reward: built-in, module:function, rm:<path>) and, when given, a gold reward
     -> keep the argmax of the proxy per prompt -> report proxy and gold of the kept ones next to
     KL_BoN = log n − (n − 1)/n and the whole best-of-n' curve for n' = 1, 2, 4, ..., n
-    -> `rft=true`: write the kept rows as prompt/completion jsonl and SFT the policy on them.
+    -> `rft=true`: write the kept rows as prompt/completion jsonl and SFT the policy on them;
+       with `data.eval_data` the policy's greedy pass@1 / rewards on the held-out prompts before
+       RFT, and the RFT run's eval points after (held_out.py, as every trainer's).
 
 Under torchrun each rank samples and scores a consecutive block of the prompts with its own whole
 copy of the policy (no collective while sampling), drawing what one process draws for them (the
@@ -37,11 +39,13 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from tether.config import flat_init
+from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegativeInt, Positive, PositiveInt
 from tether.errors import UserError
 from tether.objectives.policy import best_of_n_kl
 from tether.rewards.registry import as_completions
+from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
+                                      load_eval_prompts)
 from tether.trainers.sections import (DataSection, ModelSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
 
@@ -159,21 +163,30 @@ class BoNConfig:
     model: ModelSection = field(default_factory=lambda: ModelSection(dtype="auto"))
     "the policy to sample from (and, with rft=true, to fine-tune: lora_r etc. apply there)"
     data: BoNPrompts = field(default_factory=lambda: BoNPrompts(max_prompt_length=1024))
-    "prompts (any format with a `prompt` column; extra columns go to the reward functions)"
+    "prompts (any format with a `prompt` column; extra columns go to the reward functions); with rft=true, eval_data = held-out prompts scored before RFT and at the RFT run's eval points"
     rollout: RolloutSection = field(default_factory=lambda: RolloutSection(num_generations=1, max_new_tokens=256))
     "sampling; the samples per prompt are `n` (num_generations stays 1)"
     reward: RewardSection = field(default_factory=RewardSection)
     "the proxy that picks the best: built-in names, module:function, or rm:<path>[,<path>...]"
     run: RunSection = field(default_factory=lambda: RunSection(name="bon", num_samples=0, progress=False))
-    "run directory and sampling seed; logging, checkpoints and num_samples apply to the RFT run"
+    "run directory and sampling seed; logging, checkpoints, num_samples, eval_every and keep_best apply to the RFT run"
     bon: BoNSection = field(default_factory=BoNSection)
     "best-of-n and rejection-sampling fine-tuning"
 
-    UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n",
-                              "reward.eval_reward_funcs": "the reward reported next to the proxy is bon.gold_reward",
-                              "run.eval_every": "best-of-n has no evaluation pass",
-                              "data.eval_data": "best-of-n has no evaluation pass (tether eval scores a model)",
-                              "run.keep_best": "best-of-n has no eval points to choose a checkpoint by"}
+    UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n"}
+    # Held-out evaluation scores a policy that training changed: only the RFT run has one.
+    EVAL_KEYS: ClassVar[tuple] = ("data.eval_data", "run.eval_every", "reward.eval_reward_funcs", "run.keep_best")
+
+    def __post_init__(self):
+        if not self.bon.rft:
+            for dotted in self.EVAL_KEYS:
+                section, key = dotted.split(".")
+                if getattr(getattr(self, section), key):
+                    raise ConfigError(
+                        f"config key '{dotted}' needs bon.rft=true (it evaluates the fine-tuned policy); "
+                        f"best-of-n on held-out prompts is `tether bon data=<them> bon.gold_reward=<fn>`, "
+                        f"a model's pass@1 is `tether eval`")
+        check_eval(self)  # eval_every / eval_reward_funcs need data.eval_data
 
 
 def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tuple[list, list | None]:
@@ -200,9 +213,11 @@ def keep_best(rows: list[dict], texts: list[str], proxies, golds, n: int, ns: li
     return kept, curves
 
 
-def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict], is_main: bool) -> dict:
+def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict], is_main: bool,
+                                 held_out: HeldOut) -> dict:
     """SFT (tether.trainers.sft) of the policy on the kept completions, in <run>/rft: the model
-    section and the run's logging / checkpoint settings carry over, rft_* set the optimizer and batch."""
+    section and the run's logging / checkpoint / eval settings carry over, rft_* set the optimizer
+    and batch; `held_out` (bon's held-out prompts) is evaluated at the RFT run's eval points."""
     from tether import distributed
     from tether.trainers.sft import SFTConfig, train_sft
     data = run_dir / "rft.jsonl"
@@ -216,9 +231,11 @@ def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict]
         model=cfg.model, run=replace(cfg.run, name="rft", runs_dir=str(run_dir)),
         data=DataSection(path=str(data), batch_size=cfg.bon.rft_batch_size,
                          max_length=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens + 2),
-        lr=cfg.bon.rft_lr, epochs=cfg.bon.rft_epochs))
+        lr=cfg.bon.rft_lr, epochs=cfg.bon.rft_epochs), held_out=held_out)
     return {"data": str(data), "rows": len(kept), "checkpoint": summary["checkpoint"],
-            "final_loss": summary.get("final_loss")}
+            "final_loss": summary.get("final_loss"),
+            "eval": {k: v for k, v in summary.items() if k.startswith("eval/")},
+            **({"best": summary["best"]} if "best" in summary else {})}
 
 
 def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
@@ -244,6 +261,9 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     proxy = RewardSet(funcs, cfg.reward.reward_weights or None)
     gold_spec = gold_reward if gold_reward is not None else cfg.bon.gold_reward
     gold = RewardSet([load_reward(gold_spec)]) if gold_spec else None
+    # held-out prompts are scored with eval_reward_funcs (each weight 1.0), else the proxy
+    eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, proxy.funcs, proxy.weights)
+    check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
 
     def refusals():  # before any model loads; RunDir checks again under the lock. Rank 0 alone:
@@ -258,6 +278,7 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     rows = rows[:cfg.bon.max_prompts or None]
     if not rows:
         raise UserError(f"bon: no prompts left in {cfg.data.path}")
+    held_out = HeldOut.of_prompts(cfg, load_eval_prompts(cfg, tokenizer), eval_funcs, eval_weights)
     model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
                        attn_implementation=cfg.model.attn_implementation)
     run = RunDir(run_path, log_with=cfg.run.log_with, overwrite=cfg.run.overwrite)
@@ -300,7 +321,12 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
         summary["gold/best_mean"] = float(np.mean([r["gold"] for r in kept]))
         summary["gold/mean"] = float(np.mean(golds))
     if cfg.bon.rft:
-        summary["rft"] = rejection_sampling_fine_tune(cfg, run.path, kept, run.is_main)
+        # the policy before RFT on the held-out prompts: what the RFT run's eval points move from
+        before = held_out.evaluate(model, tokenizer, sampler)
+        summary["rft"] = rejection_sampling_fine_tune(cfg, run.path, kept, run.is_main, held_out)
+        after = summary["rft"].pop("eval")  # its last eval point: the RFT policy
+        if held_out.rows:
+            summary["eval"] = {"before": before, "after": after}
     run.write_summary(summary)
     run.close()
     return summary

@@ -141,11 +141,18 @@ class HeldOut:
     def __call__(self, t, sampler=None) -> dict:
         if not self.rows:
             return {}
-        model = t.rollout_model()  # up to date (torchrun: collective, every rank calls)
+        # up to date (torchrun: collective, every rank calls)
+        return self.evaluate(t.rollout_model(), t.tokenizer, sampler)
+
+    def evaluate(self, model, tokenizer, sampler=None) -> dict:
+        """The eval point's metrics of `model` itself, outside a training loop (best-of-n scores
+        the policy it sampled from before RFT: the 'before' next to the RFT run's 'after')."""
+        if not self.rows:
+            return {}
         if sampler is None:
             from tether.rollout import Sampler, SamplingConfig
             if self.sampler is None or self.sampler.model is not model:
-                self.sampler = Sampler(model, t.tokenizer, SamplingConfig(max_new_tokens=self.settings.max_new_tokens))
+                self.sampler = Sampler(model, tokenizer, SamplingConfig(max_new_tokens=self.settings.max_new_tokens))
             sampler = self.sampler
         was = model.training
         model.eval()  # dropout off, as `tether eval` loads the checkpoint

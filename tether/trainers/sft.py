@@ -98,22 +98,29 @@ def evaluate_loss(model, examples: list[dict], batch_size: int, pad_id: int, dev
     return total / max(count, 1)
 
 
-def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
+def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None,
+              held_out: Optional[HeldOut] = None) -> dict:
     """Run SFT per `cfg`; returns the summary dict (also written to summary.json).
 
     `eval_hook(model, tokenizer, step) -> dict` adds task metrics (e.g. accuracy) at eval points.
+    `held_out`: the greedy generation eval of prompt-only rows (tether bon's RFT run: the held-out
+    prompts of an RL task, which SFT data cannot hold), in place of sft.eval_reward_funcs'.
     """
     d = cfg.data
-    has_eval = bool(d.eval_data or d.eval_fraction > 0)
-    funcs, _ = eval_rewards(cfg.sft.eval_reward_funcs, [], [])  # resolved before anything loads
+    if held_out is not None and cfg.sft.eval_reward_funcs:
+        raise ValueError("train_sft: pass held_out or set sft.eval_reward_funcs, not both")
+    has_eval = bool(d.eval_data or d.eval_fraction > 0 or (held_out is not None and held_out.rows))
+    # resolved before anything loads
+    funcs = held_out.funcs if held_out is not None else eval_rewards(cfg.sft.eval_reward_funcs, [], [])[0]
     # an eval_hook's metric names are known only when it runs: then the first eval point checks
-    check_keep_best(cfg, None if eval_hook else {"eval/loss", "eval/perplexity"} | generation_metrics(funcs),
+    likelihood = {"eval/loss", "eval/perplexity"} if d.eval_data or d.eval_fraction > 0 else set()
+    check_keep_best(cfg, None if eval_hook else likelihood | generation_metrics(funcs),
                     held_out=has_eval or eval_hook is not None)
 
     def load(tokenizer):
         train_ex, eval_ex, prompts, report, held_rows = load_sft_split(cfg, tokenizer)
         prompt_rows = []
-        if funcs:
+        if funcs and held_out is None:
             if not all("prompt" in row for row in held_rows):
                 raise UserError(f"sft: sft.eval_reward_funcs needs prompts: the held-out data "
                                 f"({d.eval_data or d.path}) is language-modeling; use prompt-completion rows")
@@ -124,8 +131,9 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None) -> dict:
     t = setup_training(cfg, load, rollout_replica=bool(funcs))
     model, tok, device, amp, bs = t.model, t.tokenizer, t.device, t.amp, cfg.data.batch_size
     packing = packing_layout(model, cfg.data.packing)
-    held_out = HeldOut(t.data.extra["prompt_rows"], funcs, [1.0] * len(funcs), cfg.sft.sample_max_new_tokens,
-                       batch_size=bs)
+    if held_out is None:
+        held_out = HeldOut(t.data.extra["prompt_rows"], funcs, [1.0] * len(funcs), cfg.sft.sample_max_new_tokens,
+                           batch_size=bs)
 
     def evaluate() -> dict:
         out = {}
