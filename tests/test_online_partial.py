@@ -229,7 +229,8 @@ class Crash(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("extra", [{"max_staleness": 1}, {"max_staleness": 2, "partial": True, "partial_tokens": 3},
+@pytest.mark.parametrize("extra", [{"max_staleness": 0}, {"max_staleness": 1},
+                                   {"max_staleness": 2, "partial": True, "partial_tokens": 3},
                                    {"max_staleness": 0, "partial": True, "partial_tokens": 3}])
 def test_resume_under_the_queue_is_exact(setup, extra):
     """A run that dies after its step-2 checkpoint (its sampler fails on batch 4), resumed, logs

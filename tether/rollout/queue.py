@@ -102,16 +102,16 @@ class TrajectoryQueue:
 
 
 QUEUE_STATE = "queue.pt"
-"a checkpoint's file of the queue's state (written only when something is in flight)"
+"a checkpoint's file of the queue's state (written by the interleaved placement, and by the synchronous loop with partial rollouts)"
 
 
 def save_queue_state(directory, position: int, producer: Any, pending: list) -> None:
-    """Into checkpoint `directory`: the data position after the last batch sampled, the producer's
-    state (partial rollouts' groups in flight; None) and the batches sampled but not yet trained
-    (`Trajectories`) — what a resumed run cannot sample again with the checkpoint's weights."""
-    if producer is not None or pending:
-        import torch
-        torch.save({"position": position, "producer": producer, "pending": pending}, Path(directory) / QUEUE_STATE)
+    """Into checkpoint `directory`: the data position after the last batch sampled (a producer
+    thread may have drawn further by the time the trainer saves), the producer's state (partial
+    rollouts' groups in flight; None) and the batches sampled but not yet trained (`Trajectories`)
+    — what a resumed run cannot sample again with the checkpoint's weights."""
+    import torch
+    torch.save({"position": position, "producer": producer, "pending": pending}, Path(directory) / QUEUE_STATE)
 
 
 def load_queue_state(directory) -> Optional[dict]:

@@ -135,7 +135,8 @@ class Synchronous:
 
     def save_state(self, directory) -> None:
         """Into a checkpoint: the producer's state (partial rollouts' pool; nothing otherwise)."""
-        save_queue_state(directory, self.t.order.position, _state(self.produce), [])
+        if _state(self.produce) is not None:  # else the data position in the checkpoint is exact
+            save_queue_state(directory, self.t.order.position, _state(self.produce), [])
 
     def get(self, step: int):
         self.t.rollout_model()  # the sampler's copy of the policy brought up to date (torchrun; collective)

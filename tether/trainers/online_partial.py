@@ -7,9 +7,10 @@ fixed schedule, so v_j is known here without asking the source). Round j:
 
   1. `batch_size` new prompts join the pool (G sequences each), drawn from the data order as today;
   2. every unfinished sequence of the pool generates up to `partial_tokens` more tokens with v_j's
-     weights: the new ones from their prompts (one sampler call), the carried ones from prompt + their
-     tokens so far (another), *re-prefilled* with v_j's weights (no KV cache survives a round: the prefix's keys and
-     values would be an older version's, and the next token would belong to neither policy);
+     weights: the new ones from their prompts (one sampler call), the carried ones from prompt +
+     their tokens so far (another), *re-prefilled* with v_j's weights (no KV cache survives a
+     round: the prefix's keys and values would be an older version's, and the next token would
+     belong to neither policy);
   3. a sequence ends at an end token, a stop string (matched across the round boundary: the
      checker keeps every token of the sequence) or at max_new_tokens; each new token records v_j
      next to its log-prob (`Rollout.versions`), so μ of every token is the policy that drew it;
@@ -23,8 +24,8 @@ Every draw is a function of (seed, step, the weights): the run is reproducible w
 speeds. A sequence lives at most R = ceil(max_new_tokens / partial_tokens) rounds, so the pool
 holds at most R batches of prompts and a token lags the trainer by at most S + R − 1 versions. With
 partial_tokens ≥ max_new_tokens no completion spans two rounds and a round's new sequences are
-sampled exactly as the unpartial sampler samples them (one call, same seed, prompt-major): the batches,
-and at S = 0 the whole run, are the loop's without partial rollouts (tested). The groups in flight
+sampled exactly as the unpartial sampler samples them (one call, same seed, prompt-major): the
+batches, and so the run, are the loop's without partial rollouts (tested at S = 0 and 1). The groups in flight
 go into each checkpoint (`state_dict`, saved by the queue's sources: a resume is exact); those
 still in flight when the run ends are never trained.
 
@@ -38,7 +39,6 @@ than one version), `partial/groups` (trained this step: their number varies) and
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -110,11 +110,14 @@ class PartialRollouts:
             # them), then the carried ones, each from its prompt + completion so far. One call would
             # left-pad every short prompt to the longest carried context: on the CPU that prefill
             # cost 0.16 s against 0.045 s for the two (bench/async.py's long tail, 32 + 8 rows).
-            for part, salt in (([x for x in live if not x[0].ids[x[1]]], 0), ([x for x in live if x[0].ids[x[1]]], 1)):
+            new = [(g, k) for g, k in live if not g.ids[k]]
+            carried = [(g, k) for g, k in live if g.ids[k]]
+            for salt, part in enumerate((new, carried)):
                 if not part:
                     continue
                 ro = sampler.sample([g.row["prompt_ids"] + g.ids[k] for g, k in part], n=1,
-                                    seed=seed + rounds * (1 << 32) + salt * (1 << 31), max_new_tokens=self.budget)
+                                    seed=seed + rounds * (1 << 32) + salt * (1 << 31),
+                                    max_new_tokens=self.budget)
                 stats.append(ro.stats)
                 for i, (g, k) in enumerate(part):
                     generated += self._extend(g, k, ro, i, version)
@@ -192,10 +195,6 @@ class PartialRollouts:
                 g.stops = StopChecker(tokenizer, self.stop, self.G)
                 g.stops.ids = [list(x) for x in ids]
             self.pool.append(g)
-
-    def lifetime(self) -> int:
-        """R: the most rounds a sequence lives."""
-        return math.ceil(self.max_new / self.budget)
 
 
 def partial_metrics(batch, step: int) -> dict:
