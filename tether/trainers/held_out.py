@@ -4,9 +4,10 @@
   by tether.evaluation exactly as `tether eval ... decoding=greedy` reports the saved checkpoint
   (`eval/greedy/pass@1`, `eval/greedy/reward`, `eval/greedy/rewards/<fn>/mean`, ...): the GRPO
   family and PPO on `data.eval_data` prompts, SFT on the prompts of its held-out rows when
-  `sft.eval_reward_funcs` is given. The likelihood metrics (SFT's eval/loss and eval/perplexity,
-  the offline family's implicit-reward accuracy and margins, the reward model's accuracy) stay with
-  their trainers, since they are the trainers' own forwards on held-out rows.
+  `sft.eval_reward_funcs` is given, best-of-n's RFT run on bon's `data.eval_data` prompts (and bon
+  on the policy before RFT: `HeldOut.evaluate`). The likelihood metrics (SFT's eval/loss and
+  eval/perplexity, the offline family's implicit-reward accuracy and margins, the reward model's
+  accuracy) stay with their trainers, since they are the trainers' own forwards on held-out rows.
 - `Best`: `run.keep_best=<eval metric>`: after each eval point whose value beats every earlier one,
   the policy is written to `checkpoints/best/` (model + tokenizer, `best.json` = metric, mode, step,
   value); summary.json's `best` says the same. It is not a `step-N` directory, so `keep_last`
