@@ -1,5 +1,7 @@
 """Run under torchrun (2 processes, gloo): distributed.cat_ranks on uneven row counts and several
-dtypes must equal the concatenation every rank's rows make in rank order (tests/test_distributed.py)."""
+dtypes must equal the concatenation every rank's rows make in rank order, and max_float the
+largest value or NaN when any rank has one (tests/test_distributed.py)."""
+import math
 import os
 import sys
 
@@ -27,5 +29,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
 got = distributed.cat_ranks(torch.empty(0) if r else torch.arange(3.0))  # a rank with no rows
 if not torch.equal(got, torch.arange(3.0)):
     bad.append("empty rank")
+if distributed.max_float(float(r) - 5) != -4.0:  # the larger of -5 and -4
+    bad.append("max_float")
+if not math.isnan(distributed.max_float(float("nan") if r == 1 else 3.0)):  # one rank's NaN wins
+    bad.append("max_float nan")
 if r == 0:
     print("BAD " + ",".join(bad) if bad else "OK")
+torch.distributed.barrier()  # leave together: a gloo rank exiting mid-teardown aborts its peer
+torch.distributed.destroy_process_group()

@@ -115,9 +115,9 @@ def max_float(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
     nan = torch.isnan(t).to(torch.float64)
     both = torch.cat([t.nan_to_num(nan=-float("inf")), nan])
-    dist.all_reduce(both[:1], op=dist.ReduceOp.MAX)
-    dist.all_reduce(both[1:], op=dist.ReduceOp.MAX)
-    return float("nan") if both[1] > 0 else float(both[0])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # both entries are maxima: one collective
+    value, any_nan = both.tolist()  # one sync
+    return float("nan") if any_nan > 0 else value
 
 
 def all_gather_object(obj) -> list:
