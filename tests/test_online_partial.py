@@ -223,6 +223,12 @@ def test_refusals(setup):
         _cfg(setup, "x", partial=True, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="placement"):
         _cfg(setup, "x", partial=True, placement="disaggregated")
+    from tether.trainers.online_dpo import ODPOConfig, train_odpo  # shares the queue's section
+    odpo = ODPOConfig(model=str(setup / "model"), data=str(setup / "prompts.jsonl"), runs_dir=str(setup / "runs"),
+                      name="odpo", batch_size=2, num_generations=2, max_new_tokens=4, max_steps=1, device="cpu",
+                      progress=False, overwrite=True, partial=True, reward_funcs=["self"])
+    with pytest.raises(ConfigError, match="does not sample partial rollouts"):
+        train_odpo(odpo)
 
 
 class Crash(RuntimeError):

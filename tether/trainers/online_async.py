@@ -442,6 +442,8 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
 def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, link: Optional[Link]):
     """The source the loop takes its batches from, per cfg.queue (module doc)."""
     q = cfg.queue
+    if q.partial and not hasattr(produce, "state_dict"):  # a trainer whose rounds are not PartialRollouts
+        raise ConfigError("config key 'queue.partial': this trainer does not sample partial rollouts")
     if link is not None:
         return Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
     if q.placement == "interleaved" or q.max_staleness > 0:
