@@ -221,8 +221,8 @@ def test_tis_on_a_partial_rollout_weighs_each_token(setup, monkeypatch):
 def test_refusals(setup):
     with pytest.raises(ConfigError, match="dynamic_sampling"):
         _cfg(setup, "x", partial=True, dynamic_sampling=True)
-    with pytest.raises(ConfigError, match="placement"):
-        _cfg(setup, "x", partial=True, placement="disaggregated")
+    with pytest.raises(ConfigError, match="sampler_ranks"):
+        _cfg(setup, "x", partial=True, placement="disaggregated", sampler_ranks=2)
     from tether.trainers.online_dpo import ODPOConfig, train_odpo  # shares the queue's section
     odpo = ODPOConfig(model=str(setup / "model"), data=str(setup / "prompts.jsonl"), runs_dir=str(setup / "runs"),
                       name="odpo", batch_size=2, num_generations=2, max_new_tokens=4, max_steps=1, device="cpu",
@@ -264,4 +264,31 @@ def test_resume_under_the_queue_is_exact(setup, extra):
     resumed = train_grpo(_cfg(setup, f"cut{tag}", resume=True, **kw), reward_funcs=[digit_frac])
     assert _rows(setup, f"whole{tag}") == _rows(setup, f"cut{tag}")
     wa, wb = (load_file(f"{s['checkpoint']}/model.safetensors") for s in (whole, resumed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow  # two torchrun processes: ~60-90 s on the 2 shared cores
+def test_disaggregated_partial_rollouts_match_the_interleaved_run(setup):
+    """torchrun (gloo): one trainer + one sampler process with partial rollouts at staleness 1 run
+    the interleaved placement's schedule: every metric (the per-token versions' included) and the
+    final weights are the one-process run's."""
+    import sys
+    if sys.platform != "linux":
+        pytest.skip("torchrun + gloo on Linux")
+    from dist_support import ok, run_tether
+    (setup / "rewards.py").write_text(
+        "def digit_frac(prompts, completions, completion_ids, **_):\n"
+        "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
+    kw = dict(max_staleness=1, partial=True, partial_tokens=3, max_steps=4)
+    local = train_grpo(_cfg(setup, "pinter", placement="interleaved", **kw), reward_funcs=[digit_frac])
+    args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="pdis",
+                batch_size=2, num_generations=4, max_new_tokens=8, lr=1e-2, device="cpu", progress="false",
+                seed=0, overwrite="true", placement="disaggregated",
+                reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", **kw)
+    ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=2, timeout=600))
+    rows = _rows(setup, "pdis", drop=("queue/dropped",))
+    assert rows == _rows(setup, "pinter", drop=("queue/dropped",))
+    assert max(r["partial/token_staleness/max"] for r in rows) >= 2
+    wa = load_file(f"{local['checkpoint']}/model.safetensors")
+    wb = load_file(str(setup / "runs" / "pdis" / "checkpoints" / "step-4" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -73,7 +73,7 @@ def check_queue(cfg) -> None:
     if q.partial:
         for key, bad, why in (("grpo.dynamic_sampling", grpo.dynamic_sampling, "its refill rounds"),
                               ("grpo.advantage", grpo.advantage == "remax", "remax's greedy baseline"),
-                              ("queue.placement", q.placement == "disaggregated", "the sampler process")):
+                              ("queue.sampler_ranks", q.sampler_ranks > 1, "several sampler processes")):
             if bad:
                 raise ConfigError(f"config key '{key}': partial rollouts do not work with {why} yet")
     if q.placement == "auto" and q.max_staleness == 0:

@@ -87,8 +87,8 @@ class PartialRollouts:
         `score(seq_rows, rollout) -> (per_fn, rewards)`; `cfg`: the GRPO config (rollout, queue,
         run.seed); `start`: the step the run starts at; `epoch()`: the data order's epoch."""
         if distributed.active():
-            raise ConfigError("config key 'queue.partial': partial rollouts run in one process "
-                              "(not under torchrun) yet")
+            raise ConfigError("config key 'queue.partial': partial rollouts run in one process, or "
+                              "placement=disaggregated with one trainer process (torchrun --nproc-per-node 2)")
         self.next_prompts, self.score, self.epoch = next_prompts, score, epoch
         self.G, self.max_new = cfg.rollout.num_generations, cfg.rollout.max_new_tokens
         self.stop = list(cfg.rollout.stop)
