@@ -186,14 +186,14 @@ def test_a_shared_key_a_trainer_does_not_use_is_hidden_and_refused(capsys):
     from tether.trainers.best_of_n import BoNConfig
     assert main(["bon", "--help"]) == 0
     bon_help = capsys.readouterr().out
-    assert main(["sft", "--help"]) == 0
-    assert "run.eval_every" in capsys.readouterr().out and "run.eval_every" not in bon_help
-    with pytest.raises(ConfigError, match="run.eval_every is not used here") as e:
-        load_config(BoNConfig, None, ["eval_every=2"])
+    assert main(["grpo", "--help"]) == 0
+    assert "rollout.num_generations" in capsys.readouterr().out and "rollout.num_generations" not in bon_help
+    with pytest.raises(ConfigError, match="rollout.num_generations is not used here") as e:
+        load_config(BoNConfig, None, ["num_generations=2"])
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="not used here"):
-        BoNConfig(model="m", data="d", eval_every=2)
-    assert BoNConfig(model="m", data="d", eval_every=0).run.eval_every == 0  # the default is fine
+        BoNConfig(model="m", data="d", num_generations=2)
+    assert BoNConfig(model="m", data="d", num_generations=1).rollout.num_generations == 1  # the default is fine
     # grpo and ppo evaluate held-out prompts (data.eval_data); without them eval_every is refused, saying so
     from tether.trainers.online import GRPOConfig
     from tether.trainers.ppo import PPOConfig
