@@ -41,6 +41,17 @@ def digit_frac(prompts, completions, completion_ids, **_):
 
 def no_digits(prompts, completions, completion_ids, **_):
     return [-r for r in digit_frac(prompts, completions, completion_ids)]
+
+
+def digit_frac_dies(prompts, completions, completion_ids, **_):
+    """digit_frac, but the 5th call raises (a sampler that fails; the count lives in a file)."""
+    import os
+    path = os.environ["ODPO_CALLS"]
+    n = (int(open(path).read()) if os.path.exists(path) else 0) + 1
+    open(path, "w").write(str(n))
+    if n == 5:
+        raise RuntimeError("the sampler's machine went away")
+    return digit_frac(prompts, completions, completion_ids)
 '''
 
 
@@ -131,6 +142,25 @@ def test_resume_matches_uninterrupted(setup):
     keys = ("loss", "reward", "kl", "rewards/margins", "pairs")
     whole, halves = _metrics(setup, "whole"), _metrics(setup, "halves")
     assert [[r[k] for k in keys] for r in whole] == [[r[k] for k in keys] for r in halves]
+
+
+def test_resume_after_a_crash_under_the_queue_is_exact(setup, monkeypatch):
+    """queue.max_staleness=1 (rounds sampled one ahead by the sampler thread): a run whose reward
+    fails while scoring round 4 (rounds 0-3 trained, the step-2 checkpoint written with the round
+    sampled ahead in it), resumed, logs what the uninterrupted run logs."""
+    kw = dict(max_staleness=1, max_steps=5, save_every=2, keep_last=0, dpo_epochs=2,
+              reward_funcs=[f"{setup / 'rewards.py'}:digit_frac_dies"])
+    (setup / "never.txt").write_text("100")  # the uninterrupted run's count never reaches 5
+    monkeypatch.setenv("ODPO_CALLS", str(setup / "never.txt"))
+    train_odpo(_cfg(setup, "qwhole", **kw))
+    monkeypatch.setenv("ODPO_CALLS", str(setup / "calls.txt"))
+    with pytest.raises(RuntimeError, match="went away"):
+        train_odpo(_cfg(setup, "qcut", **kw))
+    assert (setup / "runs" / "qcut" / "checkpoints" / "step-2" / "queue.pt").exists()
+    train_odpo(_cfg(setup, "qcut", resume=True, **kw))  # calls 6, 7, ...: no failure
+    keys = ("loss", "reward", "kl", "rewards/margins", "pairs", "queue/staleness")
+    assert [[r[k] for k in keys] for r in _metrics(setup, "qwhole")] == \
+        [[r[k] for k in keys] for r in _metrics(setup, "qcut")]
 
 
 def test_sampler_thread_trains_on_batches_one_round_stale(setup):
