@@ -41,7 +41,6 @@ import torch
 from tether import distributed
 from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegative, NonNegativeInt, Positive, PositiveInt
-from tether.data import encode_prompts, load_data
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps
 from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, SURROGATES, compute_advantages, group_stats
@@ -49,8 +48,7 @@ from tether.objectives.policy import kl_penalized_rewards
 from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
 from tether.trainers.common import lend_gradients
-from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
-                                      load_eval_prompts)
+from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
 from tether.trainers.online_async import (QueueSection, batch_source, check_queue, correct_off_policy,
                                           finish_sampler, sampler_config, serve, split_world)
 from tether.trainers.online_partial import PartialRollouts, partial_metrics
@@ -59,7 +57,7 @@ from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
-from tether.trainers.setup import Data, setup_training
+from tether.trainers.setup import load_prompt_data, setup_training
 
 # The choices are the registries' names, written once there (config checks and --help read these).
 Advantage = Literal[tuple(ADVANTAGE_ESTIMATORS)]
@@ -365,17 +363,12 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, funcs, weights)
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
 
-    def load(tokenizer):
-        rows, report = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
-                                                rename=cfg.data.columns),
-                                      tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
-                                      source=cfg.data.path)
-        return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
     # placement=disaggregated: torchrun's processes split into the trainer and a sampler (online_async)
     link = split_world(cfg)
     # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
     # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)
-    t = setup_training(sampler_config(cfg, link) if link and link.samples else cfg, load,
+    t = setup_training(sampler_config(cfg, link) if link and link.samples else cfg,
+                       lambda tokenizer: load_prompt_data(cfg, tokenizer),
                        reference=grpo.beta > 0, rows_per_step=prompts_per_step,
                        updates_per_step=grpo.num_iterations, rollout_replica=True)
     prompts, share = t.data.train, prompts_per_step // distributed.world_size()

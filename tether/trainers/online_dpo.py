@@ -34,7 +34,6 @@ import torch
 from tether import distributed
 from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegativeInt, PositiveInt
-from tether.data import encode_prompts, load_data
 from tether.data.tokenize import bos_ids
 from tether.errors import NonFiniteLossError, UserError
 from tether.feedback.lm import answer_contexts, answer_logprobs, chat_text
@@ -42,8 +41,7 @@ from tether.objectives import group_stats
 from tether.rewards.registry import load_reward
 from tether.rewards.scoring import fn_name, score_rollout
 from tether.rollout import Sampler
-from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
-                                      load_eval_prompts)
+from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
 from tether.trainers.offline import PreferenceSection, train_step
 from tether.trainers.offline_objective import PAIR_OBJECTIVES, REFERENCE_FREE
 from tether.trainers.offline_reference import reference_logps
@@ -51,7 +49,7 @@ from tether.trainers.online_async import QueueSection, batch_source
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection, RolloutSection,
                                       RunSection)
-from tether.trainers.setup import Data, setup_training
+from tether.trainers.setup import load_prompt_data, setup_training
 
 SELF = "self"  # the reward spec that makes the policy its own judge
 
@@ -268,14 +266,8 @@ def train_odpo(cfg: ODPOConfig) -> dict:
     eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, plain, [1.0] * len(plain))
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
 
-    def load(tokenizer):
-        rows, report = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
-                                                rename=cfg.data.columns),
-                                      tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
-                                      source=cfg.data.path)
-        return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
     per_round = math.ceil(cfg.data.batch_size / (cfg.odpo.pairs_per_step or cfg.data.batch_size))
-    t = setup_training(cfg, load, reference=True, rows_per_step=cfg.data.batch_size,
+    t = setup_training(cfg, lambda tokenizer: load_prompt_data(cfg, tokenizer), reference=True, rows_per_step=cfg.data.batch_size,
                        updates_per_step=per_round * cfg.odpo.dpo_epochs)
     prompts = t.data.train
     names = [SELF if f is None else fn_name(f) for f in resolved]

@@ -41,7 +41,6 @@ from torch import nn
 from tether import distributed
 from tether.config import flat_init
 from tether.constraints import Fraction, NonNegative, Positive, PositiveInt
-from tether.data import encode_prompts, load_data
 from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
 from tether.models.load import compile_layers
@@ -52,14 +51,14 @@ from tether.rewards.scoring import fn_name, resolve_reward_funcs
 from tether.rewards.scoring import score as score_completions
 from tether.rollout import Sampler, logprob_mismatch
 from tether.trainers.common import lend_gradients
-from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, generation_metrics, load_eval_prompts
+from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, generation_metrics
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
 from tether.trainers.ppo_process import dense_process_rewards, process_reward_index
 from tether.trainers.ppo_update import Shares, ppo_epochs
 from tether.trainers.ppo_update import whiten as globally_whitened
 from tether.trainers.ppo_update import values_of as _values
-from tether.trainers.setup import Data, load_policy, setup_training, shard_model
+from tether.trainers.setup import load_policy, load_prompt_data, setup_training, shard_model
 
 
 @dataclass
@@ -170,16 +169,6 @@ def build_policy_and_critic(cfg: PPOConfig, ckpt: Path | None):
     if distributed.active():  # setup_training shards the policy and the reference, then builds the
         shard_model(critic, cfg)  # optimizer over both networks: the critic's shards must exist by then
     return policy, nn.ModuleDict({"policy": policy, "value": critic})
-
-
-def load_prompts(cfg: PPOConfig, tokenizer) -> Data:
-    """Prompt rows with their token ids (+ every extra column, for the reward functions)."""
-    data = cfg.data
-    rows, report = encode_prompts(load_data(data.path, expect="prompt-only", split=data.split, rename=data.columns),
-                                  tokenizer, data.max_prompt_length, data.truncation, source=data.path)
-    if not rows:
-        raise UserError(f"ppo: no prompts left in {data.path} after encoding")
-    return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
 
 
 def kl_controller(spec: PPOSection, ckpt: Path | None):
@@ -303,7 +292,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     eval_funcs, eval_weights = (rewards.evals, [1.0] * len(rewards.evals)) if rewards.evals else \
         (rewards.funcs, rewards.weights)
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
-    t = setup_training(cfg, lambda tokenizer: load_prompts(cfg, tokenizer), build=build_policy_and_critic,
+    t = setup_training(cfg, lambda tokenizer: load_prompt_data(cfg, tokenizer), build=build_policy_and_critic,
                        reference=True, updates_per_step=spec.ppo_epochs * spec.num_minibatches,
                        rollout_replica=True)
     rewards.shard(cfg)

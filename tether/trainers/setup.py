@@ -42,7 +42,7 @@ from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weigh
 from tether.trainers.common import (EpochSampler, Progress, Window, all_finite, autocast_context,
                                     guarded_step, make_optimizer, make_scheduler, restore_training,
                                     save_training)
-from tether.trainers.held_out import Best, shown
+from tether.trainers.held_out import Best, load_eval_prompts, shown
 from tether.trainers.resume_check import check_resumable
 
 
@@ -54,6 +54,18 @@ class Data:
     eval: list = field(default_factory=list)
     report: Any = None
     extra: dict = field(default_factory=dict)
+
+
+def load_prompt_data(cfg, tokenizer) -> Data:
+    """The sampling trainers' data (grpo, ppo, odpo): `data.path`'s prompt-only rows with their token
+    ids (+ every extra column, for the reward functions), and the held-out prompts (data.eval_data)."""
+    from tether.data import encode_prompts, load_data
+    data = cfg.data
+    rows, report = encode_prompts(load_data(data.path, expect="prompt-only", split=data.split, rename=data.columns),
+                                  tokenizer, data.max_prompt_length, data.truncation, source=data.path)
+    if not rows:
+        raise UserError(f"{data.path}: no prompts left after encoding")
+    return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
 
 
 def load_policy(spec, ckpt: Optional[Path]):
