@@ -155,3 +155,29 @@ def test_compiled_layers_same_logps_and_grads(setup, monkeypatch):
     torch.testing.assert_close(out[1][0], out[0][0], atol=1e-5, rtol=0)
     for n in out[0][1]:
         torch.testing.assert_close(out[1][1][n], out[0][1][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_head_fp32_under_bf16_autocast_gives_the_float32_logits(setup, monkeypatch):
+    """model.head_fp32 (logprobs.HEAD_DTYPE = float32): under bf16 autocast the body runs in bf16,
+    the head in float32 — the log-probs equal a float32 head applied by hand to the body's bf16
+    hidden states (1e-5), where the default bf16 head is off by > 1e-3 (its logits rounded to bf16);
+    gradients flow into the head's float32 weight."""
+    model, batch = setup
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    m = copy.deepcopy(model)
+    with torch.no_grad():  # large logits, as a trained model's, where bf16 rounding shows (the tiny
+        m.lm_head.weight.mul_(30.0)  # model ties its head to the embeddings: both scale)
+    with torch.no_grad(), amp:  # the reference: body in bf16 as the trainer runs it, head by hand
+        h = m.model(**common.forward_inputs(batch)).last_hidden_state
+    logits = torch.nn.functional.linear(h.float(), m.lm_head.weight.float())
+    ref = token_logps(logits, batch["input_ids"], 0.7)  # [B, T]: position t scores token t
+    ref = ref * torch.nn.functional.pad(batch["completion_mask"][:, 1:], (1, 0))
+    with torch.no_grad():
+        bf16_head, _ = common.completion_token_logps(m, batch, 0.7, amp)
+    monkeypatch.setattr(common, "HEAD_DTYPE", torch.float32)
+    lp, _ = common.completion_token_logps(m, batch, 0.7, amp)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    assert (bf16_head - ref).abs().max() > 1e-3
+    lp.sum().backward()
+    assert m.lm_head.weight.grad is not None and m.lm_head.weight.grad.dtype == torch.float32
+    assert float(m.lm_head.weight.grad.abs().sum()) > 0

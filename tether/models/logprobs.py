@@ -32,6 +32,14 @@ _HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gp
 # Logits held at once by the chunked head: 2^25 (~220 tokens at V = 152k, 128 MB per float32
 # temporary) on an accelerator, 2^22 on CPU (cache-sized). None: per device.
 HEAD_CHUNK_ELEMENTS: int | None = None
+# The chunked head's compute dtype under autocast. None: the autocast dtype (bf16 logits).
+# torch.float32 (`model.head_fp32`, set by trainers/setup.py): the logits in float32 from the
+# body's hidden states and the master weights. Why: rounding logits to bf16 is an error of up to
+# |z|·2^-9 per logit, which grows as training sharpens the policy and its logits grow; against an
+# fp32 sampler it is the bulk of the training–inference mismatch (SmolLM2 on an H200: mean
+# |Δ log p| 0.03 -> 0.2 nats/token over 10 steps, RESULTS.md session 11). MiniMax (2025, the
+# MiniMax-M1 report) found the LM head's precision to be the cause and fixed it the same way.
+HEAD_DTYPE: torch.dtype | None = None
 
 
 def forward_inputs(batch: dict) -> dict:
@@ -170,6 +178,11 @@ def _chunked_head(h, head, targets, temperature: float, entropy: str):
     `entropy`: "" (none), "detached" or "grad"."""
     step = max(1, _head_budget(h.device) // head.out_features)
     dev = h.device.type
+    if HEAD_DTYPE is not None and torch.is_autocast_enabled(dev):  # the head outside autocast
+        with torch.autocast(dev, enabled=False):
+            lp, ent = _HeadLogps.apply(h.to(HEAD_DTYPE), head.weight, head.bias, targets, float(temperature),
+                                       step, HEAD_DTYPE, bool(entropy))
+        return lp, (None if not entropy else ent.detach() if entropy == "detached" else ent)
     cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
     lp, ent = _HeadLogps.apply(h, head.weight, head.bias, targets, float(temperature), step, cd, bool(entropy))
     return lp, (None if not entropy else ent.detach() if entropy == "detached" else ent)
@@ -217,7 +230,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
     ids, cmask = batch["input_ids"], batch["completion_mask"]
     B, T = ids.shape
     split = _split_head(model)
-    if split is not None and B * T * split[1].out_features <= _head_budget(ids.device):
+    if split is not None and B * T * split[1].out_features <= _head_budget(ids.device) and HEAD_DTYPE is None:
         split = None  # the logits fit in one chunk: the plain forward is as lean and a little faster
     if split is not None:
         body, head = split

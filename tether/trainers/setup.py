@@ -33,6 +33,7 @@ from tether import distributed
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
 from tether.models.load import DTYPES, compile_layers, decoder_layers, hf_progress, stored_dtype
+from tether.models import logprobs
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import apply_lora
 from tether.plots import plot_metrics
@@ -309,6 +310,8 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     if not cfg.data.path:
         raise UserError(f"{command}: `data` is required (a file, a saved dataset directory, or a hub name)")
     distributed.init()  # under torchrun: join the process group (nothing otherwise)
+    # every run sets it (a process may run several): the head's dtype under mixed precision
+    logprobs.HEAD_DTYPE = torch.float32 if getattr(cfg.model, "head_fp32", False) else None
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
 
