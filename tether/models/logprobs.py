@@ -35,10 +35,11 @@ HEAD_CHUNK_ELEMENTS: int | None = None
 # The chunked head's compute dtype under autocast. None: the autocast dtype (bf16 logits).
 # torch.float32 (`model.head_fp32`, set by trainers/setup.py): the logits in float32 from the
 # body's hidden states and the master weights. Why: rounding logits to bf16 is an error of up to
-# |z|·2^-9 per logit, which grows as training sharpens the policy and its logits grow; against an
-# fp32 sampler it is the bulk of the training–inference mismatch (SmolLM2 on an H200: mean
-# |Δ log p| 0.03 -> 0.2 nats/token over 10 steps, RESULTS.md session 11). MiniMax (2025, the
-# MiniMax-M1 report) found the LM head's precision to be the cause and fixed it the same way.
+# |z|·2^-9 per logit, which grows as training sharpens the policy and its logits grow. Against an
+# fp32 sampler the mismatch grew so on SmolLM2 (H200: mean |Δ log p| 0.03 -> 0.2 nats/token over
+# 10 steps, RESULTS.md session 11); how much of that is the head's rounding rather than the bf16
+# body's is not measured (the hypothesis this option tests). MiniMax (2025, the MiniMax-M1
+# report) reported the LM head's precision as the cause of such a mismatch and fixed it this way.
 HEAD_DTYPE: torch.dtype | None = None
 
 

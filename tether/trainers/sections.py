@@ -52,7 +52,7 @@ class ModelSection:
     fsdp_reshard: bool = True
     "under torchrun: free gathered parameters after each layer's forward (false keeps them until backward: faster, more memory)"
     head_fp32: bool = False
-    "under mixed precision, the trainer's LM head (the logits of its log-probs) in float32 from the master weights: bf16 logits are most of the training-inference mismatch an fp32 sampler sees (models/logprobs.HEAD_DTYPE); single process (FSDP2 gathers bf16 weights)"
+    "under mixed precision, the trainer's LM head (the logits of its log-probs) in float32 from the master weights: bf16 logits are a part of the training-inference mismatch an fp32 sampler sees (models/logprobs.HEAD_DTYPE); single process (FSDP2 gathers bf16 weights)"
 
 
 @dataclass
