@@ -139,9 +139,14 @@ def worker(a) -> None:
     else:
         from trl import DPOConfig, DPOTrainer
         pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
+        # model_init_kwargs: TRL 1.16 builds the reference itself (the policy is passed as an instance)
+        # with create_model_from_path, whose device_map defaults to "auto" on a GPU and is reset to
+        # None only for MULTI_GPU / DEEPSPEED, not FSDP: each rank then dispatched the 7B reference
+        # over every visible GPU and the precompute failed ("index is on cuda:0, different from
+        # other tensors on cuda:N", session 9). device_map=None: loaded on the CPU, then sharded.
         args = DPOConfig(per_device_train_batch_size=pairs, gradient_accumulation_steps=a.per_gpu // pairs,
                          max_length=a.dpo_len + 8, beta=0.1, loss_type=["sigmoid"],
-                         precompute_ref_log_probs=True, **common)
+                         precompute_ref_log_probs=True, model_init_kwargs={"device_map": None}, **common)
         trainer = DPOTrainer(model=model, args=args, processing_class=tok,
                              train_dataset=data, callbacks=[timer])
     trainer.train()
