@@ -11,6 +11,12 @@
 #               sampler, staleness 1), seeds 0,1,2 one after another, STEPS steps each; GPU 3:
 #               interleaved staleness 4 with is_correction none / tis / mis (seed 0), and a GSM8K
 #               GRPO run beside them (report only: issue 17 §4)
+#   estimators2 <budget>  (next session) the β2-matched comparison: GPU 0 tether grpo, 1 TRL grpo,
+#               2 tether rloo, 3 tether dr_grpo (seed 0); estimators3: reinforce_pp, ppo, TRL seed 1,
+#               tether grpo seed 1
+#   async2      (next session) GPUs 0-2: 1 trainer + 2 samplers (sampler_ranks=2, staleness 1),
+#               GPU 3: the synchronous loop with model.head_fp32 (does the mismatch shrink?), then
+#               interleaved staleness 4 + TIS with head_fp32
 # Everything it writes goes under $OUT (one archive per mode: the device returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +75,39 @@ estimators)
     rl 3 ppo-s0 "${common[@]}" --command ppo --recipe ppo &
     wait
     archive estimators
+    ;;
+estimators2|estimators3)
+    budget=$1
+    [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith
+    mkdir -p /tmp/rl
+    common=(--data /tmp/arith --budget "$budget" --eval-every 25)
+    trl() { CUDA_VISIBLE_DEVICES=$1 python3 bench/real_model_rl.py trl --model /tmp/smollm2 --out "/tmp/rl/$2" \
+        --recipe lr1e5_g16 "${@:3}" > "/tmp/rl/$2.log" 2>&1; }
+    if [ "$mode" = estimators2 ]; then
+        rl 0 b2-grpo-s0 "${common[@]}" --seed 0 &
+        trl 1 b2-trl-s0 "${common[@]}" --seed 0 &
+        rl 2 b2-rloo-s0 "${common[@]}" --seed 0 --command rloo &
+        rl 3 b2-dr_grpo-s0 "${common[@]}" --seed 0 --set grpo.advantage=dr_grpo --set grpo.loss_agg=seq-mean-token-sum-norm &
+    else
+        rl 0 b2-reinforce_pp-s0 "${common[@]}" --seed 0 --set grpo.advantage=reinforce_pp &
+        rl 1 b2-ppo-s0 "${common[@]}" --seed 0 --command ppo --recipe ppo &
+        trl 2 b2-trl-s1 "${common[@]}" --seed 1 &
+        rl 3 b2-grpo-s1 "${common[@]}" --seed 1 &
+    fi
+    wait
+    archive "$mode"
+    ;;
+async2)
+    [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith
+    mkdir -p /tmp/rl
+    common=(--data /tmp/arith --budget 100000 --eval-every 50 --set optim.max_steps=$STEPS --seed 0)
+    rl 0,1,2 disagg2-s0 "${common[@]}" --nproc 3 --set queue.placement=disaggregated \
+        --set queue.max_staleness=1 --set queue.sampler_ranks=2 &
+    (rl 3 sync-head32-s0 "${common[@]}" --set model.head_fp32=true
+     rl 3 inter4-tis-head32-s0 "${common[@]}" --set model.head_fp32=true --set queue.placement=interleaved \
+        --set queue.max_staleness=4 --set grpo.is_correction=tis) &
+    wait
+    archive async2
     ;;
 async)
     [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith
