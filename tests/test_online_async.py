@@ -3,29 +3,21 @@ max_staleness 0 the queue's placements compute exactly what the synchronous loop
 (metrics and weights); at staleness 1 every batch is sampled one version behind, on a schedule that
 does not depend on timing (two runs are identical); the off-policy correction sees the lag."""
 
-import json
 import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from queue_support import digit_frac, grpo_cfg, make_world, metric_rows, one_thread_for_the_module
 from tether.config import ConfigError
 from tether.errors import UserError
-from tether.models import make_tiny_model
 from tether.rollout.queue import Trajectories, TrajectoryQueue
-from tether.trainers.online import GRPOConfig, train_grpo
-
-VOLATILE = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
-            "queue/wait_seconds"}
-
+from tether.trainers.online import train_grpo
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    yield from one_thread_for_the_module()
 
 
 @pytest.fixture(autouse=True)
@@ -36,30 +28,10 @@ def no_plots(monkeypatch):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("online_async")
-    make_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                    intermediate_size=64)
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(64):
-            f.write(json.dumps({"prompt": f"Say {i}:"}) + "\n")
-    return root
+    return make_world(tmp_path_factory.mktemp("online_async"))
 
 
-def digit_frac(prompts, completions, completion_ids, **_):
-    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
-
-
-def _cfg(root, name, **kw):
-    base = dict(model=str(root / "model"), data=str(root / "prompts.jsonl"), runs_dir=str(root / "runs"),
-                name=name, batch_size=2, num_generations=4, max_new_tokens=8, max_steps=3,
-                lr=1e-2, device="cpu", progress=False, seed=0, overwrite=True)
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def _rows(root, name, drop=()):
-    rows = [json.loads(x) for x in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in VOLATILE and k not in drop} for r in rows]
+_cfg, _rows = grpo_cfg, metric_rows
 
 
 def _weights(summary):
