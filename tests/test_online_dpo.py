@@ -168,3 +168,13 @@ def test_sampler_thread_trains_on_batches_one_round_stale(setup):
     initial ones) by the trajectory queue's sampler thread, while the trainer updates."""
     train_odpo(_cfg(setup, "stale", max_steps=4, max_staleness=1))
     assert [r["queue/staleness"] for r in _metrics(setup, "stale")] == [0, 1, 1, 1]
+
+
+def test_torchrun_is_refused_before_anything_loads(setup, monkeypatch):
+    """Under torchrun (WORLD_SIZE > 1) odpo says it runs in one process — before the process group is
+    joined or a model loads (distributed.active() is still False then: the check reads WORLD_SIZE)."""
+    from tether.errors import UserError
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="one process"):
+        train_odpo(_cfg(setup, "torchrun", max_steps=1))
+    assert not (setup / "runs" / "torchrun").exists()

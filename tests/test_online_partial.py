@@ -191,17 +191,23 @@ def test_tis_on_a_partial_rollout_weighs_each_token(setup, monkeypatch):
     assert older > 0
 
 
-def test_refusals(setup):
+def test_refusals(setup, monkeypatch):
     with pytest.raises(ConfigError, match="dynamic_sampling"):
         _cfg(setup, "x", partial=True, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="sampler_ranks"):
         _cfg(setup, "x", partial=True, placement="disaggregated", sampler_ranks=2)
-    from tether.trainers.online_dpo import ODPOConfig, train_odpo  # shares the queue's section
-    odpo = ODPOConfig(model=str(setup / "model"), data=str(setup / "prompts.jsonl"), runs_dir=str(setup / "runs"),
-                      name="odpo", batch_size=2, num_generations=2, max_new_tokens=4, max_steps=1, device="cpu",
-                      progress=False, overwrite=True, partial=True, reward_funcs=["self"])
+    for world, kw in (("2", {}), ("3", {"placement": "disaggregated"})):  # 2 trainers: refused up front
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(ConfigError, match="one trainer process"):
+            _cfg(setup, "x", partial=True, **kw)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _cfg(setup, "x", partial=True, placement="disaggregated")  # 1 trainer + 1 sampler: allowed
+    monkeypatch.delenv("WORLD_SIZE")
+    from tether.trainers.online_dpo import ODPOConfig  # shares the queue's section: refused at once
     with pytest.raises(ConfigError, match="does not sample partial rollouts"):
-        train_odpo(odpo)
+        ODPOConfig(model=str(setup / "model"), data=str(setup / "prompts.jsonl"), runs_dir=str(setup / "runs"),
+                   name="odpo", batch_size=2, num_generations=2, max_new_tokens=4, max_steps=1, device="cpu",
+                   progress=False, overwrite=True, partial=True, reward_funcs=["self"])
 
 
 class Crash(RuntimeError):

@@ -181,3 +181,22 @@ def test_head_fp32_under_bf16_autocast_gives_the_float32_logits(setup, monkeypat
     lp.sum().backward()
     assert m.lm_head.weight.grad is not None and m.lm_head.weight.grad.dtype == torch.float32
     assert float(m.lm_head.weight.grad.abs().sum()) > 0
+
+
+def test_head_fp32_does_not_outlive_its_run(tmp_path, monkeypatch):
+    """A run with model.head_fp32 sets logprobs.HEAD_DTYPE for its own forwards and resets it at its
+    end, so later code in the process (tether eval, library calls) gets the default head again."""
+    import json
+
+    import tether.trainers.sft as sft
+    make_tiny_model(tmp_path / "model")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": "a", "completion": "b"}) + "\n" for _ in range(4)))
+    seen = []
+    real = sft.completion_token_logps
+    monkeypatch.setattr(sft, "completion_token_logps", lambda *a, **k: seen.append(common.HEAD_DTYPE) or real(*a, **k))
+    monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 64)  # SFT's loss through the chunked head
+    sft.train_sft(sft.SFTConfig(model=str(tmp_path / "model"), data=str(tmp_path / "d.jsonl"),
+                                runs_dir=str(tmp_path / "runs"), max_steps=1, batch_size=2, device="cpu",
+                                progress=False, head_fp32=True))
+    assert seen and set(seen) == {torch.float32}
+    assert common.HEAD_DTYPE is None

@@ -196,7 +196,7 @@ class Batch:
     filler: Optional[dict] = None
     "one sampled row (training_batch form): the input of the forwards that count for nothing (torchrun)"
     on_policy: bool = False
-    "μ = 1, no staleness, no IS correction: the ratio's π_old is the update's own forward, detached"
+    "μ = 1 and no IS correction (whatever the staleness): the ratio's π_old is the update's own forward, detached"
 
 
 def reward_functions(cfg: GRPOConfig, funcs: Optional[Sequence], weights: Optional[Sequence[float]]):

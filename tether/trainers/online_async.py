@@ -76,6 +76,12 @@ def check_queue(cfg) -> None:
                               ("queue.sampler_ranks", q.sampler_ranks > 1, "several sampler processes")):
             if bad:
                 raise ConfigError(f"config key '{key}': partial rollouts do not work with {why} yet")
+        # (PartialRollouts refuses these too, but only once the model has loaded: say it up front)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        trainers = world - q.sampler_ranks if q.placement == "disaggregated" else world
+        if trainers > 1:
+            raise ConfigError("config key 'queue.partial': partial rollouts run in one process, or "
+                              "placement=disaggregated with one trainer process (torchrun --nproc-per-node 2)")
     if q.placement == "auto" and q.max_staleness == 0:
         return
     if grpo.advantage == "remax":

@@ -25,13 +25,13 @@ One process (no torchrun yet). A step of the run is a round, so `resume` restart
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
 
-from tether import distributed
 from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegativeInt, PositiveInt
 from tether.data.tokenize import bos_ids
@@ -121,6 +121,8 @@ class ODPOConfig:
             raise ConfigError("config key 'odpo.judge_answers' must be two strings: positive, negative")
         if self.queue.placement == "disaggregated":
             raise ConfigError("config key 'queue.placement': odpo runs in one process (auto or interleaved)")
+        if self.queue.partial:  # (batch_source refuses it too, but only once the model has loaded)
+            raise ConfigError("config key 'queue.partial': odpo does not sample partial rollouts")
         if SELF in self.reward.reward_funcs and self.data.eval_data and not self.reward.eval_reward_funcs:
             raise ConfigError("config key 'reward.eval_reward_funcs' is needed with reward_funcs=self and "
                               "data.eval_data: held-out prompts are scored by a reward, not the judge")
@@ -253,7 +255,8 @@ def pool_kl(t, collected: StepBatch, temperature: float) -> float:
 
 def train_odpo(cfg: ODPOConfig) -> dict:
     """Run online / iterative DPO per `cfg`; returns the summary (also written to summary.json)."""
-    if distributed.active():
+    # WORLD_SIZE, not distributed.active(): the process group is joined only inside setup_training
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError(f"{cfg.run.name}: odpo runs in one process (no torchrun yet)")
     rollout_cfg, k = cfg.rollout, cfg.rollout.num_generations
     # Every reward but `self` is resolved now: an unknown one fails before any model loads.
@@ -263,7 +266,8 @@ def train_odpo(cfg: ODPOConfig) -> dict:
         raise ConfigError(f"config key 'reward.reward_weights': {len(weights)} weights for {len(resolved)} "
                           f"reward functions")
     plain = [f for f in resolved if f is not None]
-    eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, plain, [1.0] * len(plain))
+    plain_weights = [w for f, w in zip(resolved, weights) if f is not None]  # held-out = training reward
+    eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, plain, plain_weights)
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
 
     per_round = math.ceil(cfg.data.batch_size / (cfg.odpo.pairs_per_step or cfg.data.batch_size))

@@ -202,6 +202,9 @@ def partial_metrics(batch, step: int) -> dict:
     v = batch.collected.rollout.versions
     if v is None:
         return {}
+    # a batch that came through a pickle (the disaggregated sampler, a resumed checkpoint's
+    # batches in flight) holds its rollout on the CPU; the mask is on the trainer's device
+    v = v.to(batch.mask.device)
     mask = batch.mask[:, batch.mask.shape[1] - v.shape[1]:]  # the completion columns (training_batch)
     lag = (step - v)[mask].float()
     rows = mask.any(1)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tether import distributed
+from tether.config import ConfigError
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
 from tether.models.load import DTYPES, compile_layers, decoder_layers, hf_progress, stored_dtype
@@ -277,6 +278,7 @@ class Training:
         if self.warnings:
             summary["warnings"] = list(self.warnings.values())
         self.run.write_summary(summary)
+        logprobs.HEAD_DTYPE = None  # this run's head_fp32 does not outlive it (tether eval, library use)
         if self.run.is_main:
             plot_metrics(self.run.path)
         self.run.close()
@@ -310,8 +312,12 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     if not cfg.data.path:
         raise UserError(f"{command}: `data` is required (a file, a saved dataset directory, or a hub name)")
     distributed.init()  # under torchrun: join the process group (nothing otherwise)
-    # every run sets it (a process may run several): the head's dtype under mixed precision
-    logprobs.HEAD_DTYPE = torch.float32 if getattr(cfg.model, "head_fp32", False) else None
+    # every run sets it (a process may run several; finish() resets it): the head's dtype under
+    # mixed precision. Under torchrun FSDP2 gathers bf16 weights: not the master weights it promises
+    head_fp32 = getattr(cfg.model, "head_fp32", False)
+    if head_fp32 and distributed.world_size() > 1:
+        raise ConfigError("config key 'model.head_fp32' runs in one process (FSDP2 gathers bf16 weights)")
+    logprobs.HEAD_DTYPE = torch.float32 if head_fp32 else None
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
 

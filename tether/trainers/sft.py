@@ -111,7 +111,9 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None,
         raise ValueError("train_sft: pass held_out or set sft.eval_reward_funcs, not both")
     has_eval = bool(d.eval_data or d.eval_fraction > 0 or (held_out is not None and held_out.rows))
     # resolved before anything loads
-    funcs = held_out.funcs if held_out is not None else eval_rewards(cfg.sft.eval_reward_funcs, [], [])[0]
+    # (no held-out rows: no functions, so no rollout replica is built for them under torchrun)
+    funcs = (held_out.funcs if held_out.rows else []) if held_out is not None \
+        else eval_rewards(cfg.sft.eval_reward_funcs, [], [])[0]
     # an eval_hook's metric names are known only when it runs: then the first eval point checks
     likelihood = {"eval/loss", "eval/perplexity"} if d.eval_data or d.eval_fraction > 0 else set()
     check_keep_best(cfg, None if eval_hook else likelihood | generation_metrics(funcs),
