@@ -29,6 +29,20 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
 got = distributed.cat_ranks(torch.empty(0) if r else torch.arange(3.0))  # a rank with no rows
 if not torch.equal(got, torch.arange(3.0)):
     bad.append("empty rank")
+try:  # ranks that disagree on dtype: one clear error on every rank (gloo used to abort the process)
+    distributed.cat_ranks(torch.zeros(2, dtype=torch.int64 if r else torch.float32))
+    bad.append("mismatched dtypes accepted")
+except ValueError as e:
+    if "differ in dtype" not in str(e):
+        bad.append("mismatch message")
+try:  # trailing dims that disagree: the same
+    distributed.cat_ranks(torch.zeros(2, 3 + r))
+    bad.append("mismatched shapes accepted")
+except ValueError:
+    pass
+got = distributed.cat_ranks(torch.arange(6.0).view(2, 3).t() + r)  # non-contiguous rows: [3, 2] each
+if not torch.equal(got, torch.cat([torch.arange(6.0).view(2, 3).t() + k for k in range(2)])):
+    bad.append("non-contiguous")
 if distributed.max_float(float(r) - 5) != -4.0:  # the larger of -5 and -4
     bad.append("max_float")
 if not math.isnan(distributed.max_float(float("nan") if r == 1 else 3.0)):  # one rank's NaN wins

@@ -173,8 +173,9 @@ def test_chunked_lm_head_of_a_sharded_model_equals_the_plain_forward(shape):
 
 def test_cat_ranks_rebuilds_the_rows_in_rank_order():
     """distributed.cat_ranks (tensor all-gathers of row counts, then padded rows): uneven counts, an
-    empty rank, float / bf16 / int64 / bool rows come back exactly, in rank order, in their dtype;
-    max_float (one all-reduce): the largest value, NaN when any rank's is."""
+    empty rank, float / bf16 / int64 / bool and non-contiguous rows come back exactly, in rank order,
+    in their dtype; ranks disagreeing on dtype or trailing shape get one clear error each (no abort,
+    no hang); max_float (one all-reduce): the largest value, NaN when any rank's is."""
     from dist_support import _free_port
     script = os.path.join(os.path.dirname(__file__), "dist_cat_check.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -214,14 +214,31 @@ def cat_ranks(t: torch.Tensor) -> torch.Tensor:
     kind = x.dtype
     if kind == torch.bool:
         x = x.to(torch.uint8)
+    if x.dim() == 0 or x.dim() > _MAX_DIMS:
+        raise ValueError(f"cat_ranks: rows of 1 to {_MAX_DIMS} dims, got a {x.dim()}-dim tensor")
     ws = world_size()
-    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ws)]
-    dist.all_gather(counts, torch.tensor([x.shape[0]], dtype=torch.int64, device=dev))
-    rows = torch.cat(counts).tolist()
+    # the header: rows, then what must agree across ranks for the rows to gather (dtype, trailing
+    # dims): a disagreement is one clear error on every rank, not a collective of mismatched sizes
+    # (gloo aborts the process, NCCL may hang)
+    head = [x.shape[0], _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1, x.dim(), *x.shape[1:]]
+    head += [-1] * (2 + _MAX_DIMS - len(head))
+    heads = [torch.zeros(len(head), dtype=torch.int64, device=dev) for _ in range(ws)]
+    dist.all_gather(heads, torch.tensor(head, dtype=torch.int64, device=dev))
+    heads = torch.stack(heads).tolist()  # the one sync
+    if any(h[1:] != heads[0][1:] for h in heads) or heads[0][1] < 0:
+        raise ValueError(f"cat_ranks: the ranks' rows differ in dtype or trailing shape (rank: [rows, "
+                         f"dtype #, dims, *shape[1:]]): {heads}")
+    rows = [h[0] for h in heads]
     padded = torch.cat([x, x.new_zeros((max(rows) - x.shape[0], *x.shape[1:]))]) if x.shape[0] < max(rows) else x
-    parts = [torch.empty_like(padded) for _ in range(ws)]
-    dist.all_gather(parts, padded.contiguous())
+    padded = padded.contiguous()
+    parts = [torch.empty(padded.shape, dtype=padded.dtype, device=dev) for _ in range(ws)]
+    dist.all_gather(parts, padded)
     return torch.cat([p[:n] for p, n in zip(parts, rows)]).to(kind).to(t.device)
+
+
+_MAX_DIMS = 4  # rows of per-row numbers: [rows], [rows, T], a little more
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8]
 
 
 # --- sharding ------------------------------------------------------------------------------------
