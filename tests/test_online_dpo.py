@@ -10,25 +10,17 @@ import math
 import pytest
 import torch
 
-from tether.models import make_tiny_model
+from queue_support import make_world, one_thread_for_the_module
 from tether.trainers.online_dpo import ODPOConfig, SelfJudge, build_pairs, train_odpo
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    yield from one_thread_for_the_module()
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("odpo")
-    make_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                    intermediate_size=64)
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(64):
-            f.write(json.dumps({"prompt": f"Say {i}:"}) + "\n")
+    root = make_world(tmp_path_factory.mktemp("odpo"))  # the queue tests' tiny model and 64 prompts
     (root / "rewards.py").write_text(REWARDS)
     return root
 

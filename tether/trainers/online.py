@@ -410,8 +410,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         return finish_sampler(t, serve(t, link, produce, sampler, cfg.queue.max_staleness))
     # Where step k's batch comes from: sampled here and now (max_staleness 0), by a thread ahead of
     # the trainer (interleaved) or by another process (disaggregated); online_async.
-    source = batch_source(cfg, t, produce, sampler, make_sampler, link)
-    t.save_extra = getattr(source, "save_state", None)  # the batches in flight into each checkpoint: exact resume
+    source = batch_source(cfg, t, produce, sampler, make_sampler, link)  # (and its in-flight batches in each checkpoint)
     # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
     # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
     grad_buffer = lend_gradients(sampler, t.model, prompts_per_step * rollout_cfg.num_generations,

