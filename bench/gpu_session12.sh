@@ -6,6 +6,7 @@
 #   estimators2|estimators3 <budget>   issue 17: the β2-matched tether-vs-TRL runs (gpu_session11.sh)
 #   scale16       issue 16: DPO and GRPO (Qwen2.5-0.5B shape) on 1, 2, 4 GPUs after the session-12
 #                 changes (bench/scale.py)
+#   syncs         DPO and GRPO on 2 GPUs with CUDA sync debugging: the stacks that wait (bench/sync_debug)
 # Everything it writes goes under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,14 @@ join)
     ;;
 nccl) nccl ;;
 estimators2|estimators3) bash bench/gpu_session11.sh "$mode" "$@" ;;
+syncs)  # where rank 0 waits on the GPU: DPO and GRPO on 2 GPUs with sync debugging (bench/sync_debug)
+    for algo in dpo grpo; do
+        PYTHONPATH=$PWD/bench/sync_debug:$PWD SYNC_DEBUG_OUT=$OUT/syncs-$algo.txt timeout 200 python3 bench/scale.py \
+            --shape qwen0.5b --gpus 2 --algos $algo --steps 3 --warmup 1 --keep-model /tmp/m05 \
+            --results /tmp/syncs.md --run-timeout 150 "$@" 2>&1 | grep -E "^\| (dpo|grpo)" | tail -2
+        head -40 "$OUT/syncs-$algo.txt"
+    done
+    ;;
 scale16)
     timeout 560 python3 bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo,grpo --steps 4 --warmup 2 \
         --keep-model /tmp/m05 --results "$OUT/scale.md" --json "$OUT/scale.json" --run-timeout 150 \
