@@ -3,8 +3,6 @@ directory contract."""
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -146,15 +144,18 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("name, raw, needle", BAD_INPUTS)
-def test_bad_data_is_one_line_before_anything_is_written(tiny, tmp_path, name, raw, needle):
+def test_bad_data_is_one_line_before_anything_is_written(tiny, tmp_path, capsys, name, raw, needle):
+    # the CLI's own entry point in this process (a subprocess per case cost ~4 s of imports each;
+    # tests/test_bad_input.py checks the exit codes of a real subprocess)
+    from tether.cli import main
     root, _, _ = tiny
     f = tmp_path / name
     f.write_bytes(raw)
-    r = subprocess.run([sys.executable, "-m", "tether", "sft", f"model={root / 'model'}", f"data={f}",
-                        f"runs_dir={tmp_path / 'runs'}", "name=bad", "device=cpu", "progress=false"],
-                       capture_output=True, text=True)
-    assert r.returncode == 1
-    err = r.stderr.strip()
+    capsys.readouterr()
+    code = main(["sft", f"model={root / 'model'}", f"data={f}", f"runs_dir={tmp_path / 'runs'}", "name=bad",
+                 "device=cpu", "progress=false"])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
     assert needle in err and err.count("\n") == 0, err
     assert not (tmp_path / "runs" / "bad").exists()  # nothing written, not even half
 
