@@ -1,6 +1,8 @@
 """Run under torchrun (2 processes, gloo): distributed.cat_ranks on uneven row counts and several
 dtypes must equal the concatenation every rank's rows make in rank order, and max_float the
-largest value or NaN when any rank has one (tests/test_distributed.py)."""
+largest value or NaN when any rank has one; distributed.accumulation over a model sharded with
+defer_grad_sync reduces nothing before the last micro-batch and then the same gradient as a
+backward-by-backward reduction (tests/test_distributed.py)."""
 import math
 import os
 import sys
@@ -47,6 +49,33 @@ if distributed.max_float(float(r) - 5) != -4.0:  # the larger of -5 and -4
     bad.append("max_float")
 if not math.isnan(distributed.max_float(float("nan") if r == 1 else 3.0)):  # one rank's NaN wins
     bad.append("max_float nan")
+
+
+def accumulated(defer: bool):
+    """Three micro-batches of a tiny 2-layer model (per-rank data); returns (whether any sharded
+    gradient existed after the first backward, the final local gradient shards)."""
+    from tether.models.tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                         num_kv_heads=1, intermediate_size=64)).float()
+    distributed.shard(model, list(model.model.layers), defer_grad_sync=defer)
+    g = torch.Generator().manual_seed(10 + r)
+    early = None
+    for i in distributed.accumulation(model, range(3)):
+        ids = torch.randint(3, 40, (2, 6), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        if i == 0:
+            early = any(p.grad is not None for p in model.parameters())
+    return early, [distributed.local(p.grad).clone() for p in model.parameters()]
+
+
+early_plain, plain = accumulated(False)
+early_defer, deferred = accumulated(True)
+if not early_plain or early_defer:  # reduced after every backward vs only after the last
+    bad.append(f"deferral (reduced after the first backward: plain {early_plain}, deferred {early_defer})")
+if max(float((a - b).abs().max()) for a, b in zip(plain, deferred)) > 1e-6:
+    bad.append("deferred gradient")
 if r == 0:
     print("BAD " + ",".join(bad) if bad else "OK")
 torch.distributed.barrier()  # leave together: a gloo rank exiting mid-teardown aborts its peer

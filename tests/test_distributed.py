@@ -70,12 +70,13 @@ def test_two_processes_compute_what_one_computes(world, one):
 
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
 def test_resume_in_another_number_of_processes(world, one, first, then):
+    # gradients reduced once a step (model.fsdp_defer_sync): the same numbers as one process
     name = f"r{first}{then}"
-    ok(run_tether("sft", _args(world, name), nproc=first))
+    ok(run_tether("sft", _args(world, name, fsdp_defer_sync="true"), nproc=first))
     run = world / "runs" / name
     import shutil
     shutil.rmtree(run / "checkpoints" / "step-6")  # as if stopped after the checkpoint at step 3
-    ok(run_tether("sft", _args(world, name, resume="true"), nproc=then))
+    ok(run_tether("sft", _args(world, name, resume="true", fsdp_defer_sync="true"), nproc=then))
     assert_same_metrics(one, run)
     assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
 
@@ -175,7 +176,9 @@ def test_cat_ranks_rebuilds_the_rows_in_rank_order():
     """distributed.cat_ranks (tensor all-gathers of row counts, then padded rows): uneven counts, an
     empty rank, float / bf16 / int64 / bool and non-contiguous rows come back exactly, in rank order,
     in their dtype; ranks disagreeing on dtype or trailing shape get one clear error each (no abort,
-    no hang); max_float (one all-reduce): the largest value, NaN when any rank's is."""
+    no hang); max_float (one all-reduce): the largest value, NaN when any rank's is;
+    distributed.accumulation with defer_grad_sync: no reduction before the last micro-batch, then
+    the gradient a reduction after every backward gives."""
     from dist_support import _free_port
     script = os.path.join(os.path.dirname(__file__), "dist_cat_check.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

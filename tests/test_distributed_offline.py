@@ -67,7 +67,9 @@ import torch.distributed
 torch.distributed.destroy_process_group()
 """
 # job -> overrides; a job is named <command>[-<variant>]
-JOBS = {"dpo": {}, "kto": {}, "simpo": {}, "orpo": {}, "rm": {"batch_size": 1},
+# kto and orpo reduce their gradients once a step (model.fsdp_defer_sync; a no-op in one process)
+JOBS = {"dpo": {}, "kto": {"fsdp_defer_sync": "true"}, "simpo": {}, "orpo": {"fsdp_defer_sync": "true"},
+        "rm": {"batch_size": 1},
         "dpo-packed": {"packing": "true"}, "rm-packed": {"batch_size": 2, "packing": "true"}}
 
 

@@ -120,8 +120,10 @@ def test_dapo_token_mean_with_dynamic_sampling(world):
     # numbers of groups and of untruncated tokens), per-rank kept/dropped counts, a rank with no
     # kept group falling back to its own zero-signal groups (one process trains on rank 0's only),
     # and a rank skipping forwards the others take (micro-batches of 3: their counts differ).
+    # Gradients reduced once a step (model.fsdp_defer_sync) across those idle turns.
     rows = _same_run(world, "dapo", reward="gated", clip_high=0.28, mask_truncated_completions="true",
-                     dynamic_sampling="true", max_sampling_rounds=1, micro_batch_size=3)
+                     dynamic_sampling="true", max_sampling_rounds=1, micro_batch_size=3,
+                     fsdp_defer_sync="true")
     first = rows[0]
     assert first["dynamic_sampling/dropped_groups"] >= BATCH // 2  # rank 1's, all
     assert 0 < first["dynamic_sampling/kept_groups"] <= BATCH // 2

@@ -254,14 +254,15 @@ def is_sharded(model) -> bool:
 
 def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool = False,
           offload: bool = False, reshard_after_forward: bool = True,
-          replicate: bool = False) -> torch.nn.Module:
+          replicate: bool = False, defer_grad_sync: bool = False) -> torch.nn.Module:
     """FSDP2 in place: `fully_shard` each of `layers` (the decoder layers: one all-gather per layer
     per forward), then `model` itself (embeddings, final norm, head). bf16: compute in bf16, reduce
     gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
     optimizer state live on the CPU between uses. Gradients are *summed* over ranks (divide factor
     1): the trainers divide by global counts themselves (module doc). replicate: every rank keeps
     the whole model and gradients are all-reduced (FSDP2 over a world_size x 1 mesh: DDP through
-    the same code path). Returns `model`."""
+    the same code path). defer_grad_sync: with several micro-batches a step, reduce only the last
+    one's gradients (:func:`accumulation`). Returns `model`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -280,7 +281,29 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
+    model.tether_defer_grad_sync = defer_grad_sync
     return model
+
+
+def accumulation(model, micro_batches: Iterable):
+    """Yield `micro_batches` (a step's, each followed by a backward), telling a sharded model which
+    backward is the step's last. FSDP2 reduce-scatters every backward's gradients; with
+    shard(defer_grad_sync=True) the earlier micro-batches' gradients instead accumulate unsharded on
+    each rank (in the fp32 reduce dtype) and the last backward reduces their sum: one reduce-scatter
+    per layer a step instead of one per micro-batch (FSDP1's no_sync), for the memory of a whole
+    fp32 gradient per rank. The gradient is the same sum either way, up to the order of the
+    additions. Every rank must take the same number of micro-batches (the trainers' idle turns see
+    to that); a plain model: `micro_batches` unchanged."""
+    items = list(micro_batches)
+    if not getattr(model, "tether_defer_grad_sync", False) or len(items) < 2:
+        yield from items
+        return
+    try:
+        for i, item in enumerate(items):
+            model.set_requires_gradient_sync(i == len(items) - 1)
+            yield item
+    finally:  # a step left half-way (an error): the next backward outside a loop reduces again
+        model.set_requires_gradient_sync(True)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

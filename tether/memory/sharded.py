@@ -93,6 +93,9 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     for m in (m for m in models if m.trainable):
         add(f"{m.name} gradients", "gradients", m.trainable * m.trainable_bytes / split, m.trainable,
             m.trainable_bytes / split, f"{m.trainable_bytes} B each, as the sharded weights; {part}", where)
+        if fsdp and cfg.fsdp_defer_sync:  # FSDP2 keeps them in the reduce dtype until the last backward
+            add(f"{m.name} accumulated gradients", "gradients", m.trainable * r, m.trainable, r,
+                f"fsdp_defer_sync: the whole gradient ({r} B each) on every GPU between micro-batches")
 
     # FSDP2 units: each decoder layer, and the root holding the rest (embeddings, final norm, LM or
     # scalar head). With a parameter count for a model the root is what the count leaves beyond the

@@ -80,6 +80,8 @@ class MemoryConfig:
     "gpus > 1: sharded weights, gradients and optimizer state live in CPU memory (model.fsdp_offload)"
     fsdp_reshard: bool = True
     "gpus > 1: free a layer's gathered weights after its forward; false keeps the whole model gathered from forward to backward (model.fsdp_reshard)"
+    fsdp_defer_sync: bool = False
+    "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync)"
     grad_accum: PositiveInt = 1
     "micro-batches per step in one process (global batch = batch_size x grad_accum); gpus > 1: each GPU's micro-batch is min(batch_size, global batch / gpus)"
     format: Literal["table", "json"] = "table"

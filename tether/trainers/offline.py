@@ -173,7 +173,7 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
         ref_kl = reference["train.kl"][torch.tensor([ex["idx"] for rows in micro for ex in rows])].to(device)
         z0 = kto_kl_reference_point(distributed.cat_ranks(kl), distributed.cat_ranks(ref_kl))
     inputs, tokens = [], 0
-    for rows in micro:
+    for rows in distributed.accumulation(model, micro):
         batch = collate(rows, paired, pad_id, packing)
         tokens += int(batch["attention_mask"].sum())
         x = split_rows(paired, rows, *completion_logps(model, batch, device, amp), reference, "train")

@@ -83,7 +83,10 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
         sums: dict[str, float] = {}
         loss_value, share, new_logps, entropies, entropy_share = 0.0, 0.0, [], [], 0.0
         steps = turns(parts)
-        for part in steps:
+        # each micro-batch's numbers stay on the device until the loop ends: one host sync a step
+        # (a float() per number would stall the CPU, and so the next launches, ~8 times a micro-batch)
+        pending: list[tuple[float, list[str], bool, torch.Tensor]] = []
+        for part in distributed.accumulation(model, steps):
             if part is None:  # another rank's turn: this one takes it on nothing
                 idle_turn(model, batch.filler, rollout.logprob_temperature, training.amp, backward=True)
                 continue
@@ -98,19 +101,25 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
                                         importance_level=grpo.importance_level, norm_length=norm_length)
             weight = _agg_weight(batch.mask, part, grpo.loss_agg, n_tok, n_rows)
             (loss * weight).backward()
-            loss_value += float(loss.detach()) * weight
-            # Metrics (token means) are weighed by the loss's weight in one process; across ranks
-            # by their tokens, so that they do not depend on which rank holds which rows.
-            mweight = float(batch.mask[part].sum()) if ranks else weight
-            share += mweight
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * (weight if k == "pg_loss" else mweight)
+            numbers = [loss, batch.mask[part].sum(), cmask[part].sum(),
+                       entropy if entropy is not None else loss.new_zeros(()), *metrics.values()]
+            pending.append((weight, list(metrics), entropy is not None,
+                            torch.stack([_f64(v, loss.device) for v in numbers])))
             if iteration == 0:
                 new_logps.append(logps.detach())
-                if entropy is not None:  # a mean over the micro-batch's completion tokens
-                    eweight = float(cmask[part].sum()) if ranks else weight
-                    entropies.append(float(entropy) * eweight)
-                    entropy_share += eweight
+        table = torch.stack([p[3] for p in pending]).tolist() if pending else []
+        for (weight, names, has_entropy, _), (loss_v, tokens, c_tokens, entropy_v, *values) in zip(pending, table):
+            loss_value += loss_v * weight
+            # Metrics (token means) are weighed by the loss's weight in one process; across ranks
+            # by their tokens, so that they do not depend on which rank holds which rows.
+            mweight = tokens if ranks else weight
+            share += mweight
+            for k, v in zip(names, values):
+                sums[k] = sums.get(k, 0.0) + v * (weight if k == "pg_loss" else mweight)
+            if has_entropy:  # a mean over the micro-batch's completion tokens (first iteration only)
+                eweight = c_tokens if ranks else weight
+                entropies.append(entropy_v * eweight)
+                entropy_share += eweight
         if not steps:  # nothing to train on: the zero gradient still moves AdamW's moments,
             for param in training.trainable.parameters():  # as the full batch's backward would have
                 if param.requires_grad and param.grad is None:
@@ -129,6 +138,13 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
                 stats["entropy"] = entropy_sum / entropy_share
         stats.update({**sums, "loss": loss_value, "grad_norm": grad_norm})
     return stats
+
+
+def _f64(v, device) -> torch.Tensor:
+    """A number (0-d tensor or float) as a float64 0-d tensor on `device`, its value unchanged."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(device, torch.float64).reshape(())
+    return torch.tensor(float(v), dtype=torch.float64, device=device)
 
 
 def _over_ranks(loss_value: float, share: float, sums: dict, entropy_sum: float, entropy_share: float):

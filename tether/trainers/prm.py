@@ -218,7 +218,7 @@ def train_prm(cfg: PRMConfig) -> dict:
         rows = [t.data.train[j] for j in t.order.next()]
         n_steps = sum(sum(y != IGNORE for y in ex["step_labels"]) for ex in rows)
         loss_sum = accuracy = 0.0
-        for start in range(0, len(rows), batch_size):
+        for start in distributed.accumulation(model, range(0, len(rows), batch_size)):
             loss, stats = batch_loss(model, rows[start:start + batch_size], pad_id, device, amp)
             weight = stats["steps"] / n_steps  # the mean over every step of the accumulated batch
             (loss * weight).backward()

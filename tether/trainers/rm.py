@@ -289,7 +289,7 @@ def train_rm(cfg: RMConfig) -> dict:
         indices = t.order.next()  # under torchrun this rank's part of the global batch
         n_total = int(distributed.sum_floats([len(indices)])[0])
         loss_sum, accuracy, margin, rewards = 0.0, 0.0, 0.0, []
-        for start in range(0, len(indices), batch_size):
+        for start in distributed.accumulation(model, range(0, len(indices), batch_size)):
             pairs = [t.data.train[j] for j in indices[start:start + batch_size]]
             chosen, rejected, margins = _pair_scores(model, pairs, pad_id, device, amp, packing)
             loss, stats = reward_model_loss(chosen, rejected, margins, cfg.rm.center_rewards_coefficient)

@@ -51,6 +51,8 @@ class ModelSection:
     "under torchrun: keep sharded parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy)"
     fsdp_reshard: bool = True
     "under torchrun: free gathered parameters after each layer's forward (false keeps them until backward: faster, more memory)"
+    fsdp_defer_sync: bool = False
+    "under torchrun with FSDP2 and several micro-batches a step: reduce-scatter the gradients once, after the last micro-batch (the earlier ones accumulate unsharded: + a whole fp32 gradient per GPU), not after each (distributed.accumulation)"
     head_fp32: bool = False
     "under mixed precision, the trainer's LM head (the logits of its log-probs) in float32 from the master weights: bf16 logits are a part of the training-inference mismatch an fp32 sampler sees (models/logprobs.HEAD_DTYPE); single process (FSDP2 gathers bf16 weights)"
 

@@ -163,12 +163,12 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None,
                   for k in ("completion_mask", "attention_mask")]
         n_total, n_seen = distributed.sum_floats(tokens)
         n_total = max(n_total, 1)
-        loss_sum = 0.0
-        for b in batches:
+        parts = []  # on the device until the step's end: one host sync, not one a micro-batch
+        for b in distributed.accumulation(model, batches):
             part, _ = _micro_loss(model, b, device, amp)
             (part / n_total).backward()
-            loss_sum += float(part.detach())
-        loss = distributed.sum_floats([loss_sum])[0] / n_total
+            parts.append(part.detach().double())
+        loss = distributed.sum_floats([sum(torch.stack(parts).tolist()) if parts else 0.0])[0] / n_total
         grad_norm = t.optimizer_step(loss)
         t.step += 1
         clock.tick(tokens=int(n_seen))
