@@ -4,9 +4,10 @@
 #                 gguf wheel); with k=0 also the TRL wheels (carry wheels) and the NCCL probe (nccl below), the machine is held anyway
 #   nccl          bench/nccl_probe.py on 2 and 4 GPUs + the transport NCCL chose (NCCL_DEBUG=INFO)
 #   estimators2|estimators3 <budget>   issue 17: the β2-matched tether-vs-TRL runs (gpu_session11.sh)
-#   scale16       issue 16: DPO and GRPO (Qwen2.5-0.5B shape) on 1, 2, 4 GPUs after the session-12
-#                 changes (bench/scale.py)
-#   syncs         DPO and GRPO on 2 GPUs with CUDA sync debugging: the stacks that wait (bench/sync_debug)
+#   scale16       issue 16: syncs (below), then DPO (Qwen2.5-0.5B shape) on 1, 2, 4 GPUs and on 2, 4
+#                 with model.fsdp_defer_sync=true (bench/scale.py)
+#   lease2        issue 16: syncs, cProfile of rank 0, DPO/GRPO scaling with fsdp_defer_sync / fsdp_unit_layers
+#   syncs         DPO on 2 GPUs with CUDA sync debugging: the stacks that wait (bench/sync_debug)
 # Everything it writes goes under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,17 +36,38 @@ join)
     ;;
 nccl) nccl ;;
 estimators2|estimators3) bash bench/gpu_session11.sh "$mode" "$@" ;;
-syncs)  # where rank 0 waits on the GPU: DPO and GRPO on 2 GPUs with sync debugging (bench/sync_debug)
-    for algo in dpo grpo; do
-        PYTHONPATH=$PWD/bench/sync_debug:$PWD SYNC_DEBUG_OUT=$OUT/syncs-$algo.txt timeout 200 python3 bench/scale.py \
-            --shape qwen0.5b --gpus 2 --algos $algo --steps 3 --warmup 1 --keep-model /tmp/m05 \
-            --results /tmp/syncs.md --run-timeout 150 "$@" 2>&1 | grep -E "^\| (dpo|grpo)" | tail -2
-        head -40 "$OUT/syncs-$algo.txt"
-    done
+syncs)  # where rank 0 waits on the GPU: DPO on 2 GPUs with sync debugging (bench/sync_debug)
+    PYTHONPATH=$PWD/bench/sync_debug:$PWD SYNC_DEBUG_OUT=$OUT/syncs-dpo.txt timeout 100 python3 bench/scale.py \
+        --shape qwen0.5b --gpus 2 --algos dpo --steps 3 --warmup 1 --keep-model /tmp/m05 \
+        --results /tmp/syncs.md --run-timeout 90 "$@" 2>&1 | grep -E "^\| dpo" | tail -1
+    head -30 "$OUT/syncs-dpo.txt"
     ;;
-scale16)
-    timeout 560 python3 bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo,grpo --steps 4 --warmup 2 \
-        --keep-model /tmp/m05 --results "$OUT/scale.md" --json "$OUT/scale.json" --run-timeout 150 \
-        --log-dir "$OUT/scale-logs" "$@" 2>&1 | grep -E "^\||×|rror" | tail -20
+lease2)  # issue 16 after the first lease: syncs, rank 0's Python profile on 1 and 2 GPUs, then DPO
+         # 1/2/4 GPUs plain, with fsdp_defer_sync, and with defer + 4 layers a unit; GRPO 2/4 with both
+    bash "$0" syncs
+    for g in 1 2; do
+        PYTHONPATH=$PWD/bench/sync_debug:$PWD CPROFILE_OUT=$OUT/cprofile-dpo$g.txt timeout 90 python3 bench/scale.py \
+            --shape qwen0.5b --gpus $g --algos dpo --steps 4 --warmup 2 --keep-model /tmp/m05 \
+            --results /tmp/cprof.md --run-timeout 80 2>&1 | grep -E "^\| dpo" | tail -1
+    done
+    common=(--shape qwen0.5b --steps 4 --warmup 2 --keep-model /tmp/m05 --run-timeout 80)
+    sc() {  # sc <name> <algos> <gpus> [--set ...]
+        local name=$1 algos=$2 gpus=$3; shift 3
+        timeout 170 python3 bench/scale.py "${common[@]}" --algos $algos --gpus $gpus --results "$OUT/$name.md" \
+            --json "$OUT/$name.json" "$@" 2>&1 | grep -E "^\| (dpo|grpo)|rror" | tail -4
+    }
+    sc dpo-plain dpo 1,2,4
+    sc dpo-defer dpo 2,4 --set fsdp_defer_sync=true
+    sc dpo-defer-unit4 dpo 2,4 --set fsdp_defer_sync=true --set fsdp_unit_layers=4
+    sc grpo-defer-unit4 grpo 2,4 --set fsdp_defer_sync=true --set fsdp_unit_layers=4
+    ;;
+scale16)  # the sync stacks first (short), then DPO's scaling with and without fsdp_defer_sync
+    bash "$0" syncs
+    common=(--shape qwen0.5b --algos dpo --steps 4 --warmup 2 --keep-model /tmp/m05 --run-timeout 150)
+    timeout 200 python3 bench/scale.py "${common[@]}" --gpus 1,2,4 --results "$OUT/scale.md" \
+        --json "$OUT/scale.json" --log-dir "$OUT/scale-logs" "$@" 2>&1 | grep -E "^\||×|rror" | tail -8
+    timeout 160 python3 bench/scale.py "${common[@]}" --gpus 2,4 --results "$OUT/scale-defer.md" \
+        --json "$OUT/scale-defer.json" --log-dir "$OUT/scale-defer-logs" --set fsdp_defer_sync=true "$@" 2>&1 \
+        | grep -E "^\||×|rror" | tail -8
     ;;
 esac

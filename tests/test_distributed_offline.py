@@ -70,7 +70,8 @@ torch.distributed.destroy_process_group()
 # kto and orpo reduce their gradients once a step (model.fsdp_defer_sync; a no-op in one process)
 JOBS = {"dpo": {}, "kto": {"fsdp_defer_sync": "true"}, "simpo": {}, "orpo": {"fsdp_defer_sync": "true"},
         "rm": {"batch_size": 1},
-        "dpo-packed": {"packing": "true"}, "rm-packed": {"batch_size": 2, "packing": "true"}}
+        "dpo-packed": {"packing": "true", "fsdp_unit_layers": 2},  # both layers in one FSDP2 unit
+        "rm-packed": {"batch_size": 2, "packing": "true"}}
 
 
 def _run_here(command: str, args: list[str]) -> None:

@@ -254,7 +254,7 @@ def is_sharded(model) -> bool:
 
 def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool = False,
           offload: bool = False, reshard_after_forward: bool = True,
-          replicate: bool = False, defer_grad_sync: bool = False) -> torch.nn.Module:
+          replicate: bool = False, defer_grad_sync: bool = False, unit_layers: int = 1) -> torch.nn.Module:
     """FSDP2 in place: `fully_shard` each of `layers` (the decoder layers: one all-gather per layer
     per forward), then `model` itself (embeddings, final norm, head). bf16: compute in bf16, reduce
     gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
@@ -262,7 +262,9 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
     1): the trainers divide by global counts themselves (module doc). replicate: every rank keeps
     the whole model and gradients are all-reduced (FSDP2 over a world_size x 1 mesh: DDP through
     the same code path). defer_grad_sync: with several micro-batches a step, reduce only the last
-    one's gradients (:func:`accumulation`). Returns `model`."""
+    one's gradients (:func:`accumulation`). unit_layers: consecutive layers per FSDP2 unit (one
+    all-gather and one reduce-scatter for the group; fewer, larger collectives and fewer hooks, whose
+    Python bookkeeping is a per-unit cost). Returns `model`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -274,8 +276,10 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else None,
               reshard_after_forward=reshard_after_forward, mesh=mesh)
     kw = {k: v for k, v in kw.items() if v is not None}
-    for layer in layers:
-        fully_shard(layer, **kw)
+    layers = list(layers)
+    for i in range(0, len(layers), unit_layers):
+        group = layers[i:i + unit_layers]
+        fully_shard(group[0] if len(group) == 1 else group, **kw)  # a list: one unit of several
     fully_shard(model, **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -51,6 +51,8 @@ class ModelSection:
     "under torchrun: keep sharded parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy)"
     fsdp_reshard: bool = True
     "under torchrun: free gathered parameters after each layer's forward (false keeps them until backward: faster, more memory)"
+    fsdp_unit_layers: PositiveInt = 1
+    "under torchrun with FSDP2: consecutive decoder layers per sharding unit (one all-gather and one reduce-scatter each; fewer, larger collectives and less per-unit bookkeeping, for more gathered weights live at once)"
     fsdp_defer_sync: bool = False
     "under torchrun with FSDP2 and several micro-batches a step: reduce-scatter the gradients once, after the last micro-batch (the earlier ones accumulate unsharded: + a whole fp32 gradient per GPU), not after each (distributed.accumulation)"
     head_fp32: bool = False

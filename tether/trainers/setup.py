@@ -432,4 +432,5 @@ def shard_model(model, cfg) -> torch.nn.Module:
     device = next(model.parameters()).device
     return distributed.shard(model, decoder_layers(model), bf16=sharding_bf16(cfg, device),
                              offload=cfg.model.fsdp_offload, reshard_after_forward=cfg.model.fsdp_reshard,
-                             replicate=not cfg.model.fsdp, defer_grad_sync=cfg.model.fsdp_defer_sync)
+                             replicate=not cfg.model.fsdp, defer_grad_sync=cfg.model.fsdp_defer_sync,
+                             unit_layers=cfg.model.fsdp_unit_layers)
