@@ -258,6 +258,52 @@ def plot(a) -> None:
         print(row)
 
 
+def step_rewards(source: str) -> list[float]:
+    """The training reward of every step, in order: a tether run directory (its metrics.jsonl rows
+    with a "reward") or a TRL run's stdout log (the dicts its logging prints, one per step)."""
+    import ast
+    path = Path(source)
+    if path.is_dir():
+        found = sorted(path.rglob("metrics.jsonl"))
+        rows = [json.loads(x) for x in found[0].read_text().splitlines()] if found else []
+        key = "reward" if any("reward" in r for r in rows) else "rewards/math/mean"  # ppo logs the latter
+        return [float(r[key]) for r in rows if key in r and "step" in r]
+    out = []
+    for line in path.read_text().splitlines():
+        if "'reward'" in line and "{" in line:
+            out.append(float(ast.literal_eval(line[line.index("{"):].strip())["reward"]))
+    return out
+
+
+def rewards(a) -> None:
+    """Training reward per step (means over windows of --window steps) of tether runs and TRL logs
+    side by side: the comparison that needs no evaluator (both sample at T = 1 from the policy)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out, w = Path(a.out), a.window
+    series = {}
+    for spec in a.runs:  # name=source
+        name, source = spec.split("=", 1)
+        r = step_rewards(source)[:a.steps]
+        series[name] = {"per_step": [round(x, 4) for x in r],
+                        "window_means": [round(sum(r[i:i + w]) / len(r[i:i + w]), 4) for i in range(0, len(r), w)]}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, s in series.items():
+        m = s["window_means"]
+        ax.plot([w * (i + 1) for i in range(len(m))], m, marker="o", ms=3, label=name,
+                ls="--" if name.lower().startswith("trl") else "-")
+    ax.set_xlabel(f"step (mean training reward over each {w} steps)")
+    ax.set_ylabel("training reward (math verifier, T = 1 samples)")
+    ax.set_title(a.title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"{a.name}.png", dpi=120)
+    (out / f"{a.name}.json").write_text(json.dumps({"window": w, "series": series}))
+    for name, s in series.items():
+        print(name, s["window_means"])
+
+
 def label(c: dict) -> str:
     """A curve's name in plots: the library, and for tether the command and a non-default estimator."""
     if c["library"] != "tether":
@@ -290,8 +336,15 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=600.0)
     p.add_argument("--title", default="GRPO on SmolLM2-135M-Instruct, two-digit arithmetic")
     p.add_argument("--name", default="pass_at_1_vs_time", help="the figure's file name (and its table's, .json)")
+    p = sub.add_parser("rewards", help="training reward per step, tether runs vs TRL logs")
+    p.add_argument("runs", nargs="+", help="name=<tether run dir | TRL stdout log>")
+    p.add_argument("--out", required=True)
+    p.add_argument("--window", type=int, default=25)
+    p.add_argument("--steps", type=int, default=125, help="the first N steps of each")
+    p.add_argument("--title", default="GRPO on SmolLM2-135M-Instruct: training reward per step")
+    p.add_argument("--name", default="reward_vs_step")
     a = ap.parse_args()
-    {"tether": run_tether, "trl": run_trl, "plot": plot}[a.cmd](a)
+    {"tether": run_tether, "trl": run_trl, "plot": plot, "rewards": rewards}[a.cmd](a)
 
 
 if __name__ == "__main__":
