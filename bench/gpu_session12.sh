@@ -7,6 +7,7 @@
 #   scale16       issue 16: syncs (below), then DPO (Qwen2.5-0.5B shape) on 1, 2, 4 GPUs and on 2, 4
 #                 with model.fsdp_defer_sync=true (bench/scale.py)
 #   lease2        issue 16: syncs, cProfile of rank 0, DPO/GRPO scaling with fsdp_defer_sync / fsdp_unit_layers
+#   lease3        issue 16: DPO with fsdp_unit_layers=24, sharded and replicated
 #   syncs         DPO on 2 GPUs with CUDA sync debugging: the stacks that wait (bench/sync_debug)
 # Everything it writes goes under $OUT.
 set -uo pipefail
@@ -60,6 +61,14 @@ lease2)  # issue 16 after the first lease: syncs, rank 0's Python profile on 1 a
     sc dpo-defer dpo 2,4 --set fsdp_defer_sync=true
     sc dpo-defer-unit4 dpo 2,4 --set fsdp_defer_sync=true --set fsdp_unit_layers=4
     sc grpo-defer-unit4 grpo 2,4 --set fsdp_defer_sync=true --set fsdp_unit_layers=4
+    ;;
+lease3)  # issue 16, the last minutes: DPO with all 24 layers in one FSDP2 unit (fewer collectives
+         # and hooks), sharded (1, 2, 4 GPUs) and replicated (fsdp=false; 2, 4)
+    common=(--shape qwen0.5b --algos dpo --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 70)
+    timeout 140 python3 bench/scale.py "${common[@]}" --gpus 1,2,4 --set fsdp_unit_layers=24 \
+        --results "$OUT/dpo-unit24.md" --json "$OUT/dpo-unit24.json" 2>&1 | grep -E "^\| dpo|rror" | tail -4
+    timeout 85 python3 bench/scale.py "${common[@]}" --gpus 2,4 --set fsdp=false --set fsdp_unit_layers=24 \
+        --results "$OUT/dpo-replicate-unit24.md" --json "$OUT/dpo-replicate-unit24.json" 2>&1 | grep -E "^\| dpo|rror" | tail -4
     ;;
 scale16)  # the sync stacks first (short), then DPO's scaling with and without fsdp_defer_sync
     bash "$0" syncs
