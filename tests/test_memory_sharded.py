@@ -73,10 +73,12 @@ def test_fsdp_sft_by_hand(qwen05):
     # root + one layer: bf16 gradients + their fp32 reduce-scatter input, 6 B each
     assert _row(est, "policy unsharded gradients") == (ROOT + LAYER) * 6 == 906_287_616
     assert _row(est, "policy activations") == 4 * 1024 * 24 * 59_136 == 5_813_305_344
-    assert _row(est, "policy logits") == 4 * 1024 * 151_936 * 2 * 2 == 2_489_319_424  # bf16 + gradient
+    # 4 x 1024 x 151,936 bf16 logits + gradient (2.49 GB) exceed one chunk: SFT's loss goes through
+    # the chunked head (sft._micro_loss), which holds one chunk of 2^25 logits at 14 B each
+    assert 4 * 1024 * 151_936 * 2 * 2 > _row(est, "policy logits") == (1 << 25) * 14 == 469_762_048
     t = est["totals_bytes"]
     assert t["weights_and_optimizer"] == 494_032_768 + 988_065_536
-    assert t["training_step"] == t["peak"] == 12_173_108_992
+    assert t["training_step"] == t["peak"] == 12_173_108_992 - 2_489_319_424 + 469_762_048
     assert t["loading"] == 0  # loaded in CPU memory; fully_shard moves each rank's shards to its GPU
     assert t["rollout"] is None and t["frozen_forwards"] is None and t["cpu_offloaded"] == 0
     assert t["peak_device"] == t["peak"] + CUDA_CONTEXT_BYTES + NCCL_BYTES
@@ -172,7 +174,9 @@ def test_mixed_precision_off_computes_in_fp32(qwen05):
     est = _est(qwen05, algo="sft", gpus=2, weight_dtype="fp32", mixed_precision="no", batch_size=2)
     assert _row(est, "policy gathered layers") == N * 4
     assert _row(est, "policy unsharded gradients") == (ROOT + LAYER) * 8  # fp32 gradients, fp32 reduce
-    assert _row(est, "policy logits") == 1 * 1024 * 151_936 * 4 * 2
+    assert _row(est, "policy logits") == (1 << 25) * 14  # fp32 logits + gradient (1.24 GB) > one chunk
+    small = _est(qwen05, algo="sft", gpus=2, weight_dtype="fp32", mixed_precision="no", batch_size=2, seq_len=64)
+    assert _row(small, "policy logits") == 1 * 64 * 151_936 * 4 * 2  # under one chunk: held whole
 
 
 def test_lora_shards_base_and_adapters(qwen05):
@@ -221,23 +225,28 @@ def test_bench_dry_run_plans_every_configuration(capsys):
 
 
 def test_sharded_rl_and_dpo_hold_one_logit_chunk_as_on_one_gpu(qwen05):
-    """The chunked LM head runs under FSDP2 too (models/logprobs._sharded_chunked_head): only SFT
-    holds whole logits; the others hold the one-GPU chunk whatever the number of GPUs."""
-    for algo in ("grpo", "dpo"):
+    """The chunked LM head runs under FSDP2 too (models/logprobs._sharded_chunked_head): every
+    trainer, SFT included, holds the one-GPU chunk whatever the number of GPUs."""
+    for algo in ("grpo", "dpo", "sft"):
         one = _row(_est(qwen05, algo=algo), "policy logits")
         four = _row(_est(qwen05, algo=algo, gpus=4), "policy logits")
-        assert four == one
-    sft4 = _est(qwen05, algo="sft", gpus=4)
-    assert _row(sft4, "policy logits") > _row(_est(qwen05, algo="grpo", gpus=4), "policy logits")
+        assert four == one == (1 << 25) * 14
 
 
 # One process, fp32 weights under bf16 autocast (the trainers' default), measured on 1 x H200
 # (bench/memory_check.py, 2026-11-27, benchmarks/memory_check.jsonl): peak max_memory_allocated in GB.
+# The two SFT rows were measured in session 9, before SFT's loss went through the chunked LM head
+# (session 10): they held 2.5 GB of whole logits that SFT no longer makes, and the planner follows
+# the code. Strict xfail until they are measured again on a GPU (bench/memory_check.py).
+STALE_SFT = pytest.mark.xfail(strict=True, reason="measured before SFT's chunked head; re-measure on GPU")
+
+
 @pytest.mark.parametrize("kw, measured", [
-    (dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024), 18.21),
+    pytest.param(dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024), 18.21, marks=STALE_SFT),
     (dict(algo="grpo", batch_size=16, seq_len=512, rollout_batch=16, num_generations=8, reward="verifier", beta=0), 22.88),
     (dict(algo="ppo", batch_size=4, seq_len=512, rollout_batch=16, num_generations=1, reward="verifier", beta=0.05), 25.96),
-    (dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024, lora=True, gradient_checkpointing=True), 5.52),
+    pytest.param(dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024, lora=True, gradient_checkpointing=True),
+                 5.52, marks=STALE_SFT),
 ])
 def test_one_gpu_fp32_autocast_within_ten_percent_of_measured(qwen05, kw, measured):
     est = _est(qwen05, gpus=1, weight_dtype="fp32", optimizer="adamw", **kw)

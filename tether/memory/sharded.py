@@ -143,7 +143,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         if m.activations == "lm":
             full = seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES
             chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
-            if cfg.algo == "sft" or full <= chunk:
+            if full <= chunk:  # SFT too: its loss goes through the chunked head (sft._micro_loss)
                 add(f"{m.name} logits", "training", full,
                     note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
             else:  # the chunked head, as in one process

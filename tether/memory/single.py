@@ -171,12 +171,11 @@ HEAD_CHUNK_LOGITS, HEAD_CHUNK_BYTES_PER_LOGIT = 1 << 25, 14
 
 
 def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
-    """Logits in weight dtype + the fp32 log-softmax kept for backward + its fp32 gradient in backward.
-    For SFT on a 32k-150k vocabulary this is often the largest single activation tensor; the other
-    trainers hold one chunk of it (HEAD_CHUNK_LOGITS)."""
+    """Logits in weight dtype + the fp32 log-softmax kept for backward + its fp32 gradient in backward,
+    where they fit one chunk; larger, every trainer (SFT too since session 10: sft._micro_loss goes
+    through models.logprobs.completion_token_logps) applies the head in chunks and holds one chunk
+    (HEAD_CHUNK_LOGITS)."""
     full = seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
-    if cfg.algo == "sft":
-        return full
     return min(full, HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT)
 
 
@@ -228,7 +227,7 @@ def estimate(cfg: MemoryConfig) -> dict:
         if m.activations == "lm" and mixed:  # as per GPU (sharded.py): bf16 logits + their gradient
             full = seqs * cfg.seq_len * shape.vocab * c * 2
             chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
-            lb = full if cfg.algo == "sft" or full <= chunk else chunk
+            lb = full if full <= chunk else chunk  # SFT too (sft._micro_loss: the chunked head)
             add(f"{m.name} logits", "training", lb,
                 note=(f"chunked LM head: {HEAD_CHUNK_LOGITS} logits at a time" if lb < full else
                       f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, bf16 logits + their gradient"))
