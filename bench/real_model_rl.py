@@ -265,7 +265,9 @@ def step_rewards(source: str) -> list[float]:
     path = Path(source)
     if path.is_dir():
         found = sorted(path.rglob("metrics.jsonl"))
-        rows = [json.loads(x) for x in found[0].read_text().splitlines()] if found else []
+        if len(found) != 1:
+            raise SystemExit(f"{source}: expected one metrics.jsonl below it, found {len(found)}")
+        rows = [json.loads(x) for x in found[0].read_text().splitlines()]
         key = "reward" if any("reward" in r for r in rows) else "rewards/math/mean"  # ppo logs the latter
         return [float(r[key]) for r in rows if key in r and "step" in r]
     out = []
@@ -282,16 +284,18 @@ def rewards(a) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out, w = Path(a.out), a.window
+    out.mkdir(parents=True, exist_ok=True)
     series = {}
     for spec in a.runs:  # name=source
         name, source = spec.split("=", 1)
         r = step_rewards(source)[:a.steps]
         series[name] = {"per_step": [round(x, 4) for x in r],
+                        "window_ends": [min(i + w, len(r)) for i in range(0, len(r), w)],
                         "window_means": [round(sum(r[i:i + w]) / len(r[i:i + w]), 4) for i in range(0, len(r), w)]}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in series.items():
         m = s["window_means"]
-        ax.plot([w * (i + 1) for i in range(len(m))], m, marker="o", ms=3, label=name,
+        ax.plot(s["window_ends"], m, marker="o", ms=3, label=name,
                 ls="--" if name.lower().startswith("trl") else "-")
     ax.set_xlabel(f"step (mean training reward over each {w} steps)")
     ax.set_ylabel("training reward (math verifier, T = 1 samples)")

@@ -52,30 +52,46 @@ if not math.isnan(distributed.max_float(float("nan") if r == 1 else 3.0)):  # on
 
 
 def accumulated(defer: bool):
-    """Three micro-batches of a tiny 2-layer model (per-rank data); returns (whether any sharded
-    gradient existed after the first backward, the final local gradient shards)."""
+    """Three micro-batches of a tiny 3-layer model (per-rank data), then one more backward outside
+    the loop; deferred: sharded with 2 layers a unit (a full and a partial group). Returns (whether
+    any sharded gradient existed after the first backward, the local gradient shards after the
+    loop, after the extra backward)."""
     from tether.models.tiny import tiny_config
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=3, num_heads=2,
                                                          num_kv_heads=1, intermediate_size=64)).float()
-    distributed.shard(model, list(model.model.layers), defer_grad_sync=defer)
+    distributed.shard(model, list(model.model.layers), defer_grad_sync=defer, unit_layers=2 if defer else 1)
     g = torch.Generator().manual_seed(10 + r)
-    early = None
-    for i in distributed.accumulation(model, range(3)):
+
+    def backward():
         ids = torch.randint(3, 40, (2, 6), generator=g)
         model(input_ids=ids, labels=ids).loss.backward()
+
+    def grads():
+        return [None if p.grad is None else distributed.local(p.grad).clone() for p in model.parameters()]
+    early = None
+    for i in distributed.accumulation(model, range(3)):
+        backward()
         if i == 0:
             early = any(p.grad is not None for p in model.parameters())
-    return early, [distributed.local(p.grad).clone() for p in model.parameters()]
+    after_loop = grads()
+    backward()  # outside any loop: the sync must be back on (the generator's finally)
+    return early, after_loop, grads()
 
 
-early_plain, plain = accumulated(False)
-early_defer, deferred = accumulated(True)
+def differ(a, b) -> bool:
+    return any(x is None or y is None or float((x - y).abs().max()) > 1e-6 for x, y in zip(a, b))
+
+
+early_plain, plain, plain_more = accumulated(False)
+early_defer, deferred, deferred_more = accumulated(True)
 if not early_plain or early_defer:  # reduced after every backward vs only after the last
     bad.append(f"deferral (reduced after the first backward: plain {early_plain}, deferred {early_defer})")
-if max(float((a - b).abs().max()) for a, b in zip(plain, deferred)) > 1e-6:
+if differ(plain, deferred):
     bad.append("deferred gradient")
+if differ(plain_more, deferred_more):  # still deferred after the loop: the extra backward unreduced
+    bad.append("sync not restored after the loop")
 if r == 0:
     print("BAD " + ",".join(bad) if bad else "OK")
 torch.distributed.barrier()  # leave together: a gloo rank exiting mid-teardown aborts its peer

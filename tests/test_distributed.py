@@ -70,13 +70,12 @@ def test_two_processes_compute_what_one_computes(world, one):
 
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
 def test_resume_in_another_number_of_processes(world, one, first, then):
-    # gradients reduced once a step (model.fsdp_defer_sync): the same numbers as one process
     name = f"r{first}{then}"
-    ok(run_tether("sft", _args(world, name, fsdp_defer_sync="true"), nproc=first))
+    ok(run_tether("sft", _args(world, name), nproc=first))
     run = world / "runs" / name
     import shutil
     shutil.rmtree(run / "checkpoints" / "step-6")  # as if stopped after the checkpoint at step 3
-    ok(run_tether("sft", _args(world, name, resume="true", fsdp_defer_sync="true"), nproc=then))
+    ok(run_tether("sft", _args(world, name, resume="true"), nproc=then))
     assert_same_metrics(one, run)
     assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
 

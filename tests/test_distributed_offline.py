@@ -67,8 +67,10 @@ import torch.distributed
 torch.distributed.destroy_process_group()
 """
 # job -> overrides; a job is named <command>[-<variant>]
-# kto and orpo reduce their gradients once a step (model.fsdp_defer_sync; a no-op in one process)
-JOBS = {"dpo": {}, "kto": {"fsdp_defer_sync": "true"}, "simpo": {}, "orpo": {"fsdp_defer_sync": "true"},
+# kto and orpo reduce their gradients once a step (model.fsdp_defer_sync; a no-op in one process):
+# grad_accum 4 gives each of the 2 ranks two micro-batches a step, so the first one's are deferred
+JOBS = {"dpo": {}, "kto": {"fsdp_defer_sync": "true", "grad_accum": 4}, "simpo": {},
+        "orpo": {"fsdp_defer_sync": "true", "grad_accum": 4},
         "rm": {"batch_size": 1},
         "dpo-packed": {"packing": "true", "fsdp_unit_layers": 2},  # both layers in one FSDP2 unit
         "rm-packed": {"batch_size": 2, "packing": "true"}}

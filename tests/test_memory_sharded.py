@@ -93,6 +93,28 @@ def test_checkpointing_gathers_root_and_the_live_layers(qwen05):
     assert _row(est, "policy activations") == 4 * 1024 * (24 * 2 * 896 + 59_136) == 418_381_824
 
 
+def test_units_of_several_layers_gather_and_reduce_that_many(qwen05):
+    """fsdp_unit_layers=k: FSDP_LIVE_LAYERS units of k layers live (capped at the model), and the
+    backward's unsharded gradients are the root's + one k-layer unit's."""
+    kw = dict(algo="sft", gpus=4, weight_dtype="fp32", batch_size=4, grad_accum=4, gradient_checkpointing=True)
+    est = _est(qwen05, fsdp_unit_layers=2, **kw)
+    assert _row(est, "policy gathered layers") == (ROOT + 20 * LAYER) * 2
+    assert _row(est, "policy unsharded gradients") == (ROOT + 2 * LAYER) * 6
+    assert _row(_est(qwen05, fsdp_unit_layers=4, **kw), "policy gathered layers") == N * 2  # 40 > 24: all
+
+
+def test_deferred_sync_holds_a_whole_gradient_only_with_several_micro_batches(qwen05):
+    """fsdp_defer_sync: a whole fp32 gradient on every GPU, when a GPU runs more than one
+    micro-batch a step (distributed.accumulation); none for one, or for PPO."""
+    kw = dict(gpus=4, weight_dtype="fp32", fsdp_defer_sync=True, batch_size=4)
+    assert _row(_est(qwen05, algo="sft", grad_accum=8, **kw), "policy accumulated gradients") == N * 4
+    for algo, extra in (("sft", dict(grad_accum=4)), ("ppo", dict(rollout_batch=64))):
+        rows = [r["component"] for r in _est(qwen05, algo=algo, **kw, **extra)["components"]]
+        assert not any("accumulated" in c for c in rows), (algo, rows)
+    grpo = _est(qwen05, algo="grpo", rollout_batch=16, num_generations=8, **kw)  # 32 sequences, micro 4
+    assert _row(grpo, "policy accumulated gradients") == N * 4
+
+
 @pytest.mark.parametrize("algo,lora", [("sft", False), ("dpo", False), ("grpo", False), ("ppo", False),
                                        ("sft", True), ("ppo", True)])
 @pytest.mark.parametrize("gpus", [2, 4, 8])

@@ -11,6 +11,10 @@ worker of local rank 0 (LOCAL_RANK set: not the launcher or a parent that starte
   with its count, most frequent first;
 - CPROFILE_OUT: cProfile over the main thread, and at exit the top functions by own time and by
   cumulative time (cProfile slows Python-heavy code; read the ranking, not the seconds).
+Blind spots: on CUDA the backward runs on autograd's device thread, so FSDP2's backward hooks show
+up only as time inside `run_backward` in the profile, and a sync raised from C++ backward code is
+printed by torch (stderr), not counted here. A timeline profiler (nsys, torch.profiler with stacks)
+sees both.
 """
 import atexit
 import collections

@@ -46,6 +46,17 @@ CUDA_CONTEXT_BYTES = int(0.9 * GB)
 NCCL_BYTES = int(1.4 * GB)
 
 
+def _micro_batches(cfg: MemoryConfig) -> int:
+    """Backward passes per optimizer step on one GPU: what fsdp_defer_sync accumulates over (PPO
+    steps after each minibatch's single backward: never more than one)."""
+    if cfg.algo == "ppo":
+        return 1
+    per, gen = _per_gpu_batch(cfg)
+    if cfg.algo in ONLINE:
+        return -(-gen // max(per, 1))
+    return -(-cfg.grad_accum // cfg.gpus)
+
+
 def _per_gpu_batch(cfg: MemoryConfig) -> tuple[int, int]:
     """(sequences per micro-batch on one GPU, rollout sequences on one GPU). Each process takes
     1/N of the global batch (distributed.py: ranks are micro-batches) and cuts its share into
@@ -93,7 +104,8 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     for m in (m for m in models if m.trainable):
         add(f"{m.name} gradients", "gradients", m.trainable * m.trainable_bytes / split, m.trainable,
             m.trainable_bytes / split, f"{m.trainable_bytes} B each, as the sharded weights; {part}", where)
-        if fsdp and cfg.fsdp_defer_sync:  # FSDP2 keeps them in the reduce dtype until the last backward
+        if fsdp and cfg.fsdp_defer_sync and _micro_batches(cfg) > 1:  # (distributed.accumulation)
+            # FSDP2 keeps them in the reduce dtype until the step's last backward
             add(f"{m.name} accumulated gradients", "gradients", m.trainable * r, m.trainable, r,
                 f"fsdp_defer_sync: the whole gradient ({r} B each) on every GPU between micro-batches")
 
@@ -103,13 +115,14 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     lora_layer = shape.lora_params(cfg.lora_rank, cfg.lora_targets) // shape.layers if cfg.lora else 0
     unit = shape.layer_params()
     cdt = "bf16" if c == 2 else "fp32"
-    live = min(FSDP_LIVE_LAYERS, shape.layers)
+    k_units = max(1, min(cfg.fsdp_unit_layers, shape.layers))  # layers per FSDP2 unit
+    live = min(FSDP_LIVE_LAYERS * k_units, shape.layers)  # FSDP_LIVE_LAYERS units (measured at k = 1)
 
     def gathered(m, trained: bool):
         """(bytes, what): the model's gathered weights live at once. Trained without checkpointing,
         autograd keeps every layer's gathered weights for its backward (measured: all 25 units of
         the 0.5B shape live after the forward); with checkpointing, and in frozen forwards, the
-        root + FSDP_LIVE_LAYERS layers."""
+        root + FSDP_LIVE_LAYERS units of fsdp_unit_layers layers (measured with one layer a unit)."""
         whole = m.weights + m.adapters
         if not cfg.fsdp_reshard:
             k = NO_RESHARD_WHOLE_MODELS if trained else 1
@@ -131,9 +144,9 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         # the root (embeddings, head) is reduced last: its gradients accumulate unsharded through
         # the whole backward and are cast for their reduce-scatter at the end; a layer's are reduced
         # as its backward ends
-        add(f"{m.name} unsharded gradients", "gather", root_tr * (c + r) + layer_tr * (c + r),
-            note=f"backward: the root's and one layer's {cdt} gradients + their "
-                 f"{'fp32' if r == 4 else cdt} reduce-scatter input")
+        add(f"{m.name} unsharded gradients", "gather", root_tr * (c + r) + k_units * layer_tr * (c + r),
+            note=f"backward: the root's and one unit's ({k_units} layer{'s' if k_units > 1 else ''}) {cdt} "
+                 f"gradients + their {'fp32' if r == 4 else cdt} reduce-scatter input")
 
     seqs, gen = _per_gpu_batch(cfg)
     ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"

@@ -80,6 +80,8 @@ class MemoryConfig:
     "gpus > 1: sharded weights, gradients and optimizer state live in CPU memory (model.fsdp_offload)"
     fsdp_reshard: bool = True
     "gpus > 1: free a layer's gathered weights after its forward; false keeps the whole model gathered from forward to backward (model.fsdp_reshard)"
+    fsdp_unit_layers: PositiveInt = 1
+    "gpus > 1 with fsdp: consecutive decoder layers per FSDP2 unit (model.fsdp_unit_layers): that many layers gathered, and their gradients unsharded, at once"
     fsdp_defer_sync: bool = False
     "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync)"
     grad_accum: PositiveInt = 1

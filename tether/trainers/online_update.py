@@ -83,8 +83,9 @@ def update_policy(training, batch, grpo, norm_length: int, keep_grads: bool) -> 
         sums: dict[str, float] = {}
         loss_value, share, new_logps, entropies, entropy_share = 0.0, 0.0, [], [], 0.0
         steps = turns(parts)
-        # each micro-batch's numbers stay on the device until the loop ends: one host sync a step
-        # (a float() per number would stall the CPU, and so the next launches, ~8 times a micro-batch)
+        # each micro-batch's logged numbers stay on the device until the loop ends and are read in
+        # one transfer (a float() per number stalled the CPU, and so the next launches, ~8 times a
+        # micro-batch; the loss weight and the forward's token selection still read one or two each)
         pending: list[tuple[float, list[str], bool, torch.Tensor]] = []
         for part in distributed.accumulation(model, steps):
             if part is None:  # another rank's turn: this one takes it on nothing

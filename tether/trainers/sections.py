@@ -54,7 +54,7 @@ class ModelSection:
     fsdp_unit_layers: PositiveInt = 1
     "under torchrun with FSDP2: consecutive decoder layers per sharding unit (one all-gather and one reduce-scatter each; fewer, larger collectives and less per-unit bookkeeping, for more gathered weights live at once)"
     fsdp_defer_sync: bool = False
-    "under torchrun with FSDP2 and several micro-batches a step: reduce-scatter the gradients once, after the last micro-batch (the earlier ones accumulate unsharded: + a whole fp32 gradient per GPU), not after each (distributed.accumulation)"
+    "under torchrun with several micro-batches a step per process: reduce the gradients once, after the last micro-batch (the earlier ones accumulate unsharded: + a whole fp32 gradient per GPU), not after each (distributed.accumulation)"
     head_fp32: bool = False
     "under mixed precision, the trainer's LM head (the logits of its log-probs) in float32 from the master weights: bf16 logits are a part of the training-inference mismatch an fp32 sampler sees (models/logprobs.HEAD_DTYPE); single process (FSDP2 gathers bf16 weights)"
 

@@ -163,7 +163,7 @@ def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None,
                   for k in ("completion_mask", "attention_mask")]
         n_total, n_seen = distributed.sum_floats(tokens)
         n_total = max(n_total, 1)
-        parts = []  # on the device until the step's end: one host sync, not one a micro-batch
+        parts = []  # the losses stay on the device until the step's end and are read in one transfer
         for b in distributed.accumulation(model, batches):
             part, _ = _micro_loss(model, b, device, amp)
             (part / n_total).backward()
