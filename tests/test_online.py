@@ -141,6 +141,21 @@ def test_resume_matches_uninterrupted(setup, batch_size):
     assert a == b
 
 
+def test_sampler_copy_is_refreshed_after_every_update(setup):
+    """rollout.sampler_copy: the sampler runs on a copy of the policy (bf16 on CUDA; here on CPU
+    the same dtype), brought up to date after each update — so the run is the one without a copy,
+    step for step (a copy left stale would sample step 2's completions from step 0's weights)."""
+    volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
+                "gather_time"}
+    train_grpo(_cfg(setup, "nocopy", max_steps=4), reward_funcs=[digit_frac])
+    train_grpo(_cfg(setup, "copy", max_steps=4, sampler_copy=True), reward_funcs=[digit_frac])
+    a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "nocopy")]
+    b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "copy")]
+    assert a == b and len(a) == 4
+    assert all("gather_time" in r for r in _metrics(setup, "copy"))  # the copy was used and refreshed
+    assert a[0]["loss"] != a[-1]["loss"]  # the weights did move between the samplings
+
+
 def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     """The sampler's KV cache lives in the trainer's gradient buffer (common.flat_grad_buffer):
     the run — rewards, losses, log-prob mismatch, weights — is the same as with a cache of its own,

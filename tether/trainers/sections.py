@@ -216,6 +216,8 @@ class RolloutSection:
     "top-k sampling (0 = off)"
     stop: list[str] = field(default_factory=list)
     "stop strings ending a completion (besides EOS)"
+    sampler_copy: bool = False
+    "one process: sample from a copy of the policy in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision, as TRL samples under autocast; the KV cache too), refreshed after each update, instead of from the fp32 weights themselves (+2 B a parameter); under torchrun the copy always exists"
 
     def sampling(self):
         """The sampler's config for these knobs (the engine's other settings keep their defaults)."""

@@ -131,7 +131,7 @@ class Training:
     "per-step values a summary reports (GRPO's reward_history); checkpointed"
     skipped_in_a_row: int = 0
     replica: Optional[torch.nn.Module] = None
-    "under torchrun: a whole copy of the policy the sampler runs on (rollout_model)"
+    "under torchrun, or with rollout.sampler_copy: a whole copy of the policy the sampler runs on (rollout_model)"
     replica_stale: bool = True
     gather_seconds: float = 0.0
     "time spent gathering the shards into the replica (reported as gather_time)"
@@ -165,9 +165,10 @@ class Training:
         return norm
 
     def rollout_model(self) -> torch.nn.Module:
-        """The model to sample from: the trained model itself in one process; under torchrun the
-        replica (setup_training(rollout_replica=True)), refreshed from the shards when an update
-        happened since (collective: every rank calls this at the same points)."""
+        """The model to sample from: the trained model itself in one process (unless
+        rollout.sampler_copy); under torchrun, or with that option, the replica
+        (setup_training(rollout_replica=True)), refreshed from the shards / weights when an update
+        happened since (collective under torchrun: every rank calls this at the same points)."""
         if self.replica is None:
             return self.model
         if self.replica_stale:
@@ -295,8 +296,9 @@ def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Cal
     causal LM of `cfg.model` (+ LoRA). reference: also build the frozen reference policy.
     rows_per_step: training rows a step draws (default batch_size × grad_accum). updates_per_step:
     optimizer updates per step (GRPO's μ, PPO's epochs × minibatches), for the schedule's length.
-    rollout_replica: under torchrun, keep a whole (bf16 on CUDA) copy of the policy to sample from
-    (`Training.rollout_model()`), gathered from the shards after each optimizer step.
+    rollout_replica: under torchrun (or in one process with `rollout.sampler_copy`), keep a whole
+    (bf16 on CUDA) copy of the policy to sample from (`Training.rollout_model()`), gathered from the
+    shards (copied from the weights) after each optimizer step.
 
     `run.progress=false` also silences Hugging Face's own bars while models load here and while
     checkpoints are written (`hf_progress`: put back as they were, also when something raises).
@@ -367,10 +369,12 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
             if m is not None:
                 compile_layers(m)
     replica = None
+    # a plain copy to sample from, refreshed after each step: under torchrun from the shards; in one
+    # process on request (rollout.sampler_copy), in the compute dtype instead of the fp32 weights
+    if rollout_replica and (distributed.active() or getattr(getattr(cfg, "rollout", None), "sampler_copy", False)):
+        replica = copy.deepcopy(model).requires_grad_(False).eval()
+        replica.to(device=device, dtype=torch.bfloat16 if sharding_bf16(cfg, device) else None)
     if distributed.active():
-        if rollout_replica:  # a plain copy to sample from, refreshed from the shards after each step
-            replica = copy.deepcopy(model).requires_grad_(False).eval()
-            replica.to(device=device, dtype=torch.bfloat16 if sharding_bf16(cfg, device) else None)
         for m in (model, ref):
             if m is not None:
                 shard_model(m, cfg)
