@@ -97,12 +97,13 @@ def test_refusals(setup):
 
 
 @pytest.mark.slow  # two or three torchrun processes: ~90 s on the 2 shared cores
-@pytest.mark.parametrize("samplers", [1, 2])
-def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, samplers):
+@pytest.mark.parametrize("samplers,copy", [(1, False), (2, False), (1, True)])
+def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, samplers, copy):
     """torchrun (gloo): one process trains, one or two sample (batches through the store, weights
     broadcast back; with two, batch j is sampler j mod 2's). At staleness 1 every batch is sampled
     with the same weights as the interleaved placement's, so the run is the same: every metric and
-    the final weights."""
+    the final weights. copy: both sample from rollout.sampler_copy's copy (on CPU of the same dtype),
+    which the sampler process refreshes from each received version."""
     import sys
     if sys.platform != "linux":
         pytest.skip("torchrun + gloo on Linux")
@@ -110,7 +111,7 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     (setup / "rewards.py").write_text(
         "def digit_frac(prompts, completions, completion_ids, **_):\n"
         "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
-    kw = dict(max_staleness=1, is_correction="tis", is_cap=1.05)
+    kw = dict(max_staleness=1, is_correction="tis", is_cap=1.05, sampler_copy=copy)
     local = train_grpo(_cfg(setup, "inter1", placement="interleaved", max_steps=4, **kw), reward_funcs=[digit_frac])
     args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="dis1",
                 batch_size=2, num_generations=4, max_new_tokens=8, max_steps=4, lr=1e-2, device="cpu",

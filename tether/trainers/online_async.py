@@ -168,7 +168,8 @@ class Interleaved:
                               "torchrun use placement=disaggregated")
         self.t, self.produce, self.S = t, produce, max_staleness
         self.start, self.total = t.step, t.total_steps
-        self.model = copy.deepcopy(t.model).requires_grad_(False).eval()
+        # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy)
+        self.model = copy.deepcopy(t.replica if t.replica is not None else t.model).requires_grad_(False).eval()
         self.sampler = make_sampler(self.model)
         self.queue = TrajectoryQueue(max_staleness + 1)
         # On resume the batches the checkpoint had in flight (sampled with versions older than its
@@ -358,6 +359,13 @@ def _broadcast(link: Link, model) -> None:
             link.weights.broadcast(value.data, 0).wait()
 
 
+def _receive(link: Link, t) -> None:
+    """A sampler process takes the next version's weights into its policy (the trainer's dtype, as
+    sent); a sampling copy of it (rollout.sampler_copy) is refreshed from them before the next batch."""
+    _broadcast(link, t.model)
+    t.replica_stale = True
+
+
 def _my_part(collected, G: int):
     """This trainer rank's groups of the sampler's whole batch (every world_size-th group, as
     EpochSampler.part hands prompts out): ranks are micro-batches of the one batch, so any split
@@ -425,22 +433,23 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     skipped in the data order), batch j with version max(0, j − S), put in the store for the
     trainer; every version's weights received in order (the broadcast is collective over all the
     samplers: each joins it when it needs the version, or at the end). Returns its counts."""
-    _broadcast(link, sampler.model)
+    _receive(link, t)
     version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
     for j in range(t.total_steps):
         if j % link.samplers != link.index:
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
             continue
         while version < j - max_staleness:  # the versions in order, each broadcast once
-            _broadcast(link, sampler.model)
+            _receive(link, t)
             version += 1
+        t.rollout_model()  # the sampler's copy (rollout.sampler_copy) brought up to the version
         started = time.perf_counter()
         batch = produce(j, sampler)
         seconds += time.perf_counter() - started
         link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
         produced += 1
     while version < last:  # the trainer broadcasts every version a batch needs: join the rest
-        _broadcast(link, sampler.model)
+        _receive(link, t)
         version += 1
     return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
 
