@@ -139,7 +139,7 @@ def worker(a) -> None:
     args += a.set or []  # --set k=v: any tether key (e.g. fsdp_reshard=false), for diagnosis
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    prof = _profiler(a, N) if a.profile else None
+    prof = _profiler(a, N) if a.profile else (_tracer(a, N) if a.trace else None)
     keep = cli._leave_process_group
     distributed.init()  # joined here, so the CLI keeps the group and the peaks gather over every rank
     code = cli.main(args) if not distributed.active() else _in_group(cli, args)
@@ -193,6 +193,37 @@ def _profiler(a, N: int):
     return prof
 
 
+def _tracer(a, N: int):
+    """torch.profiler on *every* rank over the optimizer steps warmup+1 .. warmup+2 (needs --steps >= 2;
+    stepped by Training.guarded_step, which every rank calls); writes <trace>/<algo><N>[-<set>]-rank<r>.json.gz,
+    chrome traces whose timestamps share the host's monotonic clock, so bench/trace_skew.py can put
+    the ranks side by side (which one reaches each collective last)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from tether.trainers import setup
+    rank = int(os.environ.get("RANK", "0"))
+    tag = f"{a.algo}{N}" + ("-" + "_".join(a.set).replace("=", "-") if a.set else "")
+
+    def ready(p):
+        Path(a.trace).mkdir(parents=True, exist_ok=True)
+        p.export_chrome_trace(str(Path(a.trace, f"{tag}-rank{rank}.json.gz")))
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    # the profiler's own warm-up step is the last of --warmup: steps warmup+1, warmup+2 are traced
+    prof = profile(activities=acts, schedule=schedule(wait=max(0, a.warmup - 1), warmup=1, active=2, repeat=1),
+                   on_trace_ready=ready)
+    prof.__enter__()
+    step = setup.Training.guarded_step  # every trainer's update goes through it, on every rank
+
+    def stepping(self, *args, **kw):
+        try:
+            return step(self, *args, **kw)
+        finally:
+            prof.step()
+    setup.Training.guarded_step = stepping
+    return prof
+
+
 def _in_group(cli, args):
     """cli.main leaves the process group at its end; the peaks are gathered after, so rejoin-free:
     run the command's body with the group kept (see cli._leave_process_group)."""
@@ -214,6 +245,7 @@ def launch(a, N: int) -> dict:
            "--prompt-len", str(a.prompt_len), "--dpo-len", str(a.dpo_len),
            "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--grad-ckpt", a.grad_ckpt] + (["--profile", a.profile] if a.profile else []) \
+        + (["--trace", a.trace] if a.trace else []) \
         + [x for kv in (a.set or []) for x in ("--set", kv)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if a.device == "cpu":
@@ -366,6 +398,8 @@ def main(argv=None):
     ap.add_argument("--log-dir", default=None, help="write each run's stdout and stderr here")
     ap.add_argument("--run-timeout", type=float, default=0, help="seconds before one tether run is killed (0: none)")
     ap.add_argument("--profile", default=None, help="write rank 0's torch.profiler tables of 2 steps here")
+    ap.add_argument("--trace", default=None, help="write every rank's chrome trace of 2 steps here "
+                                                  "(bench/trace_skew.py reads them)")
     ap.add_argument("--set", action="append", default=None, help="extra tether key=value for every run (diagnosis)")
     ap.add_argument("--keep-model", default=None, help="build the model into this folder once and reuse it "
                     "(a later call with the same folder skips the build); default: a temporary folder")
