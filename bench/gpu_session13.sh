@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The next GPU session's calls (written in session 12, which had no device time left to run them),
+# one mode per device call on a 4-GPU machine held across the calls:
+#   join <k>    GGUF part k (carry bench/gguf_parts/smollm2.gguf.part-0k; part 0 also the gguf wheel
+#               and wheels/ for TRL): three calls before the real-model modes
+#   trace16     issue 16 (no GGUF needed): DPO 0.5B on 2 GPUs with every rank's trace and
+#               bench/trace_skew.py's verdict (which rank arrives last at each collective, and what
+#               its CPU was doing), plain and with one micro-batch a step (--micro-batch 16); then
+#               DPO 1/2/4 GPUs with one micro-batch and no gradient checkpointing (fewer FSDP2 passes),
+#               and GRPO 1/2/4 plain (a same-machine GRPO baseline; session 12 has none)
+#   async3      issue 19 §1 with rollout.sampler_copy (sampling from a bf16 copy): GPU 0 the
+#               synchronous loop, GPUs 1-2 disaggregated staleness 1, seeds 0,1,2, STEPS steps; GPU 3
+#               interleaved staleness 4 with none and tis (seed 0)
+#   entropy     issue 17's open question (TRL's entropy falls 2-3x lower): tether GRPO with
+#               sampler_copy (GPUs 0-1, seeds 0/1) and with the chunked head's torch path
+#               (--no-head-kernels, GPUs 2-3), 270 s each; compare entropy per step with
+#               benchmarks/real_model/curves and reward_vs_step.json (TRL's, session 12)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-100}
+mode=$1; shift
+
+rl() {  # rl <gpu(s)> <name> [real_model_rl.py args...]
+    local gpus=$1 name=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpus python3 bench/real_model_rl.py tether --model /tmp/smollm2 --out "/tmp/rl/$name" \
+        --recipe lr1e5_g16 "$@" > "/tmp/rl/$name.log" 2>&1
+}
+
+case "$mode" in
+join)
+    bash bench/gpu_session11.sh join "$1"
+    [ "$1" = 0 ] && python3 -m pip install -q --no-index --no-deps wheels/*.whl 2>&1 | tail -2
+    ;;
+trace16)
+    common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 90)
+    for mb in 8 16; do
+        timeout 120 python3 bench/scale.py "${common[@]}" --algos dpo --gpus 2 --micro-batch $mb \
+            --trace /tmp/tr$mb --results /tmp/tr.md 2>&1 | grep -E "^\| dpo" | tail -1
+        python3 bench/trace_skew.py /tmp/tr$mb/dpo2-rank0.json.gz /tmp/tr$mb/dpo2-rank1.json.gz | tee "$OUT/skew-mb$mb.txt"
+    done
+    timeout 170 python3 bench/scale.py "${common[@]}" --algos dpo --gpus 1,2,4 --micro-batch 16 --grad-ckpt false \
+        --results "$OUT/dpo-mb16-nockpt.md" --json "$OUT/dpo-mb16-nockpt.json" 2>&1 | grep -E "^\| dpo|rror" | tail -4
+    timeout 240 python3 bench/scale.py "${common[@]}" --algos grpo --gpus 1,2,4 \
+        --results "$OUT/grpo.md" --json "$OUT/grpo.json" 2>&1 | grep -E "^\| grpo|rror" | tail -4
+    ;;
+async3)
+    [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith
+    mkdir -p /tmp/rl
+    common=(--data /tmp/arith --budget 100000 --eval-every 50 --set optim.max_steps=$STEPS --set rollout.sampler_copy=true)
+    (for s in 0 1 2; do rl 0 copy-sync-s$s "${common[@]}" --seed $s; done) &
+    (for s in 0 1 2; do rl 1,2 copy-disagg1-s$s "${common[@]}" --seed $s --nproc 2 \
+        --set queue.placement=disaggregated --set queue.max_staleness=1; done) &
+    (for c in none tis; do rl 3 copy-inter4-$c-s0 "${common[@]}" --seed 0 --set queue.placement=interleaved \
+        --set queue.max_staleness=4 --set grpo.is_correction=$c; done) &
+    wait
+    (cd /tmp/rl && tar czf "$OUT/rl-async3.tgz" --exclude='*.safetensors' --exclude='checkpoints' .)
+    ;;
+entropy)
+    [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith
+    mkdir -p /tmp/rl
+    common=(--data /tmp/arith --budget "${1:-270}" --eval-every 25)
+    rl 0 ent-copy-s0 "${common[@]}" --seed 0 --set rollout.sampler_copy=true &
+    rl 1 ent-copy-s1 "${common[@]}" --seed 1 --set rollout.sampler_copy=true &
+    rl 2 ent-torchhead-s0 "${common[@]}" --seed 0 --no-head-kernels &
+    rl 3 ent-torchhead-s1 "${common[@]}" --seed 1 --no-head-kernels &
+    wait
+    (cd /tmp/rl && tar czf "$OUT/rl-entropy.tgz" --exclude='*.safetensors' --exclude='checkpoints' .)
+    ;;
+esac
