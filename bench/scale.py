@@ -194,8 +194,10 @@ def _profiler(a, N: int):
 
 
 def _tracer(a, N: int):
-    """torch.profiler on *every* rank over the optimizer steps warmup+1 .. warmup+2 (needs --steps >= 2;
-    stepped by Training.guarded_step, which every rank calls); writes <trace>/<algo><N>[-<set>]-rank<r>.json.gz,
+    """torch.profiler on *every* rank over the optimizer updates warmup+1 .. warmup+2 (stepped by
+    Training.guarded_step, which every rank calls: one update a step for DPO and GRPO with μ = 1,
+    more for GRPO μ > 1 and PPO, whose window then covers fewer steps; needs warmup + 2 updates in
+    the run, else no trace is written); writes <trace>/<algo><N>[-<set>]-rank<r>.json.gz,
     chrome traces whose timestamps share the host's monotonic clock, so bench/trace_skew.py can put
     the ranks side by side (which one reaches each collective last)."""
     from torch.profiler import ProfilerActivity, profile, schedule

@@ -130,6 +130,19 @@ def test_rl_trainers_hold_one_chunk_of_logits():
     assert 0 < small < chunk / 10
 
 
+def test_chunking_starts_where_the_code_starts_it():
+    """models/logprobs.uses_chunked_head chunks by *count*: above 2^25 logits (CUDA). One sequence
+    of T tokens holds T·V logits: whole up to 2^25, one chunk of transients just past it (where
+    that chunk costs more than the whole logits would: 14 B against 10 B a logit)."""
+    from tether.memory import HEAD_CHUNK_BYTES_PER_LOGIT, HEAD_CHUNK_LOGITS
+    vocab = _est(model="7e9", algo="sft", batch_size=1)["shape"]["vocab"]
+    at = HEAD_CHUNK_LOGITS // vocab  # the longest sequence whose logits are held whole
+    whole = _est(model="7e9", algo="sft", batch_size=1, seq_len=at)
+    past = _est(model="7e9", algo="sft", batch_size=1, seq_len=at + 1)
+    assert _gb(whole, "policy logits") == pytest.approx(at * vocab * (2 + 8) / 1e9, rel=1e-9)
+    assert _gb(past, "policy logits") == pytest.approx(HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT / 1e9, rel=1e-9)
+
+
 def test_kv_cache_lives_in_the_gradient_buffer_when_it_fits():
     """The RL trainers keep one flat gradient buffer with the sampler's KV cache inside when it fits
     (common.flat_grad_buffer); otherwise gradients are freed while sampling and the cache, which the

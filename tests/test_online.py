@@ -156,6 +156,28 @@ def test_sampler_copy_is_refreshed_after_every_update(setup):
     assert a[0]["loss"] != a[-1]["loss"]  # the weights did move between the samplings
 
 
+def test_sampling_copy_casts_the_weights_not_the_rope_buffers():
+    """The bf16 sampling copy (rollout.sampler_copy on CUDA; the torchrun replica): parameters in
+    bf16, refreshed from the fp32 weights by copy_full_weights; RoPE's non-persistent inv_freq stays
+    fp32 (no refresh restores a buffer, and a bf16 one put the cos/sin tables visibly off)."""
+    from transformers import AutoModelForCausalLM
+    from tether import distributed
+    from tether.models.tiny import tiny_config
+    from tether.trainers.setup import sampling_copy
+    model = AutoModelForCausalLM.from_config(tiny_config(40, family="qwen2", hidden_size=32, num_layers=2,
+                                                         num_heads=2, num_kv_heads=1, intermediate_size=64))
+    copy_ = sampling_copy(model, torch.device("cpu"), bf16=True)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy_.parameters())
+    inv = {n: b for n, b in copy_.named_buffers() if n.endswith("inv_freq")}
+    assert inv and all(b.dtype == torch.float32 for b in inv.values())
+    assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in inv.items())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    distributed.copy_full_weights(model, copy_)
+    assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copy_.parameters(), model.parameters()))
+
+
 def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     """The sampler's KV cache lives in the trainer's gradient buffer (common.flat_grad_buffer):
     the run — rewards, losses, log-prob mismatch, weights — is the same as with a cache of its own,

@@ -156,7 +156,8 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         if m.activations == "lm":
             full = seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES
             chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
-            if full <= chunk:  # SFT too: its loss goes through the chunked head (sft._micro_loss)
+            # the code chunks by count (models/logprobs.uses_chunked_head: B·T·V > 2^25 on CUDA)
+            if seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS:  # SFT too (sft._micro_loss)
                 add(f"{m.name} logits", "training", full,
                     note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
             else:  # the chunked head, as in one process

@@ -178,7 +178,8 @@ def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
     through models.logprobs.completion_token_logps) applies the head in chunks and holds one chunk
     (HEAD_CHUNK_LOGITS)."""
     full = seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
-    return min(full, HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT)
+    # the code chunks by count (models/logprobs.uses_chunked_head: B·T·V > 2^25 logits on CUDA)
+    return full if seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS else HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
 
 
 def estimate(cfg: MemoryConfig) -> dict:
@@ -229,13 +230,15 @@ def estimate(cfg: MemoryConfig) -> dict:
         if m.activations == "lm" and mixed:  # as per GPU (sharded.py): bf16 logits + their gradient
             full = seqs * cfg.seq_len * shape.vocab * c * 2
             chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
-            lb = full if full <= chunk else chunk  # SFT too (sft._micro_loss: the chunked head)
+            # chunked by count, as the code decides (uses_chunked_head); SFT too (sft._micro_loss)
+            whole = seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS
+            lb = full if whole else chunk
             add(f"{m.name} logits", "training", lb,
-                note=(f"chunked LM head: {HEAD_CHUNK_LOGITS} logits at a time" if lb < full else
+                note=(f"chunked LM head: {HEAD_CHUNK_LOGITS} logits at a time" if not whole else
                       f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, bf16 logits + their gradient"))
         elif m.activations == "lm":
             lb = logits_bytes(cfg, shape, seqs)
-            chunked = lb < seqs * cfg.seq_len * shape.vocab * (d + 8)
+            chunked = seqs * cfg.seq_len * shape.vocab > HEAD_CHUNK_LOGITS
             add(f"{m.name} logits", "training", lb,
                 note=("one chunk of the LM head (plain-head families; others hold all " if chunked else "")
                 + f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab: {d} B + fp32 log-probs + fp32 grad"

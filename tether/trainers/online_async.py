@@ -168,8 +168,11 @@ class Interleaved:
                               "torchrun use placement=disaggregated")
         self.t, self.produce, self.S = t, produce, max_staleness
         self.start, self.total = t.step, t.total_steps
-        # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy)
+        # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy);
+        # t.replica itself is then dropped: the thread's copy replaces it (held-out evaluation
+        # samples from t.model), so it neither costs its memory twice nor logs a gather_time of 0
         self.model = copy.deepcopy(t.replica if t.replica is not None else t.model).requires_grad_(False).eval()
+        t.replica = None
         self.sampler = make_sampler(self.model)
         self.queue = TrajectoryQueue(max_staleness + 1)
         # On resume the batches the checkpoint had in flight (sampled with versions older than its

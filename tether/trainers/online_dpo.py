@@ -104,6 +104,7 @@ class ODPOConfig:
     "where sampling runs: synchronous (max_staleness 0) or a sampler thread up to max_staleness rounds ahead"
 
     UNUSED = {"preference.sample_max_new_tokens": "samples come from the rounds (rollout.max_new_tokens)",
+              "rollout.sampler_copy": "the rounds sample from the policy itself",
               "preference.ref_model": "the reference is the initial policy (fixed) or the round's (reset)"}
 
     def __post_init__(self):

@@ -372,8 +372,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     # a plain copy to sample from, refreshed after each step: under torchrun from the shards; in one
     # process on request (rollout.sampler_copy), in the compute dtype instead of the fp32 weights
     if rollout_replica and (distributed.active() or getattr(getattr(cfg, "rollout", None), "sampler_copy", False)):
-        replica = copy.deepcopy(model).requires_grad_(False).eval()
-        replica.to(device=device, dtype=torch.bfloat16 if sharding_bf16(cfg, device) else None)
+        replica = sampling_copy(model, device, bf16=sharding_bf16(cfg, device))
     if distributed.active():
         for m in (model, ref):
             if m is not None:
@@ -422,6 +421,18 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
     run.write_config(cfg)
     t.bar = Progress(total, t.step, cfg.run.name, enabled=cfg.run.progress and run.is_main)
     return t
+
+
+def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
+    """A frozen copy of `model` to sample from, on `device`; bf16: its *parameters* in bf16 (the
+    compute dtype). Buffers keep their dtype: RoPE's inv_freq is a non-persistent fp32 buffer that no
+    weight refresh (copy_full_weights walks state_dict) restores, and in bf16 it put the cos/sin
+    tables up to 0.36 off at position 2047 — the trainer computes them in fp32 (autocast, FSDP2)."""
+    replica = copy.deepcopy(model).requires_grad_(False).eval().to(device)
+    if bf16:
+        for p in replica.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return replica
 
 
 def sharding_bf16(cfg, device) -> bool:
