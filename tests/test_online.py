@@ -156,6 +156,35 @@ def test_sampler_copy_is_refreshed_after_every_update(setup):
     assert a[0]["loss"] != a[-1]["loss"]  # the weights did move between the samplings
 
 
+def test_a_bf16_sampling_copy_borrows_the_fp32_gradient_buffer(setup, monkeypatch):
+    """rollout.sampler_copy with a bf16 copy (forced here on CPU; on CUDA the default under mixed
+    precision): the bf16 KV cache lives in the fp32 gradient buffer's bytes (viewed as bf16), and the
+    run equals the one whose cache has memory of its own."""
+    from tether.rollout import Sampler
+    from tether.trainers import common, setup as setup_module
+    monkeypatch.setattr(setup_module, "sharding_bf16", lambda cfg, device: True)
+    seen = []
+    real_sample = Sampler.sample
+
+    def spy(self, *a, **k):
+        out = real_sample(self, *a, **k)
+        s, b = self.kv_storage, self.backend.k
+        seen.append(s is not None and s.dtype == b.dtype == torch.bfloat16
+                    and s.data_ptr() <= b.data_ptr() < s.data_ptr() + s.numel() * s.element_size())
+        return out
+    monkeypatch.setattr(Sampler, "sample", spy)
+    kw = dict(max_steps=3, batch_size=1, micro_batch_size=4, sampler_copy=True)
+    train_grpo(_cfg(setup, "bf16_shared", **kw), reward_funcs=[digit_frac])
+    assert seen and all(seen)
+    monkeypatch.setattr(common, "flat_grad_buffer", lambda model, at_least=0: None)
+    train_grpo(_cfg(setup, "bf16_own", **kw), reward_funcs=[digit_frac])
+    volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
+                "gather_time"}
+    a = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "bf16_shared")]
+    b = [{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, "bf16_own")]
+    assert a == b and len(a) == 3
+
+
 def test_sampling_copy_casts_the_weights_not_the_rope_buffers():
     """The bf16 sampling copy (rollout.sampler_copy on CUDA; the torchrun replica): parameters in
     bf16, refreshed from the fp32 weights by copy_full_weights; RoPE's non-persistent inv_freq stays

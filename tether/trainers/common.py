@@ -273,8 +273,16 @@ def lend_gradients(sampler, model, sequences: int, max_len: int) -> torch.Tensor
     which the trainer zeroes after sampling and steps with `keep_grads=True`, or None (gradients
     freed after each step as usual, the cache in memory of its own)."""
     need = sampler.kv_cache_elements(sequences, max_len)
-    buf = flat_grad_buffer(model, need) if need is not None else None
-    sampler.kv_storage = buf
+    trained = next((p for p in model.parameters() if p.requires_grad), None)
+    if need is None or trained is None:
+        sampler.kv_storage = None
+        return None
+    # A sampling copy in another dtype (rollout.sampler_copy: bf16 cache, fp32 gradients) borrows
+    # the same bytes: the buffer viewed as the cache's dtype (the backend takes storage of its own dtype)
+    kv = next(sampler.model.parameters()).dtype
+    per = trained.element_size() // kv.itemsize if trained.element_size() % kv.itemsize == 0 else 0
+    buf = flat_grad_buffer(model, -(-need // per)) if per else None
+    sampler.kv_storage = buf if buf is None or buf.dtype == kv else buf.view(kv)
     return buf
 
 

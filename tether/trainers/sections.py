@@ -217,7 +217,7 @@ class RolloutSection:
     stop: list[str] = field(default_factory=list)
     "stop strings ending a completion (besides EOS)"
     sampler_copy: bool = False
-    "one process (grpo family, ppo): sample from a copy of the policy whose weights are in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision; its KV cache too), refreshed after each update, instead of from the fp32 weights themselves; costs 2 B a parameter, and the KV cache no longer lives in the idle gradient buffer (another dtype); under torchrun the copy always exists"
+    "one process (grpo family, ppo): sample from a copy of the policy whose weights are in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision; its KV cache too), refreshed after each update, instead of from the fp32 weights themselves; costs 2 B a parameter (the bf16 KV cache still borrows the idle fp32 gradient buffer's bytes); under torchrun the copy always exists"
 
     def sampling(self):
         """The sampler's config for these knobs (the engine's other settings keep their defaults)."""
