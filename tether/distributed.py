@@ -340,10 +340,16 @@ def copy_full_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Every parameter and buffer of sharded `src` gathered into the plain replica `dst` (same
     names; the replica's dtype). Collective: every rank ends with the whole model."""
     target = dict(dst.named_parameters())
+    params = set(target)
     target.update(dict(dst.named_buffers()))
+    written = set()
     for name, value in src.state_dict().items():
         if name in target:
             target[name].copy_(full(value))
+            written.add(name)
+    if params - written:  # a weight the sampler would keep stale forever: refuse rather than drift
+        raise RuntimeError(f"copy_full_weights: {len(params - written)} parameter(s) of the copy have no "
+                           f"counterpart in the model's state_dict, e.g. {sorted(params - written)[:3]}")
 
 
 # --- optimizer state through torch.distributed.checkpoint ---------------------------------------
