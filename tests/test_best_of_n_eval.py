@@ -14,15 +14,13 @@ from tether.cli import main
 from tether.trainers.best_of_n import BoNConfig, run_bon
 
 # The tiny world of `tether eval`'s tests (a scaled-up random model, the parity verifier).
+from queue_support import one_thread_for_the_module  # noqa: E402
 from test_evaluation import PROMPTS, REWARD, _model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_thread_for_the_module()
 
 
 def _write(path, rows):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from tether.memory.single import (HEAD_CHUNK_BYTES_PER_LOGIT, HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
-                           activation_bytes, held_models)
+                           activation_bytes, held_models, whole_logits)
 
 # The constants below are measurements (bench/memory_check.py, 2 x H100 / H200, torch 2.11,
 # Qwen2.5-0.5B and -7B shapes; the numbers are in docs/memory.md, "Many GPUs: measured").
@@ -156,8 +156,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         if m.activations == "lm":
             full = seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES
             chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
-            # the code chunks by count (models/logprobs.uses_chunked_head: B·T·V > 2^25 on CUDA)
-            if seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS:  # SFT too (sft._micro_loss)
+            if whole_logits(cfg, shape, seqs):  # SFT too (sft._micro_loss)
                 add(f"{m.name} logits", "training", full,
                     note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
             else:  # the chunked head, as in one process

@@ -172,14 +172,19 @@ def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int, d: int | None =
 HEAD_CHUNK_LOGITS, HEAD_CHUNK_BYTES_PER_LOGIT = 1 << 25, 14
 
 
+def whole_logits(cfg: MemoryConfig, shape: Shape, seqs: int) -> bool:
+    """Whether a forward of `seqs` sequences holds its logits whole: the code decides by *count*
+    (models/logprobs.uses_chunked_head: B·T·V > 2^25 logits on CUDA is chunked), SFT included."""
+    return seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS
+
+
 def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
     """Logits in weight dtype + the fp32 log-softmax kept for backward + its fp32 gradient in backward,
     where they fit one chunk; larger, every trainer (SFT too since session 10: sft._micro_loss goes
     through models.logprobs.completion_token_logps) applies the head in chunks and holds one chunk
     (HEAD_CHUNK_LOGITS)."""
     full = seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
-    # the code chunks by count (models/logprobs.uses_chunked_head: B·T·V > 2^25 logits on CUDA)
-    return full if seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS else HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
+    return full if whole_logits(cfg, shape, seqs) else HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
 
 
 def estimate(cfg: MemoryConfig) -> dict:
@@ -230,15 +235,14 @@ def estimate(cfg: MemoryConfig) -> dict:
         if m.activations == "lm" and mixed:  # as per GPU (sharded.py): bf16 logits + their gradient
             full = seqs * cfg.seq_len * shape.vocab * c * 2
             chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
-            # chunked by count, as the code decides (uses_chunked_head); SFT too (sft._micro_loss)
-            whole = seqs * cfg.seq_len * shape.vocab <= HEAD_CHUNK_LOGITS
+            whole = whole_logits(cfg, shape, seqs)
             lb = full if whole else chunk
             add(f"{m.name} logits", "training", lb,
                 note=(f"chunked LM head: {HEAD_CHUNK_LOGITS} logits at a time" if not whole else
                       f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, bf16 logits + their gradient"))
         elif m.activations == "lm":
             lb = logits_bytes(cfg, shape, seqs)
-            chunked = seqs * cfg.seq_len * shape.vocab > HEAD_CHUNK_LOGITS
+            chunked = not whole_logits(cfg, shape, seqs)
             add(f"{m.name} logits", "training", lb,
                 note=("one chunk of the LM head (plain-head families; others hold all " if chunked else "")
                 + f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab: {d} B + fp32 log-probs + fp32 grad"
