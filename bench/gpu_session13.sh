@@ -3,6 +3,9 @@
 # one mode per device call on a 4-GPU machine held across the calls:
 #   join <k>    GGUF part k (carry bench/gguf_parts/smollm2.gguf.part-0k; part 0 also the gguf wheel
 #               and wheels/ for TRL): three calls before the real-model modes
+#   diag16      issue 16 (session 13): DPO 0.5B 1 and 2 GPUs traced (bench/trace_busy.py: GPU busy vs
+#               span, launches), two independent 1-GPU runs at once, one process sharded by FSDP2
+#               (--world1), and compile=true on 1/2/4
 #   trace16     issue 16 (no GGUF needed): DPO 0.5B on 2 GPUs with every rank's trace and
 #               bench/trace_skew.py's verdict (which rank arrives last at each collective, and what
 #               its CPU was doing), plain and with one micro-batch a step (--micro-batch 16); then
@@ -32,6 +35,26 @@ case "$mode" in
 join)
     bash bench/gpu_session11.sh join "$1"
     [ "$1" = 0 ] && python3 -m pip install -q --no-index --no-deps wheels/*.whl 2>&1 | tail -2
+    ;;
+diag16)  # issue 16: is the 2-process overhead FSDP2's own, the host's, or CPU-bound launching?
+    common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 100 --algos dpo)
+    s() { grep -E "^\| dpo" | tail -4; }
+    timeout 200 python3 bench/scale.py "${common[@]}" --gpus 1,2 --trace /tmp/tA --results /tmp/a.md | s
+    (cd bench && python3 trace_busy.py /tmp/tA/*.gz; python3 trace_skew.py /tmp/tA/dpo2-rank0.json.gz /tmp/tA/dpo2-rank1.json.gz) \
+        2>&1 | tee "$OUT/busy-plain.txt"
+    echo "--- two independent 1-GPU runs at once (GPUs 0 and 1)"
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/scale.py "${common[@]}" --gpus 1 --port-base 29600 \
+        --results /tmp/b0.md --json "$OUT/concurrent-gpu0.json" > /tmp/b0.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 120 python3 bench/scale.py "${common[@]}" --gpus 1 --port-base 29700 \
+        --results /tmp/b1.md --json "$OUT/concurrent-gpu1.json" > /tmp/b1.log 2>&1 &
+    wait; s < /tmp/b0.log; s < /tmp/b1.log
+    echo "--- one process sharded by FSDP2 (a one-rank group)"
+    timeout 120 python3 bench/scale.py "${common[@]}" --gpus 1 --world1 --results /tmp/c.md \
+        --json "$OUT/world1.json" --log-dir /tmp/clog | s; grep -h world1: /tmp/clog/*.log | head -2
+    echo "--- compile=true"
+    timeout 260 python3 bench/scale.py "${common[@]}" --gpus 1,2,4 --set compile=true --results /tmp/d.md \
+        --json "$OUT/compile.json" --log-dir /tmp/dlog | s
+    tail -3 /tmp/dlog/*.log | grep -i error | head -3
     ;;
 trace16)
     common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 90)

@@ -141,6 +141,18 @@ def worker(a) -> None:
         torch.cuda.reset_peak_memory_stats()
     prof = _profiler(a, N) if a.profile else (_tracer(a, N) if a.trace else None)
     keep = cli._leave_process_group
+    if a.world1:  # diagnosis: FSDP2 and the group's code paths in ONE process (a one-rank group)
+        import torch.distributed as dist
+        if a.device == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if a.device == "cuda" else "gloo")
+        distributed.active = lambda: dist.is_initialized()  # every `distributed.active()` now says yes
+        shard = distributed.shard
+
+        def said(model, layers, **kw):  # the log shows it sharded
+            print(f"world1: FSDP2 over {len(layers)} layers, {kw}", flush=True)
+            return shard(model, layers, **kw)
+        distributed.shard = said
     distributed.init()  # joined here, so the CLI keeps the group and the peaks gather over every rank
     code = cli.main(args) if not distributed.active() else _in_group(cli, args)
     if prof is not None:
@@ -240,14 +252,14 @@ def _in_group(cli, args):
 def launch(a, N: int) -> dict:
     """One run on N processes; its numbers from metrics.jsonl and the worker's peaks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(N),
-           "--master-port", str(29500 + N), __file__, "--worker", "--algo", a.algo,
+           "--master-port", str(a.port_base + N), __file__, "--worker", "--algo", a.algo,
            "--shape", a.shape, "--model-dir", str(a.model_dir), "--work", str(a.work),
            "--data", str(a.data), "--device", a.device, "--per-gpu", str(a.per_gpu),
            "--generations", str(a.generations), "--new-tokens", str(a.new_tokens),
            "--prompt-len", str(a.prompt_len), "--dpo-len", str(a.dpo_len),
            "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--grad-ckpt", a.grad_ckpt] + (["--profile", a.profile] if a.profile else []) \
-        + (["--trace", a.trace] if a.trace else []) \
+        + (["--trace", a.trace] if a.trace else []) + (["--world1"] if a.world1 else []) \
         + [x for kv in (a.set or []) for x in ("--set", kv)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if a.device == "cpu":
@@ -402,6 +414,10 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, help="write rank 0's torch.profiler tables of 2 steps here")
     ap.add_argument("--trace", default=None, help="write every rank's chrome trace of 2 steps here "
                                                   "(bench/trace_skew.py reads them)")
+    ap.add_argument("--world1", action="store_true", help="diagnosis: the 1-GPU run in a one-rank process "
+                    "group, so it is sharded with FSDP2 like the N-GPU runs (separates FSDP2's own cost from N processes')")
+    ap.add_argument("--port-base", type=int, default=29500, help="torchrun's port is this + N (two concurrent "
+                    "scale.py calls need different bases)")
     ap.add_argument("--set", action="append", default=None, help="extra tether key=value for every run (diagnosis)")
     ap.add_argument("--keep-model", default=None, help="build the model into this folder once and reuse it "
                     "(a later call with the same folder skips the build); default: a temporary folder")
