@@ -44,6 +44,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 SHAPES = {
     "tiny": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
+    # issue 16's CPU-side diagnosis: the 0.5B shape's depth with negligible compute (per-op overhead)
+    "thin24": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=24, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
     "qwen0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                      num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
     "qwen7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
@@ -63,7 +66,7 @@ def build(shape: str, out: Path, device: str) -> None:
                       eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device("cuda" if device == "cuda" else "cpu"):  # 7B: init on the GPU, seconds not minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if shape != "tiny" else torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if shape not in ("tiny", "thin24") else torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.save_pretrained(out)
@@ -154,7 +157,15 @@ def worker(a) -> None:
             return shard(model, layers, **kw)
         distributed.shard = said
     distributed.init()  # joined here, so the CLI keeps the group and the peaks gather over every rank
+    if a.cprofile:  # rank 0's Python profile of the whole command (pstats file)
+        import cProfile
+        pr = cProfile.Profile()
+        pr.enable()
     code = cli.main(args) if not distributed.active() else _in_group(cli, args)
+    if a.cprofile and distributed.rank() == 0:
+        pr.disable()
+        Path(a.cprofile).mkdir(parents=True, exist_ok=True)
+        pr.dump_stats(str(Path(a.cprofile, f"{a.algo}{N}{'-world1' if a.world1 else ''}.pstats")))
     if prof is not None:
         prof.__exit__(None, None, None)
     mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) \
@@ -260,6 +271,7 @@ def launch(a, N: int) -> dict:
            "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--grad-ckpt", a.grad_ckpt] + (["--profile", a.profile] if a.profile else []) \
         + (["--trace", a.trace] if a.trace else []) + (["--world1"] if a.world1 else []) \
+        + (["--cprofile", a.cprofile] if a.cprofile else []) \
         + [x for kv in (a.set or []) for x in ("--set", kv)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if a.device == "cpu":
@@ -416,6 +428,7 @@ def main(argv=None):
                                                   "(bench/trace_skew.py reads them)")
     ap.add_argument("--world1", action="store_true", help="diagnosis: the 1-GPU run in a one-rank process "
                     "group, so it is sharded with FSDP2 like the N-GPU runs (separates FSDP2's own cost from N processes')")
+    ap.add_argument("--cprofile", default=None, help="write rank 0's cProfile stats of the command here")
     ap.add_argument("--port-base", type=int, default=29500, help="torchrun's port is this + N (two concurrent "
                     "scale.py calls need different bases)")
     ap.add_argument("--set", action="append", default=None, help="extra tether key=value for every run (diagnosis)")

@@ -2,7 +2,7 @@
 dtypes must equal the concatenation every rank's rows make in rank order, and max_float the
 largest value or NaN when any rank has one; distributed.accumulation over a model sharded with
 defer_grad_sync reduces nothing before the last micro-batch and then the same gradient as a
-backward-by-backward reduction (tests/test_distributed.py)."""
+backward-by-backward reduction; distributed.replicate and sum_gradients (tests/test_distributed.py)."""
 import math
 import os
 import sys
@@ -92,6 +92,45 @@ if differ(plain, deferred):
     bad.append("deferred gradient")
 if differ(plain_more, deferred_more):  # still deferred after the loop: the extra backward unreduced
     bad.append("sync not restored after the loop")
+
+
+def replicated_sum():
+    """distributed.replicate + sum_gradients: rank 1's different initial weights become rank 0's;
+    after per-rank backwards the gradients are the sum of what each rank computed (checked against
+    a plain model fed both ranks' data), over several buckets (a bucket smaller than the embedding,
+    so that one goes alone); a parameter only rank 1 used gets rank 1's gradient on both, one no
+    rank used keeps None."""
+    from tether.models.tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(r)  # different on each rank: replicate must broadcast rank 0's
+    cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()  # rank 0's weights, fed every rank's data
+    distributed.replicate(model)
+    extra, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    data = [torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(20 + k)) for k in range(2)]
+    model(input_ids=data[r], labels=data[r]).loss.backward()
+    if r == 1:
+        (extra * 2.0).sum().backward()
+    for ids in data:
+        ref(input_ids=ids, labels=ids).loss.backward()
+    keep, distributed.GRAD_BUCKET_BYTES = distributed.GRAD_BUCKET_BYTES, 4096
+    try:
+        distributed.sum_gradients(list(model.parameters()) + [extra, unused])
+    finally:
+        distributed.GRAD_BUCKET_BYTES = keep
+    out = []
+    if any(not torch.equal(p, q) for p, q in zip(model.state_dict().values(), ref.state_dict().values())):
+        out.append("replicate broadcast")
+    if any(float((p.grad - q.grad).abs().max()) > 1e-5 for p, q in zip(model.parameters(), ref.parameters())):
+        out.append("summed gradient")
+    if extra.grad is None or not torch.equal(extra.grad, torch.full((3,), 2.0)) or unused.grad is not None:
+        out.append("gradient of a parameter one rank or no rank used")
+    return out
+
+
+bad += replicated_sum()
 if r == 0:
     print("BAD " + ",".join(bad) if bad else "OK")
 torch.distributed.barrier()  # leave together: a gloo rank exiting mid-teardown aborts its peer

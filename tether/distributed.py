@@ -7,13 +7,21 @@ Every trainer runs unchanged in each process (rank); what differs is said here o
 - **Ranks are micro-batches.** A global batch (the config's sizes mean what they mean in one
   process) is cut into per-rank parts (`EpochSampler(rank, world_size)`). Each rank backpropagates
   its part's *sum* divided by the *global* count (tokens, rows, sequences: `sum_floats`), and FSDP2
-  sums the gradients across ranks (gradient divide factor 1, see `shard`). That is exactly the
+  sums the gradients across ranks (gradient divide factor 1, see `shard`; replicated models:
+  `sum_gradients`, called by every optimizer step). That is exactly the
   gradient accumulation a single process does over micro-batches, so 1 and N processes compute the
   same update (up to the order of float additions).
 - **Sharding** (`shard`): FSDP2's `fully_shard` on every decoder layer, then the root; parameters
   gathered for a layer's forward and freed after. On CUDA with fp32 master weights, bf16 compute
   and fp32 gradient reduction (`MixedPrecisionPolicy`); optional CPU offload. Frozen models (the
   reference, a reward model) are sharded the same way: their forwards are collective too.
+- **Or replication** (`replicate`, the trainers' `fsdp=false`): every rank holds the whole model
+  exactly as one process does (same dtype, autocast), with no hooks in its forward or backward,
+  and each optimizer step first sums the gradients over ranks in a few bucketed all-reduces
+  (`sum_gradients`). Why it exists beside FSDP2: FSDP2's per-layer Python hooks cost CPU time on
+  every forward and backward of every layer; a model small enough to be GPU-light is CPU-bound
+  already (Qwen2.5-0.5B DPO on an H200: the GPU computes 30 % of a step), so those hooks were the
+  whole of the 2-GPU slowdown (measured in docs/distributed.md, session 13).
 - **Collectives need every rank.** A sharded forward all-gathers, so every rank must run the same
   number of forwards of a sharded model; trainers keep per-rank batch counts equal. What only rank 0
   does (writing files, printing) never touches a sharded model.
@@ -254,27 +262,21 @@ def is_sharded(model) -> bool:
 
 def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool = False,
           offload: bool = False, reshard_after_forward: bool = True,
-          replicate: bool = False, defer_grad_sync: bool = False, unit_layers: int = 1) -> torch.nn.Module:
+          defer_grad_sync: bool = False, unit_layers: int = 1) -> torch.nn.Module:
     """FSDP2 in place: `fully_shard` each of `layers` (the decoder layers: one all-gather per layer
     per forward), then `model` itself (embeddings, final norm, head). bf16: compute in bf16, reduce
     gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
     optimizer state live on the CPU between uses. Gradients are *summed* over ranks (divide factor
-    1): the trainers divide by global counts themselves (module doc). replicate: every rank keeps
-    the whole model and gradients are all-reduced (FSDP2 over a world_size x 1 mesh: DDP through
-    the same code path). defer_grad_sync: with several micro-batches a step, reduce only the last
+    1): the trainers divide by global counts themselves (module doc). defer_grad_sync: with several micro-batches a step, reduce only the last
     one's gradients (:func:`accumulation`). unit_layers: consecutive layers per FSDP2 unit (one
     all-gather and one reduce-scatter for the group; fewer, larger collectives and fewer hooks, whose
     Python bookkeeping is a per-unit cost). Returns `model`."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    mesh = None
-    if replicate:
-        mesh = init_device_mesh(_device().type, (world_size(), 1), mesh_dim_names=("replicate", "shard"))
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else None,
-              reshard_after_forward=reshard_after_forward, mesh=mesh)
+              reshard_after_forward=reshard_after_forward)
     kw = {k: v for k, v in kw.items() if v is not None}
     layers = list(layers)
     for i in range(0, len(layers), unit_layers):
@@ -287,6 +289,65 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
     model.tether_defer_grad_sync = defer_grad_sync
     return model
+
+
+def replicate(model: torch.nn.Module) -> torch.nn.Module:
+    """The whole `model` on this rank's device, its parameters and buffers rank 0's (a broadcast:
+    a freshly initialised head must not differ between ranks), marked so that `sum_gradients` sums
+    its gradients at each step. Nothing is wrapped or hooked: forward and backward run as in one
+    process. Returns `model`."""
+    model.to(_device())
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+    model.tether_replicated = True
+    return model
+
+
+GRAD_BUCKET_BYTES = 256 << 20  # per all-reduce: few enough calls, a bounded temporary per bucket
+
+
+@torch.no_grad()
+def sum_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Sum the plain (not sharded) parameters' gradients over the ranks, in place: a replicated
+    model's data-parallel reduction (`replicate`), once per optimizer step after the last
+    micro-batch. Sharded parameters (DTensors: FSDP2 reduced them in backward) are skipped; off
+    torchrun nothing happens. A parameter that got no gradient on some rank (None) counts as zeros
+    there, and one that got none on any rank keeps None, as in one process (a small all-reduce of
+    which ones have one: the bucket layout must be every rank's)."""
+    if not active():
+        return
+    params = [p for p in params if not hasattr(p, "to_local")]
+    if not params:
+        return
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=_device())
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    for p, h in zip(params, has.tolist()):
+        if h and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p, h in zip(params, has.tolist()) if h]
+    by_kind: dict = {}
+    for g in grads:
+        by_kind.setdefault((g.dtype, g.device), []).append(g)
+    for group in by_kind.values():
+        for bucket in _buckets(group):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            torch._foreach_copy_(bucket, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+
+
+def _buckets(tensors: list) -> Iterable[list]:
+    """`tensors` in order, cut into runs of at most GRAD_BUCKET_BYTES (a larger one alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > GRAD_BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += n
+    if bucket:
+        yield bucket
 
 
 def accumulation(model, micro_batches: Iterable):

@@ -133,6 +133,7 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
     :func:`flat_grad_buffer`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    distributed.sum_gradients(params)  # a replicated model's data-parallel sum (sharded: done in backward)
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     norm = float(distributed.full(norm))  # sharded gradients: the global norm (a DTensor)
     if distributed.active():  # every rank takes the same decision, or the next collective hangs

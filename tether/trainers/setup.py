@@ -443,9 +443,12 @@ def sharding_bf16(cfg, device) -> bool:
 
 
 def shard_model(model, cfg) -> torch.nn.Module:
-    """FSDP2 over `model`'s decoder layers per the `model` section (distributed.shard)."""
+    """Under torchrun: FSDP2 over `model`'s decoder layers per the `model` section
+    (distributed.shard), or with `fsdp=false` the whole model on every rank (distributed.replicate:
+    one process's numerics, gradients summed at each step)."""
+    if not cfg.model.fsdp:
+        return distributed.replicate(model)
     device = next(model.parameters()).device
     return distributed.shard(model, decoder_layers(model), bf16=sharding_bf16(cfg, device),
                              offload=cfg.model.fsdp_offload, reshard_after_forward=cfg.model.fsdp_reshard,
-                             replicate=not cfg.model.fsdp, defer_grad_sync=cfg.model.fsdp_defer_sync,
-                             unit_layers=cfg.model.fsdp_unit_layers)
+                             defer_grad_sync=cfg.model.fsdp_defer_sync, unit_layers=cfg.model.fsdp_unit_layers)
