@@ -6,6 +6,8 @@
 #   diag16      issue 16 (session 13): DPO 0.5B 1 and 2 GPUs traced (bench/trace_busy.py: GPU busy vs
 #               span, launches), two independent 1-GPU runs at once, one process sharded by FSDP2
 #               (--world1), and compile=true on 1/2/4
+#   repl16      issue 16: DPO 1/2/4 with fsdp=false (plain replication, session 13), DPO 2/4 FSDP2 on the
+#               same machine, GRPO 1/2/4 fsdp=false
 #   trace16     issue 16 (no GGUF needed): DPO 0.5B on 2 GPUs with every rank's trace and
 #               bench/trace_skew.py's verdict (which rank arrives last at each collective, and what
 #               its CPU was doing), plain and with one micro-batch a step (--micro-batch 16); then
@@ -55,6 +57,16 @@ diag16)  # issue 16: is the 2-process overhead FSDP2's own, the host's, or CPU-b
     timeout 260 python3 bench/scale.py "${common[@]}" --gpus 1,2,4 --set compile=true --results /tmp/d.md \
         --json "$OUT/compile.json" --log-dir /tmp/dlog | s
     tail -3 /tmp/dlog/*.log | grep -i error | head -3
+    ;;
+repl16)  # issue 16 after diag16: fsdp=false is plain replication now (no FSDP2 hooks); same machine
+    common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 110)
+    s() { grep -E "^\| (dpo|grpo)" | tail -4; }
+    timeout 200 python3 bench/scale.py "${common[@]}" --algos dpo --gpus 1,2,4 --set fsdp=false \
+        --results /tmp/a.md --json "$OUT/dpo-replicated.json" --log-dir "$OUT/logs" | s
+    timeout 130 python3 bench/scale.py "${common[@]}" --algos dpo --gpus 2,4 \
+        --results /tmp/b.md --json "$OUT/dpo-fsdp.json" --log-dir "$OUT/logs-fsdp" | s
+    timeout 250 python3 bench/scale.py "${common[@]}" --algos grpo --gpus 1,2,4 --set fsdp=false \
+        --results /tmp/c.md --json "$OUT/grpo-replicated.json" --log-dir "$OUT/logs" | s
     ;;
 trace16)
     common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 90)

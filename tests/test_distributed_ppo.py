@@ -151,6 +151,18 @@ def test_a_two_process_checkpoint_resumes_in_one_process(world, one, two):
 
 
 @pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
+def test_replicated_ppo_in_two_processes_equals_one_process(world, one):
+    # fsdp=false: policy, reference, critic and the rollout replica whole on every rank, gradients
+    # summed at the step (distributed.sum_gradients) -- the same run as one process and as FSDP2
+    ok(run_tether("ppo", _ppo(world, "replicated", fsdp="false"), nproc=2))
+    run = world / "runs" / "replicated"
+    assert assert_same_metrics(one, run) >= 2 * 30
+    last = f"step-{STEPS}"
+    assert_same_weights(one / "checkpoints" / last, run / "checkpoints" / last)
+    assert_same_weights(one / "checkpoints" / last / "value", run / "checkpoints" / last / "value")
+
+
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_lora_ppo_in_two_processes_equals_one_process(world):
     # Adapters on the sharded policy, the reference as the base with them disabled, the critic
     # trained in full; the checkpoint holds the adapter (gathered) and the critic.
