@@ -51,6 +51,17 @@ def test_yaml_then_overrides(tmp_path):
     assert load_config(Cfg, None, ["inner.dtype=fp16"]).inner.dtype == "fp16"
 
 
+def test_on_and_off_mean_the_words_where_the_choices_are_words():
+    # YAML 1.1 reads `on` as True: `optim.fused_adamw=on` used to be refused ("got True")
+    @dataclass
+    class Switch:
+        mode: Literal["auto", "on", "off"] = "auto"
+        "a three-way switch"
+    assert [load_config(Switch, None, [f"mode={v}"]).mode for v in ("on", "off", "auto")] == ["on", "off", "auto"]
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_config(Cfg, None, ["loss=on"])  # no such word among the choices: still refused
+
+
 @pytest.mark.parametrize("args, needle", [
     (["lrr=1"], "unknown config key 'lrr'"),
     (["steps=abc"], "config key 'steps' expects int"),

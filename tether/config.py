@@ -109,6 +109,10 @@ def _coerce(value: Any, tp: Any, key: str, checked: bool = False) -> Any:
     if origin is Literal:
         if value in get_args(tp):
             return value
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans: `fused_adamw=on`
+            for word in (("on", "yes", "true") if value else ("off", "no", "false")):
+                if word in get_args(tp):
+                    return word
         raise ConfigError(f"config key '{key}' must be one of "
                           f"{', '.join(repr(a) for a in get_args(tp))}; got {value!r}")
     if origin in (typing.Union, types.UnionType):

@@ -46,7 +46,7 @@ class ModelSection:
     lora_targets: str = "all-linear"
     "modules to adapt: 'all-linear' or comma-separated names (q_proj,v_proj)"
     fsdp: bool = True
-    "under torchrun (WORLD_SIZE > 1): shard parameters, gradients and optimizer state over the processes (FSDP2); false = a full replica per process, gradients all-reduced (DDP-like; faster for models that fit)"
+    "under torchrun (WORLD_SIZE > 1): shard parameters, gradients and optimizer state over the processes (FSDP2); false = the whole model on every process as one process holds it, gradients summed by bucketed all-reduces at each step (no FSDP2 hooks: faster for a model whose training state fits one GPU; docs/distributed.md)"
     fsdp_offload: bool = False
     "under torchrun: keep sharded parameters, gradients and optimizer state in CPU memory between uses (FSDP2 CPUOffloadPolicy)"
     fsdp_reshard: bool = True
