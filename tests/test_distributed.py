@@ -185,3 +185,15 @@ def test_cat_ranks_rebuilds_the_rows_in_rank_order():
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "OK", proc.stdout
+
+
+def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_of_a_gpu():
+    from tether.trainers.setup import replication_hint
+    gpu = 80 * 10**9
+    # Qwen2.5-0.5B trained with an fp32 reference copy: 16 B x 494M + 2 GB = 9.9 GB of 80: replicate
+    said = replication_hint(494_000_000, 4 * 494_000_000, gpu)
+    assert said is not None and "fsdp=false" in said and "9.9 GB" in said
+    # 7B: 122 GB of training state; and the edge: exactly a quarter says it, a byte more does not
+    assert replication_hint(7_600_000_000, 0, gpu) is None
+    assert replication_hint(gpu // 64, 0, gpu) is not None
+    assert replication_hint(gpu // 64, 1, gpu) is None

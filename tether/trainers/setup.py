@@ -373,6 +373,13 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     # process on request (rollout.sampler_copy), in the compute dtype instead of the fp32 weights
     if rollout_replica and (distributed.active() or getattr(getattr(cfg, "rollout", None), "sampler_copy", False)):
         replica = sampling_copy(model, device, bf16=sharding_bf16(cfg, device))
+    hint = None
+    if distributed.active() and distributed.uses_cuda() and cfg.model.fsdp:
+        held = [m for m in (model, ref) if m is not None]
+        hint = replication_hint(sum(p.numel() for m in held for p in m.parameters() if p.requires_grad),
+                                sum(p.numel() * p.element_size() for m in held for p in m.parameters()
+                                    if not p.requires_grad),
+                                torch.cuda.get_device_properties(device).total_memory)
     if distributed.active():
         for m in (model, ref):
             if m is not None:
@@ -384,6 +391,8 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
                    rows_per_step, updates_per_step)
         t.replica = replica
+        if hint:
+            t.warn("fsdp_small_model", hint)
         return t
     except BaseException:
         run.close()  # the lock goes with a start that failed
@@ -433,6 +442,20 @@ def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
         for p in replica.parameters():
             p.data = p.data.to(torch.bfloat16)
     return replica
+
+
+def replication_hint(trainable_params: int, frozen_bytes: int, gpu_bytes: int) -> str | None:
+    """Under torchrun with FSDP2: a note when the whole training state (fp32 weight, gradient and
+    two AdamW moments: 16 B a trained parameter, plus the frozen weights) would fill at most a
+    quarter of one GPU. Replication (fsdp=false) is then faster: FSDP2's per-layer hooks make a
+    small model's step CPU-bound (0.5B DPO on 2 H200s: 0.84 s a step sharded, 0.41-0.46 replicated;
+    docs/distributed.md, session 13). A quarter leaves room for activations and rollouts."""
+    need = 16 * trainable_params + frozen_bytes
+    if need > gpu_bytes / 4:
+        return None
+    return (f"the models' training state ({need / 1e9:.1f} GB) fits one GPU ({gpu_bytes / 1e9:.0f} GB): "
+            f"fsdp=false (a whole copy per GPU, gradients all-reduced) is faster at this size than "
+            f"FSDP2 sharding (docs/distributed.md, 'Which one')")
 
 
 def sharding_bf16(cfg, device) -> bool:
