@@ -1,4 +1,5 @@
-"""`tether memory gpus=N`: the per-GPU accounting of N processes under torchrun (tether/memory/sharded.py).
+"""`tether memory gpus=N`: the per-GPU accounting of N processes under torchrun (tether/memory/sharded.py
+for FSDP2, tether/memory/replicated.py for sharding=replicate, the trainers' fsdp=false).
 
 The model is a Qwen2.5-0.5B-shaped config (no weights). Its numbers, by hand:
     hidden h=896, 24 layers, 14 heads / 2 kv heads (head_dim 64, kv dim 128), intermediate 4864,
@@ -16,6 +17,7 @@ import pytest
 from tether.cli import main
 from tether.config import ConfigError, load_config
 from tether.memory import MemoryConfig, estimate
+from tether.memory.replicated import GRAD_BUCKET_BYTES
 from tether.memory.sharded import CUDA_CONTEXT_BYTES, FSDP_LIVE_LAYERS, NCCL_BYTES
 
 N, LAYER, ROOT = 494_032_768, 14_912_384, 136_135_552
@@ -127,7 +129,7 @@ def test_optimizer_state_and_gradients_are_exactly_one_nth(qwen05, algo, lora, g
         for part in ("optimizer state", "gradients", "weights"):
             assert _row(sharded, f"{name} {part}") * gpus == _row(single, f"{name} {part}")
     replicated = _est(qwen05, gpus=gpus, sharding="replicate", **kw)
-    assert _sum(replicated, "resident") == _sum(single, "resident")  # a whole copy on every GPU
+    assert _sum(replicated, "resident") == _sum(single, "resident")  # one process's, on every GPU
     assert _sum(replicated, "gradients") == _sum(single, "gradients")
     assert _sum(sharded, "resident") * gpus == pytest.approx(_sum(single, "resident"), abs=gpus)
 
@@ -276,3 +278,103 @@ def test_one_gpu_fp32_autocast_within_ten_percent_of_measured(qwen05, kw, measur
     assert _row(est, "policy bf16 weight casts") > 0  # autocast's saved bf16 weights
     # bf16 (no autocast) keeps the single-GPU formulas as they were: no cast row
     assert not [x for x in _est(qwen05, gpus=1, **kw)["components"] if "casts" in x["component"]]
+
+
+# --- sharding=replicate: plain replication (distributed.replicate, sum_gradients), no FSDP2 ---
+
+FSDP_ROWS = ("gathered", "unsharded", "accumulated", "refresh", "loaded whole")
+
+
+def _one_process_part(est):
+    """(component, group, bytes) of the rows one process holds too (not the KV cache: its home differs)."""
+    return [(r["component"], r["group"], r["bytes"]) for r in est["components"]
+            if r["group"] in ("resident", "gradients", "training")]
+
+
+def _no_fsdp_rows(est):
+    return not [r["component"] for r in est["components"] if any(w in r["component"] for w in FSDP_ROWS)]
+
+
+def test_replicate_dpo_is_one_process_plus_the_gradient_sum(qwen05):
+    """Each GPU holds what one process holds for its share of the batch: 16 pairs over 2 GPUs are
+    8 pairs a GPU in micro-batches of 4, i.e. one process with batch_size=4 grad_accum=2 (bf16
+    autocast weight casts and all). The only row torchrun adds is sum_gradients' flat temporary,
+    after the last backward (activations freed): a phase of its own, not on top of the step."""
+    kw = dict(algo="dpo", weight_dtype="fp32", seq_len=1024)
+    rep = _est(qwen05, gpus=2, sharding="replicate", batch_size=4, grad_accum=4, **kw)
+    one = _est(qwen05, batch_size=4, grad_accum=2, **kw)
+    assert _one_process_part(rep) == _one_process_part(one)
+    assert _row(rep, "policy bf16 weight casts") == N * 2  # autocast, as in one process
+    assert {r["group"] for r in rep["components"]} == {"resident", "gradients", "training", "reduce"}
+    assert _no_fsdp_rows(rep)
+    # fp32 gradients (1.98 GB) go in buckets of 256 MiB, but the tied embedding's gradient
+    # (151936 x 896 x 4 B) is larger: a bucket of its own, the largest temporary
+    assert _row(rep, "gradient all-reduce bucket") == 151_936 * 896 * 4 == 544_538_624 > GRAD_BUCKET_BYTES
+    t, o = rep["totals_bytes"], one["totals_bytes"]
+    assert t["training_step"] == o["training_step"] == t["peak"]
+    assert t["gradient_sum"] == o["with_gradients"] + 544_538_624
+    assert t["peak_device"] == t["peak"] + CUDA_CONTEXT_BYTES + NCCL_BYTES
+    assert t["loading"] is None and t["frozen_forwards"] is None and t["rollout"] is None
+    assert rep["one_process_config"]["batch_size"] == 4 and rep["one_process_config"]["grad_accum"] == 2
+
+
+def test_replicate_bucket_is_at_most_256_mib_unless_one_gradient_is_larger(qwen05):
+    from tether import distributed
+    assert GRAD_BUCKET_BYTES == distributed.GRAD_BUCKET_BYTES == 256 << 20
+    # 7B guess in bf16: the largest gradient (32000 x 4096 x 2 B = 262 MB) fits one bucket
+    assert _row(_est("7e9", algo="sft", gpus=2, sharding="replicate"), "gradient all-reduce bucket") == 256 << 20
+    lora = _est(qwen05, algo="sft", gpus=2, sharding="replicate", lora=True, lora_rank=8)
+    assert _row(lora, "gradient all-reduce bucket") == _sum(lora, "gradients") < 256 << 20  # all in one
+
+
+def test_replicate_grpo_holds_a_replica_and_a_kv_cache_of_its_own(qwen05):
+    """Online: the rollout replica (whole bf16 policy) and the KV cache for the GPU's prompts in
+    the replica's dtype, never inside the gradients (flat_grad_buffer returns None under torchrun),
+    where one process lends the cache its gradient buffer."""
+    kw = dict(algo="grpo", weight_dtype="fp32", reward="verifier", beta=0, seq_len=384, batch_size=8,
+              num_generations=8, gradient_checkpointing=True)
+    rep = _est(qwen05, gpus=2, sharding="replicate", rollout_batch=16, **kw)
+    one = _est(qwen05, rollout_batch=8, **kw)
+    assert _one_process_part(rep) == _one_process_part(one)
+    kv = 64 * 384 * (2 * 24 * 2 * 64 * 2)  # 8 prompts x 8 per GPU, bf16
+    assert _row(rep, "rollout replica") == N * 2 and _row(rep, "KV cache (rollouts)") == kv
+    assert one["kv_in_gradient_buffer"] and not rep["kv_in_gradient_buffer"]
+    assert _no_fsdp_rows(rep)
+    t, o = rep["totals_bytes"], one["totals_bytes"]
+    assert t["training_step"] == o["training_step"] + N * 2 + kv == t["peak"]
+    assert t["rollout"] == t["weights_and_optimizer"] + N * 2 + kv  # gradients freed while sampling
+    assert t["gradient_sum"] == t["with_gradients"] + N * 2 + kv + 544_538_624
+
+
+def test_replicate_ignores_the_fsdp_options(qwen05, capsys):
+    kw = dict(algo="sft", gpus=4, sharding="replicate", weight_dtype="fp32", batch_size=4, grad_accum=8)
+    plain = _est(qwen05, **kw)
+    odd = _est(qwen05, fsdp_offload=True, fsdp_reshard=False, fsdp_unit_layers=4, fsdp_defer_sync=True, **kw)
+    assert odd["components"] == plain["components"] and odd["totals_bytes"] == plain["totals_bytes"]
+    assert main(["memory", "--model", qwen05, "--algo", "grpo", "gpus=2", "sharding=replicate",
+                 "fsdp_defer_sync=true"]) == 0
+    out = capsys.readouterr().out
+    for text in ("replicated (fsdp=false)", "whole on every GPU", "rollout replica", "= gradient sum",
+                 "gradient all-reduce bucket", "ignored under replicate", "fsdp_defer_sync=true"):
+        assert text in out, text
+    assert "gathered" not in out and "1/2 shard" not in out
+
+
+# fsdp=false as plain replication, measured in session 13 (4 x H200, bench/scale.py --set fsdp=false,
+# benchmarks/scale/qwen0.5b-h200x4-2026-11-27-s13.json): max_memory_allocated per GPU, GiB. DPO's
+# was the same at 1, 2 and 4 GPUs (8 pairs a GPU); GRPO's grew from 8.825 GiB at 1 GPU (cache
+# inside the gradients) by the replica + KV cache.
+DPO13 = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)
+GRPO13 = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("kw, measured_gib", [(DPO13, 9.266), (GRPO13, 10.037)])
+def test_replicate_within_ten_percent_of_measured(qwen05, gpus, kw, measured_gib):
+    share = dict(grad_accum=2 * gpus) if kw["algo"] == "dpo" else dict(rollout_batch=8 * gpus)
+    est = _est(qwen05, gpus=gpus, sharding="replicate", weight_dtype="fp32", gradient_checkpointing=True, **kw, **share)
+    assert 0.9 <= measured_gib * 2**30 / est["totals_bytes"]["peak"] <= 1.1
+    if kw["algo"] == "grpo":  # what 2+ GPUs add over one process: measured 1.30 GB
+        one = _est(qwen05, weight_dtype="fp32", gradient_checkpointing=True, rollout_batch=8, **kw)
+        added = est["totals_bytes"]["peak"] - one["totals_bytes"]["peak"]
+        assert abs((10.037 - 8.825) * 2**30 - added) < 0.05e9

@@ -1,11 +1,12 @@
-"""`tether memory gpus=N`: what each GPU holds when N processes train one model under torchrun.
+"""`tether memory gpus=N`: what each GPU holds when N processes train one model under torchrun with FSDP2.
 
 The layout is tether/distributed.py's and trainers/setup.py's: FSDP2 `fully_shard` on every decoder
 layer, then the root (embeddings, final norm, head); frozen models sharded the same way; the RL
 trainers' rollout replica (a whole policy per GPU) and their sampler's KV cache for the GPU's share
-of the prompts. sharding=replicate (the trainers' fsdp=false) is the same code over an N x 1 mesh:
-nothing is split, gradients are all-reduced. Every formula, and what it leaves out, is in
-docs/memory.md ("Many GPUs"); comments here say why a line is the way it is.
+of the prompts. sharding=replicate (the trainers' fsdp=false: plain replication, no FSDP2) is
+replicated.py's, which shares this module's per-GPU batch and the bytes outside the allocator.
+Every formula, and what it leaves out, is in docs/memory.md ("Many GPUs"); comments here say why a
+line is the way it is.
 
 The components come in the single-GPU groups (resident, gradients, training, rollout) plus these:
 `gather` (FSDP2's gathered weights and unsharded gradients around the micro-batch being trained),
@@ -70,11 +71,10 @@ def _per_gpu_batch(cfg: MemoryConfig) -> tuple[int, int]:
 
 
 def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
-    """Per-GPU components and totals for cfg.gpus > 1 (same keys as memory.estimate, plus
-    `loading`, `frozen_forwards`, `outside_allocator` and `peak_device` among the totals)."""
+    """Per-GPU components and totals for cfg.gpus > 1 under FSDP2 (same keys as memory.estimate,
+    plus `loading`, `frozen_forwards`, `outside_allocator` and `peak_device` among the totals)."""
     n, shape = info["params"], info["shape"]
-    gpus, fsdp = cfg.gpus, cfg.sharding == "fsdp"
-    split = gpus if fsdp else 1  # what a resident or gradient byte is divided by
+    gpus = split = cfg.gpus  # split: what a resident or gradient byte is divided by
     d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
     # setup.sharding_bf16: fp32 weights + mixed precision -> MixedPrecisionPolicy(bf16, reduce fp32);
     # other dtypes compute and reduce in their own (FSDP2's default policy)
@@ -88,7 +88,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
 
     where = "cpu" if cfg.fsdp_offload else "gpu"
     opt_where = "cpu" if cfg.fsdp_offload or cfg.offload else "gpu"
-    part = f"1/{gpus} shard" if fsdp else "whole copy on every GPU"
+    part = f"1/{gpus} shard"
     models = held_models(cfg, n, shape)
     for m in models:
         add(f"{m.name} weights", "resident", m.weights * d / split, m.weights, d / split, f"{m.note}; {part}", where)
@@ -104,7 +104,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     for m in (m for m in models if m.trainable):
         add(f"{m.name} gradients", "gradients", m.trainable * m.trainable_bytes / split, m.trainable,
             m.trainable_bytes / split, f"{m.trainable_bytes} B each, as the sharded weights; {part}", where)
-        if fsdp and cfg.fsdp_defer_sync and _micro_batches(cfg) > 1:  # (distributed.accumulation)
+        if cfg.fsdp_defer_sync and _micro_batches(cfg) > 1:  # (distributed.accumulation)
             # FSDP2 keeps them in the reduce dtype until the step's last backward
             add(f"{m.name} accumulated gradients", "gradients", m.trainable * r, m.trainable, r,
                 f"fsdp_defer_sync: the whole gradient ({r} B each) on every GPU between micro-batches")
@@ -172,9 +172,9 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         add("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(c),
             note=f"{gen} seq per GPU ({cfg.rollout_batch}/{gpus} prompts) x {cfg.seq_len} tok x "
                  f"{shape.kv_bytes_per_token(c)} B/token")
-        if fsdp:  # distributed.copy_full_weights gathers one whole parameter at a time, in its own dtype
-            big = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
-            add("replica refresh", "refresh", big * d, big, d, "largest parameter gathered whole (after each step)")
+        # distributed.copy_full_weights gathers one whole parameter at a time, in its own dtype
+        big = max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
+        add("replica refresh", "refresh", big * d, big, d, "largest parameter gathered whole (after each step)")
 
     # setup._setup (and PPO's build, for policy and critic) loads into CPU memory and fully_shard
     # moves only each rank's shards to its GPU, so they never sit whole on a GPU. A learned reward

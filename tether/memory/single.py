@@ -5,13 +5,14 @@ formulas, and why each number is what it is) is written out in docs/memory.md; c
 only why a line is the way it is. GB means 1e9 bytes throughout. `estimate(cfg)` returns a dict
 (the JSON output); `run_memory(cfg)` prints it as a table or as JSON. Which model, and its shape,
 comes from model_shape.py. With `gpus` > 1 (N processes under torchrun, tether/distributed.py) the
-per-GPU accounting is sharded.py's (the package __init__ picks); with gpus=1 nothing of it applies
-(tether wraps no model in one process), so the single-GPU numbers are exactly this module's.
+per-GPU accounting is sharded.py's for FSDP2 and replicated.py's for plain replication, which is
+this module's `one_process_rows` for each GPU's share of the batch plus what torchrun adds (the
+package __init__ picks); with gpus=1 neither applies (tether wraps no model in one process), so the
+single-GPU numbers are exactly this module's.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -73,17 +74,17 @@ class MemoryConfig:
     gpus: PositiveInt = 1
     "processes under torchrun, one GPU each; every number is then per GPU (docs/memory.md, 'Many GPUs')"
     sharding: Literal["fsdp", "replicate", "none"] = "fsdp"
-    "gpus > 1: fsdp = FSDP2 shards weights, gradients and optimizer state 1/N (the trainers' fsdp=true); replicate = a whole copy per GPU, gradients all-reduced (fsdp=false); none = one process holding everything (gpus=1)"
+    "gpus > 1: fsdp = FSDP2 shards weights, gradients and optimizer state 1/N (the trainers' fsdp=true); replicate = each GPU holds what one process holds for its share of the batch, gradients summed in bucketed all-reduces (fsdp=false); none = one process holding everything (gpus=1)"
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
-    "gpus > 1 with weight_dtype=fp32: gathered layers, activations, rollout replica and KV cache in bf16, gradients reduced in fp32 (the trainers' model.mixed_precision); no = all in fp32"
+    "gpus > 1 with weight_dtype=fp32: gathered layers (fsdp) or autocast's weight casts (replicate), activations, rollout replica and KV cache in bf16, gradients reduced in fp32 (the trainers' model.mixed_precision); no = all in fp32"
     fsdp_offload: bool = False
-    "gpus > 1: sharded weights, gradients and optimizer state live in CPU memory (model.fsdp_offload)"
+    "gpus > 1 with fsdp: sharded weights, gradients and optimizer state live in CPU memory (model.fsdp_offload; replicate ignores it)"
     fsdp_reshard: bool = True
-    "gpus > 1: free a layer's gathered weights after its forward; false keeps the whole model gathered from forward to backward (model.fsdp_reshard)"
+    "gpus > 1 with fsdp: free a layer's gathered weights after its forward; false keeps the whole model gathered from forward to backward (model.fsdp_reshard; replicate ignores it)"
     fsdp_unit_layers: PositiveInt = 1
-    "gpus > 1 with fsdp: consecutive decoder layers per FSDP2 unit (model.fsdp_unit_layers): that many layers gathered, and their gradients unsharded, at once"
+    "gpus > 1 with fsdp: consecutive decoder layers per FSDP2 unit (model.fsdp_unit_layers): that many layers gathered, and their gradients unsharded, at once (replicate ignores it)"
     fsdp_defer_sync: bool = False
-    "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync)"
+    "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync; replicate ignores it)"
     grad_accum: PositiveInt = 1
     "micro-batches per step in one process (global batch = batch_size x grad_accum); gpus > 1: each GPU's micro-batch is min(batch_size, global batch / gpus)"
     format: Literal["table", "json"] = "table"
@@ -187,16 +188,21 @@ def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
     return full if whole_logits(cfg, shape, seqs) else HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
 
 
-def estimate(cfg: MemoryConfig) -> dict:
-    """Components and totals (bytes and GB) for `cfg`; the JSON output of `tether memory`."""
-    info = resolve_model(cfg.model)
-    n, shape = info["params"], info["shape"]
+def component(name: str, group: str, nbytes, params=None, bpp=None, note="", device="gpu") -> dict:
+    """One row of an estimate's `components`."""
+    return {"component": name, "group": group, "params": params, "bytes_per_param": bpp,
+            "bytes": int(nbytes), "gb": nbytes / GB, "device": device, "note": note}
+
+
+def one_process_rows(cfg: MemoryConfig, n: int, shape: Shape) -> list[dict]:
+    """What one process holds for its models, batch and options, the sampler's KV cache aside:
+    the resident, gradients and training rows. Also each GPU's rows under replication
+    (replicated.py: every rank holds exactly what one process holds for its share of the batch)."""
     d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
     rows: list[dict] = []
 
-    def add(component, group, nbytes, params=None, bpp=None, note="", device="gpu"):
-        rows.append({"component": component, "group": group, "params": params, "bytes_per_param": bpp,
-                     "bytes": int(nbytes), "gb": nbytes / GB, "device": device, "note": note})
+    def add(*args, **kw):
+        rows.append(component(*args, **kw))
 
     models = held_models(cfg, n, shape)
     for m in models:
@@ -247,10 +253,19 @@ def estimate(cfg: MemoryConfig) -> dict:
                 note=("one chunk of the LM head (plain-head families; others hold all " if chunked else "")
                 + f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab: {d} B + fp32 log-probs + fp32 grad"
                 + (")" if chunked else ""))
+    return rows
+
+
+def estimate(cfg: MemoryConfig) -> dict:
+    """Components and totals (bytes and GB) for `cfg`; the JSON output of `tether memory`."""
+    info = resolve_model(cfg.model)
+    n, shape = info["params"], info["shape"]
+    d = DTYPE_BYTES[cfg.weight_dtype]
+    rows = one_process_rows(cfg, n, shape)
     if cfg.algo in ONLINE:
         gen = cfg.rollout_batch * (cfg.num_generations if cfg.algo != "ppo" else 1)
-        add("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(d),
-            note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(d)} B/token")
+        rows.append(component("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(d),
+                              note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(d)} B/token"))
 
     def total(*groups, device="gpu"):
         return sum(r["bytes"] for r in rows if r["group"] in groups and r["device"] == device)
@@ -292,7 +307,8 @@ def format_table(est: dict, format_sharded=None) -> str:
         lines.insert(3, f"per GPU of {c['gpus']} (torchrun): "
                      + (f"FSDP2 sharding{', CPU offload' if c['fsdp_offload'] else ''}"
                         f"{', no reshard after forward' if not c['fsdp_reshard'] else ''}" if fsdp
-                        else "replicated (fsdp=false), gradients all-reduced")
+                        else "replicated (fsdp=false): one process's model on every GPU, gradients summed "
+                             "in bucketed all-reduces")
                      + f", mixed precision {c['mixed_precision']}")
     width = 32
     head = f"{'component':<{width}} {'params':>8} {'B/param':>7} {'GB':>9}  note"
@@ -307,7 +323,7 @@ def format_table(est: dict, format_sharded=None) -> str:
     def tot(label, value, note=""):
         return f"{label:<{width + 17}} {value:>9.2f}  {note}"
 
-    if est.get("per_gpu"):  # format_sharded: sharded.py's (it builds on this module; the package passes it)
+    if est.get("per_gpu"):  # sharded.py's or replicated.py's table body (they build on this module; the package passes it)
         return "\n".join(lines + format_sharded(est, [head], row, tot, rule))
     by = {g: [r for r in est["components"] if r["group"] == g] for g in ("resident", "gradients", "training", "rollout")}
     lines += [head, rule, *map(row, by["resident"]), rule,
