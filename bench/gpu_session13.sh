@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The next GPU session's calls (written in session 12, which had no device time left to run them),
+# GPU calls of sessions 13 and 14 (session 13 ran diag16 and repl16; next: grpo16, then join 0/1/2 and
+# async3 for issue 19, or entropy for issue 17's open question),
 # one mode per device call on a 4-GPU machine held across the calls:
 #   join <k>    GGUF part k (carry bench/gguf_parts/smollm2.gguf.part-0k; part 0 also the gguf wheel
 #               and wheels/ for TRL): three calls before the real-model modes
 #   diag16      issue 16 (session 13): DPO 0.5B 1 and 2 GPUs traced (bench/trace_busy.py: GPU busy vs
 #               span, launches), two independent 1-GPU runs at once, one process sharded by FSDP2
 #               (--world1), and compile=true on 1/2/4
+#   grpo16      issue 16 (next): GRPO fsdp=false 1(bf16 copy)/2/4 again, micro-batch 8 and 16
 #   repl16      issue 16: DPO 1/2/4 with fsdp=false (plain replication, session 13), DPO 2/4 FSDP2 on the
 #               same machine, GRPO 1/2/4 fsdp=false
 #   trace16     issue 16 (no GGUF needed): DPO 0.5B on 2 GPUs with every rank's trace and
@@ -57,6 +59,17 @@ diag16)  # issue 16: is the 2-process overhead FSDP2's own, the host's, or CPU-b
     timeout 260 python3 bench/scale.py "${common[@]}" --gpus 1,2,4 --set compile=true --results /tmp/d.md \
         --json "$OUT/compile.json" --log-dir /tmp/dlog | s
     tail -3 /tmp/dlog/*.log | grep -i error | head -3
+    ;;
+grpo16)  # issue 16 next: GRPO fsdp=false spread (session 13 had one run: 1.71x / 3.37x) and one
+    # micro-batch of 16 (fewer passes: the step is CPU-bound); 1 GPU samples from a bf16 copy as ranks do
+    common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 110 --algos grpo)
+    s() { grep -E "^\| grpo" | tail -4; }
+    for mb in 8 16; do
+        timeout 90 python3 bench/scale.py "${common[@]}" --gpus 1 --micro-batch $mb --set rollout.sampler_copy=true \
+            --results /tmp/g1.md --json "$OUT/grpo1-copy-mb$mb.json" | s
+        timeout 200 python3 bench/scale.py "${common[@]}" --gpus 2,4 --micro-batch $mb --set fsdp=false \
+            --results /tmp/g2.md --json "$OUT/grpo-repl-mb$mb.json" | s
+    done
     ;;
 repl16)  # issue 16 after diag16: fsdp=false is plain replication now (no FSDP2 hooks); same machine
     common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 110)
