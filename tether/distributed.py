@@ -268,9 +268,10 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
     gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
     optimizer state live on the CPU between uses. Gradients are *summed* over ranks (divide factor
     1): the trainers divide by global counts themselves (module doc). defer_grad_sync: with several
-    micro-batches a step, reduce only the last one's gradients (:func:`accumulation`). unit_layers: consecutive layers per FSDP2 unit (one
-    all-gather and one reduce-scatter for the group; fewer, larger collectives and fewer hooks, whose
-    Python bookkeeping is a per-unit cost). Returns `model`."""
+    micro-batches a step, reduce only the last one's gradients (:func:`accumulation`).
+    unit_layers: consecutive layers per FSDP2 unit (one all-gather and one reduce-scatter for the
+    group: fewer, larger collectives; torch still hooks every layer of a unit, so the per-layer
+    Python cost stays: docs/distributed.md, session 13). Returns `model`."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \

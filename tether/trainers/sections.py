@@ -52,7 +52,7 @@ class ModelSection:
     fsdp_reshard: bool = True
     "under torchrun: free gathered parameters after each layer's forward (false keeps them until backward: faster, more memory)"
     fsdp_unit_layers: PositiveInt = 1
-    "under torchrun with FSDP2: consecutive decoder layers per sharding unit (one all-gather and one reduce-scatter each; fewer, larger collectives and less per-unit bookkeeping, for more gathered weights live at once)"
+    "under torchrun with FSDP2: consecutive decoder layers per sharding unit (one all-gather and one reduce-scatter each: fewer, larger collectives, for more gathered weights live at once; the per-layer hooks stay)"
     fsdp_defer_sync: bool = False
     "under torchrun with several micro-batches a step per process: reduce the gradients once, after the last micro-batch (the earlier ones accumulate unsharded: + a whole fp32 gradient per GPU), not after each (distributed.accumulation)"
     head_fp32: bool = False
