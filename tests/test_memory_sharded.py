@@ -349,8 +349,10 @@ def test_replicate_grpo_holds_a_replica_and_a_kv_cache_of_its_own(qwen05):
 def test_replicate_ignores_the_fsdp_options(qwen05, capsys):
     kw = dict(algo="sft", gpus=4, sharding="replicate", weight_dtype="fp32", batch_size=4, grad_accum=8)
     plain = _est(qwen05, **kw)
-    odd = _est(qwen05, fsdp_offload=True, fsdp_reshard=False, fsdp_unit_layers=4, fsdp_defer_sync=True, **kw)
+    odd = _est(qwen05, fsdp_reshard=False, fsdp_unit_layers=4, fsdp_defer_sync=True, **kw)
     assert odd["components"] == plain["components"] and odd["totals_bytes"] == plain["totals_bytes"]
+    with pytest.raises(ValueError, match="fsdp_offload"):  # refused, as the trainers refuse it
+        _est(qwen05, fsdp_offload=True, **kw)
     assert main(["memory", "--model", qwen05, "--algo", "grpo", "gpus=2", "sharding=replicate",
                  "fsdp_defer_sync=true"]) == 0
     out = capsys.readouterr().out

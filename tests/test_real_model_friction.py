@@ -192,6 +192,15 @@ def test_max_steps_zero_is_refused_in_one_line():
     assert load_config(SFTConfig, overrides=["max_steps=-1"]).optim.max_steps == -1
 
 
+def test_offloading_a_replicated_model_is_refused_in_one_line():
+    # fsdp=false has no shards: before session 13 the offload came through FSDP2's N x 1 mesh;
+    # silently ignoring it now would put the whole state on every GPU
+    with pytest.raises(ConfigError, match="fsdp_offload=true .* needs fsdp=true") as e:
+        load_config(SFTConfig, overrides=["fsdp=false", "fsdp_offload=true"])
+    assert "\n" not in str(e.value)
+    assert load_config(SFTConfig, overrides=["fsdp_offload=true"]).model.fsdp_offload
+
+
 # ---- 5. column mapping from the command line -----------------------------------------------------
 
 GSM8K = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},

@@ -335,6 +335,7 @@ def sum_gradients(params: Iterable[torch.Tensor]) -> None:
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat)
             torch._foreach_copy_(bucket, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+            del flat  # before the next bucket's cat: one flat temporary at a time (memory/replicated.py)
 
 
 def _buckets(tensors: list) -> Iterable[list]:

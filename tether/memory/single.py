@@ -99,6 +99,9 @@ class MemoryConfig:
             if self.sharding == "none":
                 raise ValueError(f"config key 'sharding': none is one process holding everything (gpus=1); "
                                  f"for gpus={self.gpus} use fsdp (the trainers' default) or replicate (fsdp=false)")
+            if self.sharding == "replicate" and self.fsdp_offload:  # the trainers refuse it (ModelSection)
+                raise ValueError("config key 'fsdp_offload': offloads FSDP2's shards and needs sharding=fsdp; "
+                                 "replicated, every GPU holds the whole model")
             # the trainers refuse a global batch that does not divide (distributed.split_evenly)
             key, size = ("rollout_batch", self.rollout_batch) if self.algo in ONLINE else \
                 ("batch_size x grad_accum", self.batch_size * self.grad_accum)

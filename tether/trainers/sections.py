@@ -59,6 +59,12 @@ class ModelSection:
     "under mixed precision, the trainer's LM head (the logits of its log-probs) in float32 from the master weights: bf16 logits are a part of the training-inference mismatch an fp32 sampler sees (models/logprobs.HEAD_DTYPE); single process (FSDP2 gathers bf16 weights)"
 
 
+    def __post_init__(self):
+        if self.fsdp_offload and not self.fsdp:  # replication has no shards to offload: refuse, not ignore
+            raise ValueError("model.fsdp_offload=true offloads FSDP2's shards and needs fsdp=true; with "
+                             "fsdp=false every GPU holds the whole model, its gradients and optimizer state")
+
+
 @dataclass
 class OptimSection:
     lr: Positive = 2e-5

@@ -375,10 +375,10 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         replica = sampling_copy(model, device, bf16=sharding_bf16(cfg, device))
     hint = None
     if distributed.active() and distributed.uses_cuda() and cfg.model.fsdp:
-        held = [m for m in (model, ref) if m is not None]
-        hint = replication_hint(sum(p.numel() for m in held for p in m.parameters() if p.requires_grad),
-                                sum(p.numel() * p.element_size() for m in held for p in m.parameters()
-                                    if not p.requires_grad),
+        # every parameter once: the policy, the reference and what else is trained (PPO's critic)
+        held = list({id(p): p for m in (model, ref, trainable) if m is not None for p in m.parameters()}.values())
+        hint = replication_hint(sum(p.numel() for p in held if p.requires_grad),
+                                sum(p.numel() * p.element_size() for p in held if not p.requires_grad),
                                 torch.cuda.get_device_properties(device).total_memory)
     if distributed.active():
         for m in (model, ref):
