@@ -81,6 +81,18 @@ def test_resume_in_another_number_of_processes(world, one, first, then):
 
 
 @pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
+def test_a_replicated_run_resumes_in_another_number_of_processes(world, one):
+    # fsdp=false: the optimizer's plain (unsharded) state through DCP, written by 1 and read by 2
+    ok(run_tether("sft", _args(world, "r12-replicated", fsdp="false")))
+    run = world / "runs" / "r12-replicated"
+    import shutil
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    ok(run_tether("sft", _args(world, "r12-replicated", fsdp="false", resume="true"), nproc=2))
+    assert_same_metrics(one, run)
+    assert_same_weights(one / "checkpoints" / "step-6", run / "checkpoints" / "step-6")
+
+
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 def test_replicated_and_lora_runs_equal_one_process(world):
     for extra, name in (({"fsdp": "false"}, "ddp"), ({"lora_r": 4, "lr": 1e-2}, "lora")):
         args1 = _args(world, name + "1", max_steps=3, save_every=0, **extra)

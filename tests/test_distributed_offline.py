@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_support import assert_same_metrics, assert_same_weights, metrics, ok
+from dist_support import assert_same_metrics, assert_same_weights, metrics, ok, run_tether
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")
 
@@ -164,6 +164,21 @@ def test_rm(world, two):
     ckpt = f"checkpoints/step-{STEPS}/scalar_head.json"
     offsets = [json.loads((r / ckpt).read_text())["offset"] for r in (one, two)]
     assert offsets[0] != 0 and abs(offsets[0] - offsets[1]) <= 1e-5 * max(1, abs(offsets[0]))
+
+
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
+@pytest.mark.parametrize("name,kw", [("dpoR", {"grad_accum": 4}), ("ktoR", {"grad_accum": 4}),
+                                     ("dpoRlora", {"lora_r": 4})])
+def test_replicated_offline_runs_equal_one_process(world, name, kw):
+    # fsdp=false: a separate reference model (the cache's forwards split over replicated ranks),
+    # KTO's reference point over 4 micro-batches, LoRA adapters summed at the step
+    kw = {**kw, "fsdp": "false", **({"ref_model": str(world / "model")} if name == "dpoR" else {})}
+    command = name[:3]
+    _run_here(command, _args(world, name + "-1", **kw))
+    ok(run_tether(command, _args(world, name + "-2", **kw), nproc=2))
+    one, two = world / "runs" / (name + "-1"), world / "runs" / (name + "-2")
+    assert_same_metrics(one, two)
+    assert_same_weights(one / f"checkpoints/step-{STEPS}", two / f"checkpoints/step-{STEPS}")
 
 
 @pytest.mark.parametrize("command", ["dpo-packed", "rm-packed"])

@@ -129,6 +129,16 @@ def test_dapo_token_mean_with_dynamic_sampling(world):
     assert 0 < first["dynamic_sampling/kept_groups"] <= BATCH // 2
 
 
+@pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
+def test_replicated_grpo_and_dapo_equal_one_process(world):
+    # fsdp=false (distributed.replicate / sum_gradients): KL in the loss and μ = 2; DAPO with a rank
+    # that keeps no group and only takes empty turns (its gradient: zeros, or None where no rank had one)
+    _same_run(world, "grpoR", beta=0.05, num_iterations=2, micro_batch_size=3, fsdp="false")
+    rows = _same_run(world, "dapoR", reward="gated", clip_high=0.28, mask_truncated_completions="true",
+                     dynamic_sampling="true", max_sampling_rounds=1, micro_batch_size=3, fsdp="false")
+    assert rows[0]["dynamic_sampling/dropped_groups"] >= BATCH // 2
+
+
 def test_a_rank_whose_reward_function_raises_stops_the_job_with_its_message(world):
     proc = run_tether("grpo", _args(world, "fails", reward="fails_on_rank_1"), nproc=2,
                       timeout=300)  # a hang guard only
