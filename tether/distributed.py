@@ -294,14 +294,13 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
 
 def replicate(model: torch.nn.Module) -> torch.nn.Module:
     """The whole `model` on this rank's device, its parameters and buffers rank 0's (a broadcast:
-    a freshly initialised head must not differ between ranks), marked so that `sum_gradients` sums
-    its gradients at each step. Nothing is wrapped or hooked: forward and backward run as in one
-    process. Returns `model`."""
+    a freshly initialised head must not differ between ranks). Nothing is wrapped or hooked:
+    forward and backward run as in one process, and `sum_gradients` (every optimizer step) sums the
+    plain gradients. Returns `model`."""
     model.to(_device())
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
-    model.tether_replicated = True
     return model
 
 
@@ -323,10 +322,11 @@ def sum_gradients(params: Iterable[torch.Tensor]) -> None:
         return
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=_device())
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    for p, h in zip(params, has.tolist()):
-        if h and p.grad is None:
+    params = [p for p, h in zip(params, has.tolist()) if h]
+    for p in params:
+        if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p, h in zip(params, has.tolist()) if h]
+    grads = [p.grad for p in params]
     by_kind: dict = {}
     for g in grads:
         by_kind.setdefault((g.dtype, g.device), []).append(g)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from tether.memory.single import (HEAD_CHUNK_BYTES_PER_LOGIT, HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
-                           activation_bytes, held_models, whole_logits)
+                           activation_bytes, component, held_models, whole_logits)
 
 # The constants below are measurements (bench/memory_check.py, 2 x H100 / H200, torch 2.11,
 # Qwen2.5-0.5B and -7B shapes; the numbers are in docs/memory.md, "Many GPUs: measured").
@@ -82,9 +82,8 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     c, r = (2, 4) if mixed else (d, d)
     rows: list[dict] = []
 
-    def add(component, group, nbytes, params=None, bpp=None, note="", device="gpu"):
-        rows.append({"component": component, "group": group, "params": params, "bytes_per_param": bpp,
-                     "bytes": int(nbytes), "gb": nbytes / GB, "device": device, "note": note})
+    def add(*args, **kw):
+        rows.append(component(*args, **kw))
 
     where = "cpu" if cfg.fsdp_offload else "gpu"
     opt_where = "cpu" if cfg.fsdp_offload or cfg.offload else "gpu"
