@@ -144,7 +144,15 @@ def peak(device):
     return torch.cuda.max_memory_allocated() / 1e9, torch.cuda.max_memory_reserved() / 1e9
 
 
-def bench_ours(model, tok, examples, device, warmup, steps, packing=False, micro=None):
+def tracer(path):
+    """A torch.profiler that writes one chrome trace (CPU ops and CUDA kernels) to `path` on exit
+    (read it with bench/trace_busy.py: GPU busy vs the step's span, launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=acts, on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
+
+
+def bench_ours(model, tok, examples, device, warmup, steps, packing=False, micro=None, trace=None):
     micro = micro or len(examples)
     cfg = DPOConfig(model="bench", data="bench", beta=0.1, lr=1e-6, batch_size=micro, packing=packing)
     dev = torch.device(device)
@@ -167,6 +175,11 @@ def bench_ours(model, tok, examples, device, warmup, steps, packing=False, micro
         sync(device)
         times.append(time.perf_counter() - t)
     alloc, reserved = peak(device)
+    if trace:  # one more step, traced (after the timed ones: the profiler's cost is not in them)
+        with tracer(trace):
+            train_step(cfg, model, opt, sched, [examples[i:i + micro] for i in range(0, len(examples), micro)],
+                       True, ref, tok.pad_token_id, dev, amp)
+            sync(device)
     del opt, sched
     layout = packing_layout(model, packing)
     batches = [collate(examples[i:i + micro], True, tok.pad_token_id, layout) for i in range(0, len(examples), micro)]
@@ -206,7 +219,8 @@ def model_flops(model, examples) -> float:
     return total
 
 
-def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute, micro=None):
+def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute, micro=None, compile=False,
+              trace=None):
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -217,18 +231,25 @@ def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute, m
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == warmup:
                 reset_peak(device)
+            if trace and state.global_step == warmup + steps:  # the extra, traced step
+                marks["alloc"], marks["prof"] = peak(device), tracer(trace)
+                marks["prof"].__enter__()
             sync(device)
             marks["t"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             sync(device)
+            if "prof" in marks:
+                marks.pop("prof").__exit__(None, None, None)
+                return
             times.append(time.perf_counter() - marks["t"])
 
     with tempfile.TemporaryDirectory() as out_dir:
         args = trl.DPOConfig(
             output_dir=out_dir, per_device_train_batch_size=micro or len(rows),
             gradient_accumulation_steps=len(rows) // (micro or len(rows)), max_length=max_length,
-            learning_rate=1e-6, beta=0.1, loss_type=["sigmoid"], max_steps=warmup + steps,
+            learning_rate=1e-6, beta=0.1, loss_type=["sigmoid"], max_steps=warmup + steps + bool(trace),
+            torch_compile=compile,
             bf16=device == "cuda", use_cpu=device == "cpu", gradient_checkpointing=False,
             logging_steps=10**6, save_strategy="no", report_to=[], dataloader_num_workers=0,
             precompute_ref_log_probs=precompute, lr_scheduler_type="constant", warmup_steps=0,
@@ -237,7 +258,7 @@ def bench_trl(model, tok, rows, device, warmup, steps, max_length, precompute, m
         trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tok,
                                  train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
         trainer.train()
-        alloc, reserved = peak(device)
+        alloc, reserved = marks.get("alloc") or peak(device)
         del trainer, ref
     return {"step_s": statistics.median(times[warmup:]), "first_s": times[0], "peak_alloc_gb": alloc,
             "peak_reserved_gb": reserved, "version": trl.__version__}
@@ -274,6 +295,12 @@ def main(argv=None):
     ap.add_argument("--chunked-head", choices=["on", "off", "both"], default="both",
                     help="ours: the chunked LM head (off: the HF forward's full logits)")
     ap.add_argument("--full-logits", action="store_true", help="same as --chunked-head both (kept for old commands)")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="ours: model.compile=true (torch.compile per decoder layer, tether.models.load.compile_layers)")
+    ap.add_argument("--trl-compile", action="store_true",
+                    help="also run TRL (precomputed ref if --trl-precompute) with torch_compile=True (the whole model)")
+    ap.add_argument("--trace", default=None,
+                    help="directory: one extra step of each run traced (chrome traces for bench/trace_busy.py)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="peak dense FLOP/s of the device in TFLOP/s for MFU (default: by CUDA card name)")
     ap.add_argument("--warmup", type=int, default=None)
@@ -316,24 +343,34 @@ def main(argv=None):
     from tether.models import logprobs as common
     chunked = ["on", "off"] if args.full_logits or args.chunked_head == "both" else [args.chunked_head]
     packed = ["off", "on"] if args.packing == "both" else [args.packing]
+    compiled = ["off", "on"] if args.compile == "both" else [args.compile]
+    trace = (lambda name: None) if not args.trace else \
+        (lambda name: str(Path(args.trace) / (name.replace(", ", "-").replace(" ", "_").replace("(", "").replace(")", "")
+                                              + ".json.gz")))
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     results, flops = {}, None
-    for head in chunked:
-        for pack in packed:
-            name = "ours" + "".join(f", {w}" for w, on in (("packed", pack == "on"), ("full logits", head == "off")) if on)
-            split = common._split_head
-            if head == "off":  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
-                common._split_head = lambda m: None
-            model = build_model(kind, dev, tok)
-            flops = flops or model_flops(model, examples)
-            try:
-                results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro)
-            except torch.OutOfMemoryError:  # a row of the table, not the end of the run
-                results[name] = {"oom": True}
-            finally:
-                common._split_head = split
-            print(f"{name}:", json.dumps(results[name]), flush=True)
-            del model
-            free(dev)
+    for head, pack, comp in [(h, p, c) for h in chunked for p in packed for c in compiled]:
+        name = "ours" + "".join(f", {w}" for w, on in (("packed", pack == "on"), ("full logits", head == "off"),
+                                                        ("compiled", comp == "on")) if on)
+        split = common._split_head
+        if head == "off":  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
+            common._split_head = lambda m: None
+        model = build_model(kind, dev, tok)
+        flops = flops or model_flops(model, examples)
+        if comp == "on":
+            from tether.models.load import compile_layers
+            compile_layers(model)
+        try:
+            results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro,
+                                       trace(name))
+        except torch.OutOfMemoryError:  # a row of the table, not the end of the run
+            results[name] = {"oom": True}
+        finally:
+            common._split_head = split
+        print(f"{name}:", json.dumps(results[name]), flush=True)
+        del model
+        free(dev)
     trl_note = None
     if args.skip_trl:
         trl_note = "TRL skipped (--skip-trl)."
@@ -343,11 +380,14 @@ def main(argv=None):
         except ImportError:
             trl_note = "TRL not installed here (`import trl` failed): ours alone."
     if trl_note is None:
-        variants = [("trl", False)] + ([("trl (precomputed ref)", True)] if args.trl_precompute else [])
-        for name, pre in variants:
+        variants = [("trl", False, False)] + ([("trl (precomputed ref)", True, False)] if args.trl_precompute else [])
+        if args.trl_compile:
+            variants.append(("trl (precomputed ref, torch_compile)" if args.trl_precompute else "trl (torch_compile)",
+                             args.trl_precompute, True))
+        for name, pre, comp in variants:
             model = build_model(kind, dev, tok)
             try:
-                results[name] = bench_trl(model, tok, rows, dev, warmup, steps, trl_max, pre, micro)
+                results[name] = bench_trl(model, tok, rows, dev, warmup, steps, trl_max, pre, micro, comp, trace(name))
             except torch.OutOfMemoryError:
                 results[name] = {"oom": True}
             print(f"{name}:", json.dumps(results[name]), flush=True)

@@ -2,7 +2,8 @@
 dtypes must equal the concatenation every rank's rows make in rank order, and max_float the
 largest value or NaN when any rank has one; distributed.accumulation over a model sharded with
 defer_grad_sync reduces nothing before the last micro-batch and then the same gradient as a
-backward-by-backward reduction; distributed.replicate and sum_gradients (tests/test_distributed.py)."""
+backward-by-backward reduction; distributed.replicate and sum_gradients; an untied LM head sharded
+as its own FSDP2 unit under the chunked head (tests/test_distributed.py)."""
 import math
 import os
 import sys
@@ -131,6 +132,56 @@ def replicated_sum():
 
 
 bad += replicated_sum()
+
+
+def untied_head():
+    """An untied head is an FSDP2 unit of its own (distributed.shard) and the chunked LM head still
+    runs on it (models/logprobs._split_head knows FSDP2's Linear): two forward/backward passes on
+    per-rank data, with a no-grad forward between (the head must be resharded after it: the hook),
+    give the summed gradients of a plain model fed both ranks' data."""
+    from torch.distributed.fsdp import FSDPModule
+    from tether.models import logprobs
+    from tether.models.tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    distributed.shard(model, list(model.model.layers))
+    out = []
+    if not isinstance(model.lm_head, FSDPModule) or logprobs._split_head(model) is None:
+        out.append("untied head: not its own unit, or the chunked head refused it")
+    keep, logprobs.HEAD_CHUNK_ELEMENTS = logprobs.HEAD_CHUNK_ELEMENTS, 40 * 4  # 4 tokens a chunk
+    try:
+        def batch(k):
+            ids = torch.randint(3, 40, (2, 7), generator=torch.Generator().manual_seed(30 + k))
+            cm = torch.ones_like(ids)
+            cm[:, :3] = 0
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": cm}
+
+        def loss(m, k):
+            lp, _ = logprobs.completion_token_logps(m, batch(k), 1.0, torch.autocast("cpu", enabled=False))
+            return -(lp * torch.arange(7.0)).sum()
+        for step in range(2):
+            loss(model, 2 * step + r).backward()
+            with torch.no_grad():
+                loss(model, 9)
+            if not isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor):
+                out.append("untied head: still gathered after a no-grad forward")
+            for k in (2 * step, 2 * step + 1):
+                loss(ref, k).backward()
+    finally:
+        logprobs.HEAD_CHUNK_ELEMENTS = keep
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.grad is None or float((distributed.full(p.grad) - q.grad).abs().max()) > 1e-5:
+            out.append(f"untied head: gradient of {name}")
+            break
+    return out
+
+
+bad += untied_head()
 if r == 0:
     print("BAD " + ",".join(bad) if bad else "OK")
 torch.distributed.barrier()  # leave together: a gloo rank exiting mid-teardown aborts its peer

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_support import assert_same_metrics, assert_same_weights, metrics, ok, run_tether
+from dist_support import assert_same_metrics, assert_same_weights, metrics, ok, run_tether, weights
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")
 
@@ -33,6 +33,13 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_offline")
     make_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                     intermediate_size=64)
+    # the same with an output head of its own (as Qwen2.5-7B): sharded as an FSDP2 unit of its own
+    model, tok = make_tiny_model(None, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 0.5 + 0.01)
+    model.save_pretrained(root / "untied")
+    tok.save_pretrained(root / "untied")
     rng = random.Random(0)
     with open(root / "pairs.jsonl", "w") as f:
         for _ in range(36):  # eval_fraction 0.2: 7 held-out pairs, 29 training pairs
@@ -49,6 +56,8 @@ def _args(root, name, **kw):
     if not name.startswith("rm"):
         base["sample_max_new_tokens"] = 8  # samples are not compared; generating is slow
     base.update(kw)
+    if base["model"] == "untied":
+        base["model"] = root / "untied"
     return [f"{k}={v}" for k, v in base.items()]
 
 
@@ -73,6 +82,7 @@ JOBS = {"dpo": {}, "kto": {"fsdp_defer_sync": "true", "grad_accum": 4}, "simpo":
         "orpo": {"fsdp_defer_sync": "true", "grad_accum": 4},
         "rm": {"batch_size": 1},
         "dpo-packed": {"packing": "true", "fsdp_unit_layers": 2},  # both layers in one FSDP2 unit
+        "dpo-untied": {"model": "untied"},  # the LM head an FSDP2 unit of its own
         "rm-packed": {"batch_size": 2, "packing": "true"}}
 
 
@@ -179,6 +189,14 @@ def test_replicated_offline_runs_equal_one_process(world, name, kw):
     one, two = world / "runs" / (name + "-1"), world / "runs" / (name + "-2")
     assert_same_metrics(one, two)
     assert_same_weights(one / f"checkpoints/step-{STEPS}", two / f"checkpoints/step-{STEPS}")
+
+
+def test_untied_head(world, two):
+    """An untied LM head is an FSDP2 unit of its own under torchrun (distributed.shard): the run,
+    its evaluations and its consolidated checkpoint equal one process's."""
+    one, two = _both(world, two, "dpo-untied")
+    w = weights(two / f"checkpoints/step-{STEPS}")
+    assert "lm_head.weight" in w and not torch.equal(w["model.embed_tokens.weight"], w["lm_head.weight"])
 
 
 @pytest.mark.parametrize("command", ["dpo-packed", "rm-packed"])

@@ -264,7 +264,8 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
           offload: bool = False, reshard_after_forward: bool = True,
           defer_grad_sync: bool = False, unit_layers: int = 1) -> torch.nn.Module:
     """FSDP2 in place: `fully_shard` each of `layers` (the decoder layers: one all-gather per layer
-    per forward), then `model` itself (embeddings, final norm, head). bf16: compute in bf16, reduce
+    per forward), an untied LM head as a unit of its own, then `model` itself (embeddings, final
+    norm, a tied head). bf16: compute in bf16, reduce
     gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
     optimizer state live on the CPU between uses. Gradients are *summed* over ranks (divide factor
     1): the trainers divide by global counts themselves (module doc). defer_grad_sync: with several
@@ -283,6 +284,17 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
     for i in range(0, len(layers), unit_layers):
         group = layers[i:i + unit_layers]
         fully_shard(group[0] if len(group) == 1 else group, **kw)  # a list: one unit of several
+    head = _untied_head(model)
+    if head is not None:
+        # Why: in the root unit, the head's gradient (vocab x width: 545M parameters at 7B) is made
+        # first in backward but reduce-scattered with the embedding's at the very end, so it is held
+        # unsharded, with its fp32 reduce input, through the whole backward. Its own unit reduces it
+        # as soon as the head's backward ends. Not resharded after a forward with autograd on: the
+        # backward needs it next (as FSDP2 keeps its root); after one without (evaluation, frozen
+        # models) nothing else would reshard it, so the hook does.
+        fully_shard(head, **{**kw, "reshard_after_forward": False})
+        if kw["reshard_after_forward"]:
+            head.register_forward_hook(lambda m, args, out: None if torch.is_grad_enabled() else m.reshard())
     fully_shard(model, **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -290,6 +302,19 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
     model.tether_defer_grad_sync = defer_grad_sync
     return model
+
+
+def _untied_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The model's output head when it is a module with weights of its own (not the input
+    embedding's); else None."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    head, emb = (get_out() if get_out else None), (get_in() if get_in else None)
+    if head is None or getattr(head, "weight", None) is None:
+        return None
+    if emb is not None and getattr(emb, "weight", None) is head.weight:
+        return None
+    return head
 
 
 def replicate(model: torch.nn.Module) -> torch.nn.Module:

@@ -140,11 +140,15 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         add(f"{m.name} gathered layers", "gather", g, note=f"{what}, {cdt}")
         layer_tr = lora_layer if cfg.lora else unit
         root_tr = max(0, m.trainable - shape.layers * layer_tr)
-        # the root (embeddings, head) is reduced last: its gradients accumulate unsharded through
-        # the whole backward and are cast for their reduce-scatter at the end; a layer's are reduced
-        # as its backward ends
-        add(f"{m.name} unsharded gradients", "gather", root_tr * (c + r) + k_units * layer_tr * (c + r),
-            note=f"backward: the root's and one unit's ({k_units} layer{'s' if k_units > 1 else ''}) {cdt} "
+        # the root (embeddings, a tied head) is reduced last: its gradients accumulate unsharded
+        # through the whole backward and are cast for their reduce-scatter at the end; a layer's are
+        # reduced as its backward ends, and so is an untied LM head's, an FSDP2 unit of its own
+        # (distributed.shard) whose backward comes first: held then, not with the root's
+        head_tr = shape.lm_head() if m.activations == "lm" and not cfg.lora else 0
+        held = max(head_tr, root_tr - head_tr + k_units * layer_tr) * (c + r)
+        who = "the LM head unit's, later the root's" if head_tr else "the root's"
+        add(f"{m.name} unsharded gradients", "gather", held,
+            note=f"backward: {who} and one unit's ({k_units} layer{'s' if k_units > 1 else ''}) {cdt} "
                  f"gradients + their {'fp32' if r == 4 else cdt} reduce-scatter input")
 
     seqs, gen = _per_gpu_batch(cfg)

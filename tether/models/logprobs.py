@@ -84,9 +84,20 @@ def _split_head(model):
     if getattr(m.config, "final_logit_softcapping", None) or getattr(m.config, "logit_scale", None):
         return None
     body, head = getattr(m, getattr(m, "base_model_prefix", ""), None), m.get_output_embeddings()
-    if body is None or type(head) is not torch.nn.Linear:
+    if body is None or not _plain_linear(head):
         return None
     return body, head
+
+
+def _plain_linear(module) -> bool:
+    """A torch Linear whose forward is Linear's: the class itself, or FSDP2's wrapper class of it
+    (an untied head is an FSDP2 unit of its own: distributed.shard), not a subclass of other kinds
+    (a LoRA or quantized layer computes something else)."""
+    cls = type(module)
+    if cls is torch.nn.Linear:
+        return True
+    return (isinstance(module, torch.nn.Linear) and cls.__bases__[-1] is torch.nn.Linear
+            and "FSDP" in cls.__name__)
 
 
 class _HeadLogps(torch.autograd.Function):
