@@ -151,3 +151,19 @@ def test_disaggregated_with_two_sharded_trainers(setup):
     assert {k for r in one for k in r} == {k for r in three for k in r}
     assert assert_same_metrics(runs / "inter1b", runs / "dis21", keys_may_differ=True) >= 4 * 30
     assert_same_weights(runs / "inter1b" / "checkpoints" / "step-4", runs / "dis21" / "checkpoints" / "step-4")
+
+
+def test_interleaved_with_a_sampling_copy_evaluates_the_trained_policy(setup):
+    """rollout.sampler_copy under the interleaved placement: the sampler thread takes its own copy
+    and the trainer's is dropped; evaluation (and ReMax's greedy baseline) must then sample from
+    the trained policy, not the dropped copy frozen at the first step's weights (session 14: the
+    held-out pass@1 on the GPU stayed at its step-0 value). On CPU the copy has the weights' dtype,
+    so with and without it every logged value, evaluation included, is the same."""
+    kw = dict(placement="interleaved", max_staleness=1, max_steps=4, eval_data=str(setup / "prompts.jsonl"),
+              eval_every=2)
+    train_grpo(_cfg(setup, "evalcopy", sampler_copy=True, **kw), reward_funcs=[digit_frac])
+    train_grpo(_cfg(setup, "evalplain", **kw), reward_funcs=[digit_frac])
+    copy, plain = (_rows(setup, name, drop=("eval/seconds",)) for name in ("evalcopy", "evalplain"))
+    evals = [r for r in plain if any(k.startswith("eval/") for k in r)]
+    assert len(evals) >= 2 and evals[0] != evals[-1]  # not vacuous: the policy moved between them
+    assert copy == plain
