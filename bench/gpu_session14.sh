@@ -46,10 +46,17 @@ grpo16)
     done
     ;;
 dpo7b)
-    join 2
+    [ -n "${JOIN:-}" ] && join 2
     timeout 560 python3 bench/scale.py --shape qwen7b --gpus 4 --algos dpo --trl --steps 5 --warmup 2 \
         --keep-model /tmp/m7 --run-timeout 200 --trl-timeout 280 --results "$OUT/dpo7b.md" \
         --json "$OUT/dpo7b.json" --log-dir "$OUT/logs7" 2>&1 | grep -E "^\| dpo|^dpo|rror" | cut -c1-400
+    ;;
+grpo4)  # issue 16: GRPO fsdp=false on 1 (bf16 copy) and 4 GPUs, micro-batch 8 (no GGUF needed)
+    common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 110 --algos grpo)
+    timeout 90 python3 bench/scale.py "${common[@]}" --gpus 1 --set rollout.sampler_copy=true \
+        --results /tmp/g1.md --json "$OUT/grpo1-copy-x4.json" | grep -E "^\| grpo" | tail -1
+    timeout 300 python3 bench/scale.py "${common[@]}" --gpus 4,2 --set fsdp=false \
+        --results /tmp/g2.md --json "$OUT/grpo-repl-x4.json" | grep -E "^\| grpo" | tail -2
     ;;
 async3)
     OUT=$OUT STEPS=${STEPS:-100} bash bench/gpu_session13.sh async3
