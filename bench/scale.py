@@ -368,7 +368,7 @@ def render(a, results: dict) -> str:
             mine = [r for r in runs if r.get("who", "tether") == who]
             base = next((r for r in mine if r.get("gpus") == 1 and "error" not in r), None)
             for r in mine:
-                label = algo if who == "tether" else f"TRL {algo}"
+                label = algo if who == "tether" else f"TRL {algo}" + (" (fp32 reduce)" if r.get("reduce") == "fp32" else "")
                 if "error" in r and "step_s" not in r:
                     lines.append(f"| {label} | {r['gpus']} | failed: {r['error'][:300]} |")
                     continue
@@ -417,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--trl", action="store_true", help="also run TRL's trainers (bench/scale_trl.py)")
     ap.add_argument("--trl-only", action="store_true", help="TRL's runs alone (with --trl; tether's skipped)")
+    ap.add_argument("--trl-reduce", choices=["bf16", "fp32"], default="bf16",
+                    help="TRL's gradient reduce dtype: bf16 = accelerate's FSDP2 default; fp32 = tether's default "
+                         "(model.fsdp_reduce; `--set fsdp_reduce=bf16` gives tether accelerate's)")
     ap.add_argument("--trl-steps", type=int, default=None, help="TRL's measured steps (default --steps)")
     ap.add_argument("--trl-warmup", type=int, default=None, help="TRL's warm-up steps (default --warmup)")
     ap.add_argument("--trl-timeout", type=float, default=0, help="seconds before a TRL run is killed (0: none); "
@@ -469,7 +472,7 @@ def main(argv=None):
                     import scale_trl
                     t0 = time.perf_counter()
                     t = scale_trl.launch(a, N)
-                    t.update(gpus=N, who="trl", wall_s=round(time.perf_counter() - t0, 1))
+                    t.update(gpus=N, who="trl", reduce=a.trl_reduce, wall_s=round(time.perf_counter() - t0, 1))
                     if "step_s" in t:
                         t["tokens_per_s"] = tokens_per_step(a, N) / t["step_s"]
                         t["mfu"] = mfu(a, N, t["step_s"])

@@ -11,6 +11,9 @@ after forward, gradient checkpointing on, lr 1e-6, seed 0. GRPO: β = 0, μ = 1,
 model: what a user without vLLM gets), per device prompts × generations sequences per step in
 micro-batches of --micro-batch. DPO: sigmoid, β = 0.1, reference log-probs precomputed
 (`precompute_ref_log_probs=True`, as ours), pairs per forward = micro-batch / 2.
+Gradient reduction: accelerate's FSDP2 policy reduces in the compute dtype (bf16), ours in fp32
+by default (model.fsdp_reduce); --reduce fp32 gives TRL ours (its plugin's policy replaced), and
+scale.py's `--set fsdp_reduce=bf16` gives ours TRL's: compare like with like.
 Step time: on_step_begin -> on_step_end (CUDA-synchronized), median after --warmup; per-GPU peak
 allocated / reserved memory over the whole train() call. Rank 0 writes <work>/trl-<algo><N>.json.
 """
@@ -59,7 +62,7 @@ def launch(a, N: int) -> dict:
            "--work", str(a.work), "--per-gpu", str(a.per_gpu), "--generations", str(a.generations),
            "--new-tokens", str(a.new_tokens), "--dpo-len", str(a.dpo_len),
            "--micro-batch", str(a.micro_batch), "--steps", str(steps), "--warmup", str(warmup),
-           "--device", getattr(a, "device", "cuda")]
+           "--device", getattr(a, "device", "cuda"), "--reduce", getattr(a, "trl_reduce", "bf16")]
     t0 = time.perf_counter()
     proc = run_capped(cmd, timeout=getattr(a, "trl_timeout", 0) or None)
     if getattr(a, "log_dir", None):
@@ -103,6 +106,20 @@ def worker(a) -> None:
     def sync():
         if cuda:
             torch.cuda.synchronize()
+
+    from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    plain = Plugin.set_mixed_precision
+
+    def set_policy(self, mixed_precision, *args, **kw):  # --reduce fp32: ours; and say what FSDP2 gets
+        plain(self, mixed_precision, *args, **kw)
+        p = self.mixed_precision_policy
+        if a.reduce == "fp32" and isinstance(p, MixedPrecisionPolicy):
+            self.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=torch.float32,
+                                                               output_dtype=p.output_dtype)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[trl] FSDP2 policy: {self.mixed_precision_policy}", file=sys.stderr, flush=True)
+    Plugin.set_mixed_precision = set_policy
 
     N = int(os.environ["WORLD_SIZE"])
     # from the file, with a cache folder every rank sees: TRL maps (tokenizes, caches reference
@@ -168,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--data", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reduce", choices=["bf16", "fp32"], default="bf16",
+                    help="gradient reduce-scatter dtype: bf16 = accelerate's default, fp32 = tether's default")
     for k in ("per-gpu", "generations", "new-tokens", "dpo-len", "micro-batch", "steps", "warmup"):
         ap.add_argument(f"--{k}", type=int, required=True)
     a = ap.parse_args(argv)

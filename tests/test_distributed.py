@@ -209,3 +209,21 @@ def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_
     assert replication_hint(7_600_000_000, 0, gpu) is None
     assert replication_hint(gpu // 64, 0, gpu) is not None
     assert replication_hint(gpu // 64, 1, gpu) is None
+
+
+def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
+    """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit (fp32 by
+    default); its compute dtype stays bf16 either way."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from tether import distributed
+    from tether.models.tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+    seen = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append(kw["mp_policy"]))
+    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                         num_kv_heads=1, intermediate_size=64))
+    for reduce_bf16, want in ((False, torch.float32), (True, torch.bfloat16)):
+        seen.clear()
+        distributed.shard(model, list(model.model.layers), bf16=True, reduce_bf16=reduce_bf16)
+        assert len(seen) == 3 and all(p.reduce_dtype == want and p.param_dtype == torch.bfloat16 for p in seen)

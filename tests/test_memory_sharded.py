@@ -380,3 +380,14 @@ def test_replicate_within_ten_percent_of_measured(qwen05, gpus, kw, measured_gib
         one = _est(qwen05, weight_dtype="fp32", gradient_checkpointing=True, rollout_batch=8, **kw)
         added = est["totals_bytes"]["peak"] - one["totals_bytes"]["peak"]
         assert abs((10.037 - 8.825) * 2**30 - added) < 0.05e9
+
+
+def test_bf16_reduction_drops_the_fp32_copy_of_the_unsharded_gradients(qwen05):
+    """fsdp_reduce=bf16 (accelerate's FSDP2 default): a unit's bf16 gradients are reduce-scattered
+    as they are, no fp32 copy: 2 + 2 bytes a parameter in place of 2 + 4; the rest is unchanged."""
+    kw = dict(algo="sft", gpus=4, weight_dtype="fp32", batch_size=4, grad_accum=4, gradient_checkpointing=True)
+    fp32, bf16 = _est(qwen05, **kw), _est(qwen05, fsdp_reduce="bf16", **kw)
+    assert _row(fp32, "policy unsharded gradients") == (ROOT + LAYER) * 6
+    assert _row(bf16, "policy unsharded gradients") == (ROOT + LAYER) * 4
+    others = lambda e: {r["component"]: r["bytes"] for r in e["components"] if "unsharded" not in r["component"]}  # noqa: E731
+    assert others(fp32) == others(bf16)

@@ -261,12 +261,12 @@ def is_sharded(model) -> bool:
 
 
 def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool = False,
-          offload: bool = False, reshard_after_forward: bool = True,
+          reduce_bf16: bool = False, offload: bool = False, reshard_after_forward: bool = True,
           defer_grad_sync: bool = False, unit_layers: int = 1) -> torch.nn.Module:
     """FSDP2 in place: `fully_shard` each of `layers` (the decoder layers: one all-gather per layer
     per forward), an untied LM head as a unit of its own, then `model` itself (embeddings, final
-    norm, a tied head). bf16: compute in bf16, reduce
-    gradients in fp32, keep the fp32 sharded master weights. offload: parameters, gradients and
+    norm, a tied head). bf16: compute in bf16, reduce gradients in fp32 (in bf16 with
+    reduce_bf16), keep the fp32 sharded master weights. offload: parameters, gradients and
     optimizer state live on the CPU between uses. Gradients are *summed* over ranks (divide factor
     1): the trainers divide by global counts themselves (module doc). defer_grad_sync: with several
     micro-batches a step, reduce only the last one's gradients (:func:`accumulation`).
@@ -275,7 +275,8 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
     Python cost stays: docs/distributed.md, session 13). Returns `model`."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                              reduce_dtype=torch.bfloat16 if reduce_bf16 else torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else None,
               reshard_after_forward=reshard_after_forward)
@@ -285,7 +286,7 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
         group = layers[i:i + unit_layers]
         fully_shard(group[0] if len(group) == 1 else group, **kw)  # a list: one unit of several
     head = _untied_head(model)
-    if head is not None:
+    if head is not None and os.environ.get("TETHER_FSDP_HEAD_UNIT", "1") != "0":  # 0: in the root (A/B)
         # Why: in the root unit, the head's gradient (vocab x width: 545M parameters at 7B) is made
         # first in backward but reduce-scattered with the embedding's at the very end, so it is held
         # unsharded, with its fp32 reduce input, through the whole backward. Its own unit reduces it

@@ -30,7 +30,8 @@ from tether.memory.single import DTYPE_BYTES, GB, ONLINE, PAIRWISE, MemoryConfig
 GRAD_BUCKET_BYTES = 256 << 20
 # options of FSDP2 only, with the defaults the table compares against to say they are ignored
 # (fsdp_offload=true never gets here: MemoryConfig refuses it with replicate, as the trainers do)
-FSDP_ONLY = {"fsdp_offload": False, "fsdp_reshard": True, "fsdp_unit_layers": 1, "fsdp_defer_sync": False}
+FSDP_ONLY = {"fsdp_offload": False, "fsdp_reshard": True, "fsdp_unit_layers": 1, "fsdp_defer_sync": False,
+             "fsdp_reduce": "fp32"}
 
 
 def per_gpu_config(cfg: MemoryConfig) -> MemoryConfig:

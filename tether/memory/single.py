@@ -83,6 +83,8 @@ class MemoryConfig:
     "gpus > 1 with fsdp: free a layer's gathered weights after its forward; false keeps the whole model gathered from forward to backward (model.fsdp_reshard; replicate ignores it)"
     fsdp_unit_layers: PositiveInt = 1
     "gpus > 1 with fsdp: consecutive decoder layers per FSDP2 unit (model.fsdp_unit_layers): that many layers gathered, and their gradients unsharded, at once (replicate ignores it)"
+    fsdp_reduce: Literal["fp32", "bf16"] = "fp32"
+    "gpus > 1 with fsdp and mixed precision: the gradients' reduce-scatter dtype (model.fsdp_reduce); bf16: no fp32 copy of a unit's gradients (replicate ignores it)"
     fsdp_defer_sync: bool = False
     "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync; replicate ignores it)"
     grad_accum: PositiveInt = 1
