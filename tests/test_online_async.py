@@ -120,6 +120,10 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=1 + samplers, timeout=600))
     rows = _rows(setup, "dis1", drop=("queue/dropped",))
     assert rows == _rows(setup, "inter1", drop=("queue/dropped",))
+    # the sampler's wait for each batch's weights, kept out of rollout/seconds (a timing: volatile)
+    import json
+    logged = [json.loads(x) for x in (setup / "runs" / "dis1" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["queue/weights_wait_seconds"] >= 0 for r in logged if "step_time" in r)
     assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]
     _same_weights(local, {"checkpoint": str(setup / "runs" / "dis1" / "checkpoints" / "step-4")})
 

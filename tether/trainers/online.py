@@ -324,7 +324,10 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             **update, "lr": t.lr, "skipped_steps": t.skipped, "epoch": collected.epoch, "step_time": seconds,
             "tokens_per_second": tokens / seconds,
             "rollout/tokens_per_second": rollout.stats.get("tokens_per_s", 0.0),
-            "rollout/seconds": rollout.stats.get("total_s", 0.0)}
+            "rollout/seconds": rollout.stats.get("total_s", 0.0),
+            # a sampler process: its wait for this batch's weights (the trainer's update and the
+            # broadcast), kept out of rollout/seconds
+            **({"queue/weights_wait_seconds": rollout.stats["weights_wait_s"]} if "weights_wait_s" in rollout.stats else {})}
 
 
 def samples(batch: Batch, count: int, names: Sequence[str] = ()) -> list[dict]:

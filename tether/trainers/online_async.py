@@ -438,17 +438,22 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     samplers: each joins it when it needs the version, or at the end). Returns its counts."""
     _receive(link, t)
     version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
+    cuda = next(t.model.parameters()).is_cuda
     for j in range(t.total_steps):
         if j % link.samplers != link.index:
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
             continue
+        waiting = time.perf_counter()
         while version < j - max_staleness:  # the versions in order, each broadcast once
             _receive(link, t)
             version += 1
         t.rollout_model()  # the sampler's copy (rollout.sampler_copy) brought up to the version
+        if cuda:  # the weights are here before the clock starts: NCCL's receive only queues on the
+            torch.cuda.synchronize()  # stream, and would count the trainer's update as sampling time
         started = time.perf_counter()
         batch = produce(j, sampler)
         seconds += time.perf_counter() - started
+        batch.rollout.stats["weights_wait_s"] = started - waiting
         link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
         produced += 1
     while version < last:  # the trainer broadcasts every version a batch needs: join the rest
