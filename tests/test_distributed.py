@@ -212,18 +212,24 @@ def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_
 
 
 def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
-    """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit (fp32 by
-    default); its compute dtype stays bf16 either way."""
+    """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit — each layer, an
+    untied head's own, the root — through setup.shard_model (fp32 by default); the compute dtype
+    stays bf16 either way."""
+    import types
     import torch
     import torch.distributed.fsdp as fsdp
-    from tether import distributed
     from tether.models.tiny import tiny_config
+    from tether.trainers import setup
+    from tether.trainers.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
-    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append(kw["mp_policy"]))
-    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
-                                                         num_kv_heads=1, intermediate_size=64))
-    for reduce_bf16, want in ((False, torch.float32), (True, torch.bfloat16)):
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append((module, kw["mp_policy"])))
+    monkeypatch.setattr(setup, "sharding_bf16", lambda cfg, device: True)  # CUDA's mixed precision, here
+    cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cfg.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(cfg)
+    for reduce, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         seen.clear()
-        distributed.shard(model, list(model.model.layers), bf16=True, reduce_bf16=reduce_bf16)
-        assert len(seen) == 3 and all(p.reduce_dtype == want and p.param_dtype == torch.bfloat16 for p in seen)
+        setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", fsdp_reduce=reduce)))
+        assert [m for m, _ in seen] == [*model.model.layers, model.lm_head, model]
+        assert all(p.reduce_dtype == want and p.param_dtype == torch.bfloat16 for _, p in seen)

@@ -391,3 +391,11 @@ def test_bf16_reduction_drops_the_fp32_copy_of_the_unsharded_gradients(qwen05):
     assert _row(bf16, "policy unsharded gradients") == (ROOT + LAYER) * 4
     others = lambda e: {r["component"]: r["bytes"] for r in e["components"] if "unsharded" not in r["component"]}  # noqa: E731
     assert others(fp32) == others(bf16)
+    # with deferred sync FSDP2 would add the micro-batches' gradients in bf16: refused, as the trainers do
+    with pytest.raises(ValueError, match="fsdp_reduce"):
+        _est(qwen05, fsdp_reduce="bf16", fsdp_defer_sync=True, **kw)
+    from tether.config import load_config as load
+    from tether.trainers.offline import DPOConfig
+    with pytest.raises(Exception, match="fsdp_defer_sync"):
+        load(DPOConfig, overrides={"model": "m", "data": "d", "fsdp_reduce": "bf16", "fsdp_defer_sync": True})
+    load(DPOConfig, overrides={"model": "m", "data": "d", "fsdp": False, "fsdp_reduce": "bf16", "fsdp_defer_sync": True})

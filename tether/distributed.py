@@ -290,12 +290,13 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
         # Why: in the root unit, the head's gradient (vocab x width: 545M parameters at 7B) is made
         # first in backward but reduce-scattered with the embedding's at the very end, so it is held
         # unsharded, with its fp32 reduce input, through the whole backward. Its own unit reduces it
-        # as soon as the head's backward ends. Not resharded after a forward with autograd on: the
-        # backward needs it next (as FSDP2 keeps its root); after one without (evaluation, frozen
-        # models) nothing else would reshard it, so the hook does.
+        # as soon as the head's backward ends. Not resharded after a forward whose output autograd
+        # will differentiate: the backward needs it next (as FSDP2 keeps its root); after any other
+        # (evaluation, frozen models, a frozen head) nothing else would reshard it, so the hook does:
+        # a head left gathered would hide its sharded parameters from the optimizer and the clip.
         fully_shard(head, **{**kw, "reshard_after_forward": False})
         if kw["reshard_after_forward"]:
-            head.register_forward_hook(lambda m, args, out: None if torch.is_grad_enabled() else m.reshard())
+            head.register_forward_hook(_reshard_unless_differentiated)
     fully_shard(model, **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -303,6 +304,13 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
     model.tether_defer_grad_sync = defer_grad_sync
     return model
+
+
+def _reshard_unless_differentiated(module, args, out) -> None:
+    """Forward hook of an untied head unit (shard): reshard now unless a backward through it follows."""
+    tensors = out if isinstance(out, (tuple, list)) else (getattr(out, "logits", out),)
+    if not (torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors)):
+        module.reshard()
 
 
 def _untied_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:

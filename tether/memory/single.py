@@ -101,6 +101,9 @@ class MemoryConfig:
             if self.sharding == "none":
                 raise ValueError(f"config key 'sharding': none is one process holding everything (gpus=1); "
                                  f"for gpus={self.gpus} use fsdp (the trainers' default) or replicate (fsdp=false)")
+            if self.sharding == "fsdp" and self.fsdp_reduce == "bf16" and self.fsdp_defer_sync:  # as ModelSection
+                raise ValueError("config key 'fsdp_reduce': bf16 with fsdp_defer_sync=true is refused by the "
+                                 "trainers (the deferred gradients would add up in bf16); use one of the two")
             if self.sharding == "replicate" and self.fsdp_offload:  # the trainers refuse it (ModelSection)
                 raise ValueError("config key 'fsdp_offload': offloads FSDP2's shards and needs sharding=fsdp; "
                                  "replicated, every GPU holds the whole model")

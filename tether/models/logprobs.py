@@ -201,12 +201,13 @@ def _chunked_head(h, head, targets, temperature: float, entropy: str):
 
 
 def _sharded_chunked_head(model, head, batch, idx, targets, temperature: float, mode: str):
-    """`_chunked_head` for an FSDP2-sharded model. The embeddings, final norm and head belong to the
-    root's FSDP unit, whose weights are gathered only inside the root module's own call (and freed
-    after it); so the head runs *as* the model's `lm_head` during that call (its `forward` swapped
-    for the chunked one, which returns the log-probs and entropies in place of logits). Being the
-    root's output, they get FSDP2's pre-backward hook: the head's weight is gathered again before
-    `_HeadLogps.backward` reads it, and its gradient is reduce-scattered with the root's."""
+    """`_chunked_head` for an FSDP2-sharded model. The head's weights are gathered only inside a
+    call of its FSDP2 unit — the root's (a tied head, with the embeddings and final norm) or its
+    own (an untied head, distributed.shard) — so the head runs *as* the model's `lm_head` during
+    that call (its `forward` swapped for the chunked one, which returns the log-probs and entropies
+    in place of logits). Being that unit's output, they get FSDP2's pre-backward hook: the head's
+    weight is gathered (again, if resharded) before `_HeadLogps.backward` reads it, and its
+    gradient is reduce-scattered with its unit's."""
     ids = batch["input_ids"]
     B, T = ids.shape
 

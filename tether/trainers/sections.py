@@ -65,6 +65,10 @@ class ModelSection:
         if self.fsdp_offload and not self.fsdp:  # replication has no shards to offload: refuse, not ignore
             raise ValueError("model.fsdp_offload=true offloads FSDP2's shards and needs fsdp=true; with "
                              "fsdp=false every GPU holds the whole model, its gradients and optimizer state")
+        if self.fsdp and self.fsdp_reduce == "bf16" and self.fsdp_defer_sync:  # FSDP2 would accumulate in bf16
+            raise ValueError("model.fsdp_reduce=bf16 with fsdp_defer_sync=true would add the deferred micro-batches' "
+                             "gradients in bf16 (FSDP2 keeps no fp32 accumulator when the reduce dtype is the "
+                             "compute dtype); use one of the two")
 
 
 @dataclass
