@@ -337,6 +337,23 @@ def test_value_loss_hand_values():
                                     (t(1.3, 1.05).unsqueeze(0).requires_grad_(),))
 
 
+def test_value_clipfrac_counts_only_where_the_clip_acts():
+    """Inside the clip range V_old + (V − V_old) is V only up to rounding (V_old much smaller than
+    V: 5 % of these float32 tokens round off), so the 'clipped' term can come out one ulp larger
+    where nothing is clipped; those tokens are no clip (before: 0.33 % counted here, and 1 vs 2
+    processes logged 0.070 vs 0.039 for the same loss). Past the range every token is counted
+    where the clipped term is the larger."""
+    g = torch.Generator().manual_seed(0)
+    n = 100_000
+    old, v = (torch.rand(n, generator=g) - 0.5) * 0.01, (torch.rand(n, generator=g) - 0.5) * 0.3
+    R = (torch.rand(n, generator=g) - 0.5) * 2
+    assert (old + (v - old) != v).any()  # the premise: rounding happens
+    _, m = value_loss(v[None], old[None], R[None], torch.ones(1, n), clip=0.2)
+    assert m["clipfrac"].item() == 0.0  # |V − V_old| < 0.15 < 0.2 everywhere
+    _, m = value_loss(v[None] + 1.0, old[None], R[None], torch.ones(1, n), clip=0.2)
+    assert m["clipfrac"].item() == pytest.approx(((old + 0.2 - R) ** 2 > (v + 1 - R) ** 2).float().mean().item())
+
+
 def test_kl_penalized_rewards_score_on_last_token_with_right_padding():
     lp = t(-1.0, -2.0, -1.0, -0.5, -0.5, 7.0).reshape(2, 3)
     ref = t(-1.5, -1.0, -1.0, -0.5, -1.0, float("nan")).reshape(2, 3)
