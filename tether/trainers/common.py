@@ -211,15 +211,21 @@ def update_is_bounded(optimizer) -> bool:
         if not params:
             continue
         lr, wd, (b1, b2) = abs(group["lr"]), group["weight_decay"], group["betas"]
-        steps = [optimizer.state[p]["step"] for p in params if "step" in optimizer.state[p]]
-        t = 1 + (_max_abs(steps) if steps else 0.0)  # the step about to be taken (the longest-stepped)
         q = b1 * b1 / b2
         try:
-            ratio = math.sqrt((t if q == 1 else (1 - q ** t) / (1 - q)) / (1 - b2))
             limit = min(torch.finfo(p.dtype).max for p in params) / 2
             largest = _max_abs(params)
             decay = abs(1 - lr * wd) if decoupled else 1.0
-            if not math.isfinite(lr) or not largest * decay + lr * ratio <= limit:
+
+            def bounded(ratio: float) -> bool:
+                return math.isfinite(lr) and largest * decay + lr * ratio <= limit
+            # q < 1 (any usual β: 0.81 / 0.999): Σ_{k<t} q^k < 1/(1−q) for every t, so the bound
+            # holds without reading the step counts (a stack of one tensor per parameter and a sync)
+            if q < 1 and bounded(math.sqrt(1 / ((1 - q) * (1 - b2)))):
+                continue
+            steps = [optimizer.state[p]["step"] for p in params if "step" in optimizer.state[p]]
+            t = 1 + (_max_abs(steps) if steps else 0.0)  # the step about to be taken (the longest-stepped)
+            if not bounded(math.sqrt((t if q == 1 else (1 - q ** t) / (1 - q)) / (1 - b2))):
                 return False
         except (OverflowError, ZeroDivisionError, ValueError):  # q**t too large, β2 = 1: no bound
             return False
