@@ -182,10 +182,12 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
         (loss * (len(rows) / n_total)).backward()
         inputs.append(detached(x))
     loss, metrics = objective(cfg, gather_rows(_concat(inputs)), z0)
-    loss = float(loss)
+    # the loss and every metric to Python in one transfer (one sync, not one per number)
+    loss, *values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).reshape(())
+                                 for v in (loss.detach(), *metrics.values())]).tolist()
     grad_norm = step(loss) if step is not None else \
         guarded_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, loss)
-    return {"loss": loss, **{k: float(v) for k, v in metrics.items()}, "grad_norm": grad_norm,
+    return {"loss": loss, **dict(zip(metrics, values)), "grad_norm": grad_norm,
             "tokens": int(distributed.sum_floats([tokens])[0])}
 
 
