@@ -162,15 +162,16 @@ def guarded_step(model, optimizer, scheduler, max_grad_norm: float, loss_value: 
     return norm
 
 
+@torch.no_grad()  # no autograd: no per-tensor detach (a CPU op per parameter, every step)
 def _max_abs(tensors) -> float:
     """max |x| over every element of every tensor (NaN if any is NaN): one sync per device. Sharded
     tensors (DTensor): over every rank's shard (one all-reduce), so all ranks get the same value."""
     by_device: dict = {}
     sharded = False
     for t in tensors:
-        sharded |= t is not distributed.local(t)
-        t = distributed.local(t.detach())
-        by_device.setdefault(t.device, []).append(t)
+        local = distributed.local(t)
+        sharded |= local is not t
+        by_device.setdefault(local.device, []).append(local)
     out = 0.0
     for device, ts in by_device.items():
         # Empty tensors out: a rank's shard of a small parameter can be empty under FSDP2 (a norm
