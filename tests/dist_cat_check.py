@@ -3,7 +3,7 @@ dtypes must equal the concatenation every rank's rows make in rank order, and ma
 largest value or NaN when any rank has one; distributed.accumulation over a model sharded with
 defer_grad_sync reduces nothing before the last micro-batch and then the same gradient as a
 backward-by-backward reduction; distributed.replicate and sum_gradients; an untied LM head sharded
-as its own FSDP2 unit under the chunked head (tests/test_distributed.py)."""
+as its own FSDP2 unit under the chunked head; FSDP2's bf16 gradient reduction (tests/test_distributed.py)."""
 import math
 import os
 import sys
@@ -182,6 +182,30 @@ def untied_head():
 
 
 bad += untied_head()
+
+
+def bf16_reduction():
+    """model.fsdp_reduce=bf16 (distributed.shard reduce_bf16): FSDP2 sums the ranks' bf16
+    gradients in bf16 — the sharded fp32 gradient differs from the fp32-reduced one by bf16's
+    rounding (nonzero, within 2^-7 relative) — and keeps it in fp32 beside the fp32 weights."""
+    from tether.models.tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+    grads = {}
+    for reduce_bf16 in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                             num_kv_heads=1, intermediate_size=64)).float()
+        distributed.shard(model, list(model.model.layers), bf16=True, reduce_bf16=reduce_bf16)
+        ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(40 + r))
+        model(input_ids=ids, labels=ids).loss.backward()
+        if any(p.grad.dtype != torch.float32 for p in model.parameters()):
+            return ["bf16 reduction: sharded gradients not fp32"]
+        grads[reduce_bf16] = [distributed.full(p.grad) for p in model.parameters()]
+    rel = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(grads[False], grads[True]))
+    return [] if 0 < rel <= 2 ** -7 else [f"bf16 reduction: relative difference {rel}"]
+
+
+bad += bf16_reduction()
 if r == 0:
     print("BAD " + ",".join(bad) if bad else "OK")
 torch.distributed.barrier()  # leave together: a gloo rank exiting mid-teardown aborts its peer

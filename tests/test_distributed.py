@@ -189,7 +189,8 @@ def test_cat_ranks_rebuilds_the_rows_in_rank_order():
     in their dtype; ranks disagreeing on dtype or trailing shape get one clear error each (no abort,
     no hang); max_float (one all-reduce): the largest value, NaN when any rank's is;
     distributed.accumulation with defer_grad_sync: no reduction before the last micro-batch, then
-    the gradient a reduction after every backward gives."""
+    the gradient a reduction after every backward gives; replicate + sum_gradients; an untied head
+    as its own FSDP2 unit; the bf16 gradient reduction (fsdp_reduce=bf16)."""
     from dist_support import _free_port
     script = os.path.join(os.path.dirname(__file__), "dist_cat_check.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
