@@ -473,5 +473,6 @@ def shard_model(model, cfg) -> torch.nn.Module:
         return distributed.replicate(model)
     device = next(model.parameters()).device
     return distributed.shard(model, decoder_layers(model), bf16=sharding_bf16(cfg, device),
-                             reduce_bf16=cfg.model.fsdp_reduce == "bf16", offload=cfg.model.fsdp_offload, reshard_after_forward=cfg.model.fsdp_reshard,
+                             reduce_bf16=cfg.model.fsdp_reduce == "bf16", offload=cfg.model.fsdp_offload,
+                             reshard_after_forward=cfg.model.fsdp_reshard,
                              defer_grad_sync=cfg.model.fsdp_defer_sync, unit_layers=cfg.model.fsdp_unit_layers)
