@@ -24,9 +24,9 @@ like7b)
     python3 -m pip install -q --no-index --no-deps wheels/*.whl 2>&1 | tail -1
     common=(--shape qwen7b --gpus 4 --algos dpo --steps 5 --warmup 2 --keep-model /tmp/m7 --run-timeout 200
             --trl-timeout 280)
-    timeout 280 python3 bench/scale.py "${common[@]}" --trl --set fsdp_reduce=bf16 --results "$OUT/like7b-bf16.md" \
+    timeout 330 python3 bench/scale.py "${common[@]}" --trl --set fsdp_reduce=bf16 --results "$OUT/like7b-bf16.md" \
         --json "$OUT/like7b-bf16.json" 2>&1 | grep -E "^\| (dpo|TRL)" | cut -c1-300
-    timeout 300 python3 bench/scale.py "${common[@]}" --trl --trl-reduce fp32 --results "$OUT/like7b-fp32.md" \
+    timeout 260 python3 bench/scale.py "${common[@]}" --trl --trl-reduce fp32 --results "$OUT/like7b-fp32.md" \
         --json "$OUT/like7b-fp32.json" --log-dir "$OUT/logs-fp32" 2>&1 | grep -E "^\| (dpo|TRL)" | cut -c1-300
     grep -h "FSDP2 policy" "$OUT"/logs-fp32/*.log | head -1
     ;;
