@@ -190,3 +190,16 @@ def read_config_file(config_file: str) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{config_file}: top level must be a mapping of key: value")
     return loaded
+
+
+def fsdp_conflict(fsdp: bool, offload: bool, reduce: str, defer_sync: bool) -> Optional[tuple[str, str]]:
+    """FSDP2 options that do not go together, refused alike by the trainers' `model` section and
+    by `tether memory` (fsdp = FSDP2 sharding, not replication): (the key, why) or None."""
+    if offload and not fsdp:  # replication has no shards to offload: refuse, not ignore
+        return "fsdp_offload", ("fsdp_offload=true offloads FSDP2's shards and needs fsdp=true (sharding=fsdp); "
+                                "replicated, every GPU holds the whole model, its gradients and optimizer state")
+    if fsdp and reduce == "bf16" and defer_sync:  # FSDP2 keeps no fp32 accumulator then
+        return "fsdp_reduce", ("fsdp_reduce=bf16 with fsdp_defer_sync=true would add the deferred micro-batches' "
+                               "gradients in bf16 (FSDP2 keeps no fp32 accumulator when the reduce dtype is the "
+                               "compute dtype); use one of the two")
+    return None

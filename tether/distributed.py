@@ -308,7 +308,7 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
 
 def _reshard_unless_differentiated(module, args, out) -> None:
     """Forward hook of an untied head unit (shard): reshard now unless a backward through it follows."""
-    tensors = out if isinstance(out, (tuple, list)) else (getattr(out, "logits", out),)
+    tensors = out if isinstance(out, (tuple, list)) else (out,)
     if not (torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors)):
         module.reshard()
 

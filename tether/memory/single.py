@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 # Shape, guess_shape, parse_count and resolve_model stay importable from here (tests, scripts)
-from tether.constraints import NonNegative, PositiveInt, check_values
+from tether.constraints import NonNegative, PositiveInt, check_values, fsdp_conflict
 from tether.model_shape import Shape, fmt_count, guess_shape, parse_count, resolve_model  # noqa: F401
 
 GB = 1e9
@@ -101,12 +101,10 @@ class MemoryConfig:
             if self.sharding == "none":
                 raise ValueError(f"config key 'sharding': none is one process holding everything (gpus=1); "
                                  f"for gpus={self.gpus} use fsdp (the trainers' default) or replicate (fsdp=false)")
-            if self.sharding == "fsdp" and self.fsdp_reduce == "bf16" and self.fsdp_defer_sync:  # as ModelSection
-                raise ValueError("config key 'fsdp_reduce': bf16 with fsdp_defer_sync=true is refused by the "
-                                 "trainers (the deferred gradients would add up in bf16); use one of the two")
-            if self.sharding == "replicate" and self.fsdp_offload:  # the trainers refuse it (ModelSection)
-                raise ValueError("config key 'fsdp_offload': offloads FSDP2's shards and needs sharding=fsdp; "
-                                 "replicated, every GPU holds the whole model")
+            bad = fsdp_conflict(self.sharding == "fsdp", self.fsdp_offload, self.fsdp_reduce,
+                                self.fsdp_defer_sync)  # what the trainers' model section refuses
+            if bad:
+                raise ValueError(f"config key '{bad[0]}': {bad[1]}")
             # the trainers refuse a global batch that does not divide (distributed.split_evenly)
             key, size = ("rollout_batch", self.rollout_batch) if self.algo in ONLINE else \
                 ("batch_size x grad_accum", self.batch_size * self.grad_accum)

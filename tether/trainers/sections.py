@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal, Optional
 
 from tether.constraints import (DirPath, Fraction, NonNegative, NonNegativeInt, Positive,
-                                PositiveInt, Range, Seed)
+                                PositiveInt, Range, Seed, fsdp_conflict)
 from tether.rollout.sampling import SamplingConfig
 
 Beta = Annotated[float, Range(ge=0, lt=1)]  # an AdamW β: 1 would never forget, > 1 diverges
@@ -62,13 +62,9 @@ class ModelSection:
 
 
     def __post_init__(self):
-        if self.fsdp_offload and not self.fsdp:  # replication has no shards to offload: refuse, not ignore
-            raise ValueError("model.fsdp_offload=true offloads FSDP2's shards and needs fsdp=true; with "
-                             "fsdp=false every GPU holds the whole model, its gradients and optimizer state")
-        if self.fsdp and self.fsdp_reduce == "bf16" and self.fsdp_defer_sync:  # FSDP2 would accumulate in bf16
-            raise ValueError("model.fsdp_reduce=bf16 with fsdp_defer_sync=true would add the deferred micro-batches' "
-                             "gradients in bf16 (FSDP2 keeps no fp32 accumulator when the reduce dtype is the "
-                             "compute dtype); use one of the two")
+        bad = fsdp_conflict(self.fsdp, self.fsdp_offload, self.fsdp_reduce, self.fsdp_defer_sync)
+        if bad:
+            raise ValueError(f"model.{bad[1]}")
 
 
 @dataclass
