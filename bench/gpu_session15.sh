@@ -29,6 +29,11 @@ like7b)
     timeout 260 python3 bench/scale.py "${common[@]}" --trl --trl-reduce fp32 --results "$OUT/like7b-fp32.md" \
         --json "$OUT/like7b-fp32.json" --log-dir "$OUT/logs-fp32" 2>&1 | grep -E "^\| (dpo|TRL)" | cut -c1-300
     grep -h "FSDP2 policy" "$OUT"/logs-fp32/*.log | head -1
+    # where tether's 7B step goes (bf16 reduction): 2 traced steps, rank 0's busy table
+    timeout 150 python3 bench/scale.py "${common[@]}" --set fsdp_reduce=bf16 --trace /tmp/t7 \
+        --results /tmp/t7.md > /dev/null 2>&1
+    (cd bench && python3 trace_busy.py /tmp/t7/*rank0*.gz) > "$OUT/like7b-busy.txt" 2>&1; head -30 "$OUT/like7b-busy.txt"
+    cp /tmp/t7/*rank0*.gz "$OUT/" 2>/dev/null
     ;;
 grpo4tr)
     common=(--shape qwen0.5b --steps 3 --warmup 2 --keep-model /tmp/m05 --run-timeout 110 --algos grpo)
