@@ -63,4 +63,29 @@ async4)
     wait
     (cd /tmp/rl && tar czf "$OUT/rl-async4.tgz" --exclude='*.safetensors' --exclude='checkpoints' .)
     ;;
+evalbug)  # session 15: interleaved staleness 4's held-out pass@1 (0.07 / 0.185) far below its own
+    # samples' reward (0.5, entropy 0.1): which of compile / the thread / the fp32 eval sampler; and
+    # the final checkpoint evaluated by `tether eval` in a fresh process against the logged value
+    [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith
+    mkdir -p /tmp/rl
+    rl() {
+        local name=$1; shift
+        python3 bench/real_model_rl.py tether --model /tmp/smollm2 --out "/tmp/rl/$name" --recipe lr1e5_g16 \
+            --data /tmp/arith --budget 100000 --eval-every 15 --set optim.max_steps=${STEPS:-30} --seed 0 "$@" \
+            > "/tmp/rl/$name.log" 2>&1
+    }
+    inter=(--set queue.placement=interleaved --set queue.max_staleness=4)
+    rl A-inter-compile-copy "${inter[@]}" --set model.compile=true --set rollout.sampler_copy=true &
+    rl B-inter-copy "${inter[@]}" --set rollout.sampler_copy=true &
+    rl C-sync-compile --set model.compile=true &
+    rl D-inter-compile "${inter[@]}" --set model.compile=true &
+    wait
+    for n in A-inter-compile-copy B-inter-copy C-sync-compile D-inter-compile; do
+        ck=$(ls -d /tmp/rl/$n/run/checkpoints/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
+        echo "== $n logged: $(grep -h pass@1 /tmp/rl/$n/run/metrics.jsonl | python3 -c "import sys,json;print([(json.loads(l)['step'],json.loads(l)['eval/greedy/pass@1']) for l in sys.stdin])")"
+        [ -n "$ck" ] && python3 -m tether eval model.path=$ck data.path=/tmp/arith/heldout.jsonl generation.decoding=greedy \
+            "reward.reward_funcs=[math]" generation.max_new_tokens=96 2>&1 | grep -E "pass@1|greedy/reward " | head -2
+    done
+    (cd /tmp/rl && tar czf "$OUT/rl-evalbug.tgz" --exclude='*.safetensors' .)
+    ;;
 esac
