@@ -75,17 +75,19 @@ evalbug)  # session 15: interleaved staleness 4's held-out pass@1 (0.07 / 0.185)
             > "/tmp/rl/$name.log" 2>&1
     }
     inter=(--set queue.placement=interleaved --set queue.max_staleness=4)
-    rl A-inter-compile-copy "${inter[@]}" --set model.compile=true --set rollout.sampler_copy=true &
-    rl B-inter-copy "${inter[@]}" --set rollout.sampler_copy=true &
-    rl C-sync-compile --set model.compile=true &
-    rl D-inter-compile "${inter[@]}" --set model.compile=true &
+    runs=${RUNS:-A B C D}  # after the fix (Interleaved.alone / graphs.CAPTURE_LOCK): RUNS="A B"
+    [[ $runs == *A* ]] && rl A-inter-compile-copy "${inter[@]}" --set model.compile=true --set rollout.sampler_copy=true &
+    [[ $runs == *B* ]] && rl B-inter-copy "${inter[@]}" --set rollout.sampler_copy=true &
+    [[ $runs == *C* ]] && rl C-sync-compile --set model.compile=true &
+    [[ $runs == *D* ]] && rl D-inter-compile "${inter[@]}" --set model.compile=true &
     wait
     for n in A-inter-compile-copy B-inter-copy C-sync-compile D-inter-compile; do
+        [ -d /tmp/rl/$n ] || continue
         ck=$(ls -d /tmp/rl/$n/run/checkpoints/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
         echo "== $n logged: $(grep -h pass@1 /tmp/rl/$n/run/metrics.jsonl | python3 -c "import sys,json;print([(json.loads(l)['step'],json.loads(l)['eval/greedy/pass@1']) for l in sys.stdin])")"
         [ -n "$ck" ] && python3 -m tether eval model.path=$ck data.path=/tmp/arith/heldout.jsonl generation.decoding=greedy \
             "reward.reward_funcs=[math]" generation.max_new_tokens=96 2>&1 | grep -E "pass@1|greedy/reward " | head -2
     done
-    (cd /tmp/rl && tar czf "$OUT/rl-evalbug.tgz" --exclude='*.safetensors' .)
+    (cd /tmp/rl && tar czf "$OUT/rl-evalbug.tgz" --exclude='checkpoints' .)
     ;;
 esac

@@ -8,8 +8,17 @@ sizes reuse one graph. :func:`capture` records a step without disturbing the row
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
+
+
+# Held by every CUDA graph capture, and by a trainer thread around its GPU work while a sampler
+# thread of the same process may capture (online_async.Interleaved): a capture that overlapped the
+# other thread's GPU work failed ("operation failed due to a previous error during capture", H200,
+# session 15) — and evaluation sampling beside the sampler thread scored wrong (same session).
+CAPTURE_LOCK = threading.RLock()
 
 
 def bucket(n: int) -> int:
@@ -74,25 +83,28 @@ def capture(step, st: State, kv: int, side=None, pool=None):
         st.slot.fill_(kv - 1)
         st.step.fill_(st.steps)
 
-    if side is not None:
-        torch.cuda.synchronize()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # first calls create cuBLAS handles / pick kernels off-capture
-                scratch_state()
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        scratch_state()
-        g = torch.cuda.CUDAGraph()
-        # thread_local: the queue's interleaved placement captures in its sampler thread while the
-        # trainer thread keeps syncing and allocating; the default (global) mode fails the trainer's
-        # calls with "operation not permitted when stream is capturing" (seen on an H200)
-        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-            step()
-    else:
+    if side is None:
         scratch_state()
         step()
         g = EagerGraph(step)
+    else:
+        # one capture at a time in the process, and none while a trainer thread holding the lock
+        # works on the GPU (the queue's interleaved placement, online_async.Interleaved)
+        with CAPTURE_LOCK:
+            torch.cuda.synchronize()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # first calls create cuBLAS handles / pick kernels off-capture
+                    scratch_state()
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            scratch_state()
+            g = torch.cuda.CUDAGraph()
+            # thread_local: the interleaved placement's sampler thread captures while the trainer
+            # thread may sync and allocate (outside its GPU work); the default (global) mode fails
+            # those calls with "operation not permitted when stream is capturing" (seen on an H200)
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                step()
     for t, s in zip(st.small(), saved):
         t.copy_(s)
     st.bias[:, kv - 1] = float("-inf")  # the real step unmasks it when it writes there

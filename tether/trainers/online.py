@@ -431,22 +431,24 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         while t.step < t.total_steps:
             started, gathered = time.perf_counter(), t.gather_seconds
             collected, queue_stats = source.get(t.step)  # 1-2. step k's scored rollouts (produce)
-            # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator asks,
-            #    weighted by the off-policy correction (is_correction)
-            batch = prepare_batch(t, collected, cfg)
-            assign_advantages(batch, grpo, greedy_scores)
-            correction = correct_off_policy(batch, grpo)
-            # 5. μ updates on this batch (the gradient buffer held the sampler's KV cache until now)
-            if grad_buffer is not None:
-                grad_buffer.zero_()
+            with source.trainer_turn():  # (the GPU work; the waits for the source stay outside)
+                # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator
+                #    asks, weighted by the off-policy correction (is_correction)
+                batch = prepare_batch(t, collected, cfg)
+                assign_advantages(batch, grpo, greedy_scores)
+                correction = correct_off_policy(batch, grpo)
+                if grad_buffer is not None:  # (it held the sampler's KV cache until now)
+                    grad_buffer.zero_()
             source.before_update(t.step)
-            update = update_policy(t, batch, grpo, norm_length=rollout_cfg.max_new_tokens,
-                                   keep_grads=grad_buffer is not None)
-            t.step += 1
-            source.after_update(t.step)  # the samplers' weights: version t.step
-            # 6. log / samples / checkpoint
-            last = {**step_metrics(t, batch, update, names, time.perf_counter() - started), **correction,
-                    **queue_stats, **partial_metrics(batch, t.step - 1)}
+            with source.trainer_turn():
+                # 5. μ updates on this batch
+                update = update_policy(t, batch, grpo, norm_length=rollout_cfg.max_new_tokens,
+                                       keep_grads=grad_buffer is not None)
+                t.step += 1
+                source.after_update(t.step)  # the samplers' weights: version t.step
+                # 6. log / samples / checkpoint
+                last = {**step_metrics(t, batch, update, names, time.perf_counter() - started), **correction,
+                        **queue_stats, **partial_metrics(batch, t.step - 1)}
             if t.replica is not None:
                 last["gather_time"] = t.gather_seconds - gathered
             history.append(last["reward"])
@@ -454,7 +456,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 t.log(last)
                 t.add_samples(samples(batch, cfg.run.num_samples, names))
             if t.due(cfg.run.eval_every):
-                t.log_eval(held_out(t, sampler))
+                with source.alone():
+                    t.log_eval(held_out(t, sampler))
             if t.due(cfg.run.save_every):
                 t.checkpoint()
             t.bar.update({"reward": last["reward"], "kl": last.get("kl", 0.0), **t.eval_shown})

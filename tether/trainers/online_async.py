@@ -34,6 +34,7 @@ the staleness and the sampler–trainer numeric mismatch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -50,6 +51,7 @@ from tether.config import ConfigError
 from tether.constraints import NonNegativeInt, PositiveInt
 from tether.errors import UserError
 from tether.objectives import importance_weights, is_metrics
+from tether.rollout import graphs
 from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
 
 
@@ -131,7 +133,29 @@ def _state(produce):
     return produce.state_dict() if hasattr(produce, "state_dict") else None
 
 
-class Synchronous:
+class Source:
+    """What a source does around the trainer's step when it has nothing to do there (module doc)."""
+
+    def before_update(self, step: int) -> None:
+        pass
+
+    def after_update(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def trainer_turn(self):
+        """Around the trainer's GPU work (not its waits for the source): exclusive of the sampler
+        thread's CUDA graph captures where there is one (Interleaved)."""
+        return contextlib.nullcontext()
+
+    def alone(self):
+        """Around work on the GPU that no sampling may overlap at all (held-out evaluation)."""
+        return contextlib.nullcontext()
+
+
+class Synchronous(Source):
     """Sample step k's batch when the trainer asks for it, with the weights it is about to train."""
     lends_gradients = True  # sampling and the update never overlap: the KV cache may sit in the gradients
 
@@ -148,17 +172,8 @@ class Synchronous:
         self.t.rollout_model()  # the sampler's copy of the policy brought up to date (torchrun; collective)
         return self.produce(step, self.sampler), {}
 
-    def before_update(self, step: int) -> None:
-        pass
 
-    def after_update(self, version: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Interleaved:
+class Interleaved(Source):
     """A producer thread on a copy of the policy, `max_staleness` batches ahead (module doc)."""
     lends_gradients = False
 
@@ -185,6 +200,7 @@ class Interleaved:
         self.snaps: dict = {self.first - 1: (t.order.position, _state(produce), None)}
         self.cond = threading.Condition()
         self.version, self.copied, self.stopped = self.start, self.first - 1, False
+        self.paused = self.busy = False  # alone(): the trainer has the GPU to itself
         cuda = next(t.model.parameters()).is_cuda
         self.stream = torch.cuda.Stream() if cuda else None
         self.thread = threading.Thread(target=self._produce_all, name="tether-sampler", daemon=True)
@@ -195,9 +211,11 @@ class Interleaved:
             held = None  # the version the copy holds
             for j in range(self.first, self.total):
                 with self.cond:
-                    self.cond.wait_for(lambda: self.stopped or self.version >= max(self.start, j - self.S))
+                    self.cond.wait_for(lambda: self.stopped or (
+                        not self.paused and self.version >= max(self.start, j - self.S)))
                     if self.stopped:
                         return
+                    self.busy = True  # on the GPU until the batch is done (alone() waits for it)
                     version = self.version
                     if version != held:  # the trainer waits in before_update: its weights are still
                         with self._on_stream():
@@ -213,6 +231,7 @@ class Interleaved:
                     self.stream.synchronize()  # the batch's tensors complete before the trainer reads them
                 item = Trajectories(batch, version, j)
                 with self.cond:
+                    self.busy = False
                     self.snaps[j] = (self.t.order.position, _state(self.produce), item)
                     self.cond.notify_all()
                 self.queue.put(item)
@@ -223,9 +242,31 @@ class Interleaved:
             with self.cond:
                 self.copied = self.total
                 self.cond.notify_all()
+        finally:
+            with self.cond:
+                self.busy = False
+                self.cond.notify_all()
+
+    def trainer_turn(self):
+        # on CUDA: the producer's graph captures wait for the trainer's GPU work and vice versa
+        return graphs.CAPTURE_LOCK if self.stream is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def alone(self):
+        """The producer paused between batches (and its current one finished) for the duration: a
+        held-out evaluation beside it scored wrong on an H200 (session 15: pass@1 0.175 where the
+        same weights score 0.41 alone)."""
+        with self.cond:
+            self.paused = True
+            self.cond.wait_for(lambda: not self.busy)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.paused = False
+                self.cond.notify_all()
 
     def _on_stream(self):
-        import contextlib
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def get(self, step: int):
@@ -401,7 +442,7 @@ def _unpack(raw: bytes) -> Trajectories:
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
-class Disaggregated:
+class Disaggregated(Source):
     """The trainer's side: batches from the sampler process, weights broadcast back (module doc)."""
     lends_gradients = True  # this process only trains and evaluates
 
@@ -420,15 +461,9 @@ class Disaggregated:
         return _my_part(item.batch, self.G), {"queue/staleness": step - item.version,
                                               "queue/wait_seconds": time.perf_counter() - started}
 
-    def before_update(self, step: int) -> None:
-        pass
-
     def after_update(self, version: int) -> None:
         if version <= self.total - 1 - self.S:  # a later batch is sampled with it
             _broadcast(self.link, self.t.model)
-
-    def close(self) -> None:
-        pass
 
 
 def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict:

@@ -309,11 +309,13 @@ def train_odpo(cfg: ODPOConfig) -> dict:
             started = time.perf_counter()
             collected, queue_stats = source.get(t.step)  # 1-2. k completions per prompt, scored
             pairs, counts = build_pairs(collected.rewards, k)  # 3. best vs worst, ties dropped
-            kl = pool_kl(t, collected, rollout_cfg.temperature)
+            with source.trainer_turn():  # (the GPU work; the waits for the source stay outside)
+                kl = pool_kl(t, collected, rollout_cfg.temperature)
             source.before_update(t.step)
-            update = dpo_round(t, cfg, pair_rows(collected, pairs)) if pairs else {"updates": 0}  # 4.
-            t.step += 1
-            source.after_update(t.step)
+            with source.trainer_turn():
+                update = dpo_round(t, cfg, pair_rows(collected, pairs)) if pairs else {"updates": 0}  # 4.
+                t.step += 1
+                source.after_update(t.step)
             last = {**update, **_pool_metrics(collected, names), **counts, "kl": kl, **queue_stats,
                     "lr": t.lr, "skipped_steps": t.skipped, "epoch": collected.epoch,
                     "step_time": time.perf_counter() - started}
@@ -322,7 +324,8 @@ def train_odpo(cfg: ODPOConfig) -> dict:
                 t.log(last)
                 t.add_samples(_samples(collected, pairs, cfg.run.num_samples))
             if t.due(cfg.run.eval_every):
-                t.log_eval(held_out(t, sampler))
+                with source.alone():
+                    t.log_eval(held_out(t, sampler))
             if t.due(cfg.run.save_every):
                 t.checkpoint()
             t.bar.update({"reward": last["reward"], "pairs": counts["pairs"], "kl": kl, **t.eval_shown})
