@@ -83,3 +83,34 @@ def test_compiled_ppo_step_equals_eager(tmp_path, monkeypatch):
     assert a["objective/scores"] == b["objective/scores"]
     for k in ("objective/kl", "loss/policy_avg", "loss/value_avg", "grad_norm", "policy/entropy_avg"):
         assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
+
+
+def test_interleaved_eval_points_equal_a_fresh_evaluation(tmp_path, monkeypatch):
+    """The interleaved placement on CUDA (sampler thread on a bf16 copy, graphs on both sides):
+    every eval point scores what a fresh sampler scores on the same weights at that moment.
+    Session 15 (SmolLM2, H100/H200): eval points scored 0.14-0.16 where the same weights scored
+    0.39-0.41 in a fresh process (online_async.Interleaved.alone: the workaround)."""
+    from tether.trainers import held_out
+    make_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=128)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}:"}) + "\n" for i in range(32)))
+    pairs = []
+    real = held_out.HeldOut.evaluate
+
+    def both(self, model, tokenizer, sampler=None):
+        logged = real(self, model, tokenizer, sampler)
+        self.sampler = None  # HeldOut's own, new Sampler
+        fresh = real(self, model, tokenizer, None)
+        self.sampler = None
+        pairs.append((logged, fresh))
+        return logged
+    monkeypatch.setattr(held_out.HeldOut, "evaluate", both)
+    cfg = GRPOConfig(model=str(tmp_path / "model"), data=str(tmp_path / "p.jsonl"), runs_dir=str(tmp_path / "runs"),
+                     name="inter", batch_size=4, num_generations=8, max_new_tokens=24, max_steps=8, lr=3e-3,
+                     device="cuda", placement="interleaved", max_staleness=2, sampler_copy=True,
+                     eval_data=str(tmp_path / "p.jsonl"), eval_every=2, progress=False, seed=0)
+    train_grpo(cfg, reward_funcs=[digit_frac])
+    assert len(pairs) >= 4
+    for logged, fresh in pairs:
+        for k in ("eval/greedy/reward", "eval/greedy/completions/mean_length"):
+            assert logged[k] == pytest.approx(fresh[k], abs=1e-6), (k, pairs)

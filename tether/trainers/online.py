@@ -456,7 +456,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 t.log(last)
                 t.add_samples(samples(batch, cfg.run.num_samples, names))
             if t.due(cfg.run.eval_every):
-                with source.alone():
+                with source.alone(sampler):  # (interleaved: the sampler thread paused meanwhile)
                     t.log_eval(held_out(t, sampler))
             if t.due(cfg.run.save_every):
                 t.checkpoint()

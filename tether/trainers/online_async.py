@@ -150,8 +150,9 @@ class Source:
         thread's CUDA graph captures where there is one (Interleaved)."""
         return contextlib.nullcontext()
 
-    def alone(self):
-        """Around work on the GPU that no sampling may overlap at all (held-out evaluation)."""
+    def alone(self, sampler=None):
+        """Around work on the GPU that no sampling may overlap at all (held-out evaluation with
+        `sampler`)."""
         return contextlib.nullcontext()
 
 
@@ -252,16 +253,23 @@ class Interleaved(Source):
         return graphs.CAPTURE_LOCK if self.stream is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def alone(self):
-        """The producer paused between batches (and its current one finished) for the duration: a
-        held-out evaluation beside it scored wrong on an H200 (session 15: pass@1 0.175 where the
-        same weights score 0.41 alone)."""
+    def alone(self, sampler=None):
+        """The producer paused between batches (its current one finished) while the trainer
+        evaluates with `sampler`, whose graphs and cache are released afterwards, so each eval point
+        samples from a fresh one. On CUDA (session 15, SmolLM2, H200 and H100): with the producer
+        running beside it an eval point's graph capture failed; with the producer paused, a sampler
+        kept from one eval point to the next (the producer sampling between them) scored held-out
+        pass@1 0.14 / 0.16 where `tether eval` scores the same weights 0.395 / 0.39 — the cause
+        not found; the fresh sampler is the workaround (and the eval's cache is not held through
+        training). On CPU every eval point equals `tether eval` of its weights either way."""
         with self.cond:
             self.paused = True
             self.cond.wait_for(lambda: not self.busy)
         try:
             yield
         finally:
+            if sampler is not None and self.stream is not None:
+                sampler.release()
             with self.cond:
                 self.paused = False
                 self.cond.notify_all()

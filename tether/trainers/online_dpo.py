@@ -324,7 +324,7 @@ def train_odpo(cfg: ODPOConfig) -> dict:
                 t.log(last)
                 t.add_samples(_samples(collected, pairs, cfg.run.num_samples))
             if t.due(cfg.run.eval_every):
-                with source.alone():
+                with source.alone(sampler):  # (interleaved: the sampler thread paused meanwhile)
                     t.log_eval(held_out(t, sampler))
             if t.due(cfg.run.save_every):
                 t.checkpoint()
