@@ -47,7 +47,9 @@ def summary(path: str) -> dict:
     ops = [e for e in events if e.get("cat") == "cpu_op" and t0 <= e["ts"] <= t1]
     mm = [e["dur"] for e in ops if e["name"] == "aten::mm"]
     span = (t1 - t0) / 1e3
-    return {"trace": path.rsplit("/", 1)[-1], "span_ms": span, "steps": max(1, len(steps)),
+    # each ProfilerStep#k is recorded twice on CUDA (a CPU and a GPU annotation): count names
+    # (until session 15 the events were counted, halving every per-step figure of a scale.py trace)
+    return {"trace": path.rsplit("/", 1)[-1], "span_ms": span, "steps": max(1, len({e["name"] for e in steps})),
             "compute_busy_ms": union([(e["ts"], e["ts"] + e["dur"]) for e in compute]) / 1e3,
             "busy_with_nccl_ms": union([(e["ts"], e["ts"] + e["dur"]) for e in inside]) / 1e3,
             "kernels": len(inside), "nccl_kernels": len(nccl), "launches": len(launches),
