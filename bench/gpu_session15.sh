@@ -42,7 +42,7 @@ grpo4tr)
     timeout 150 python3 bench/scale.py "${common[@]}" --gpus 4 --set fsdp=false --trace /tmp/t4 \
         --results /tmp/g4.md | grep -E "^\| grpo" | tail -1
     (cd bench && python3 trace_busy.py /tmp/t1/*rank0*.gz /tmp/t4/*rank0*.gz) | tee "$OUT/grpo4-busy.txt"
-    (cd bench && python3 trace_skew.py /tmp/t4/grpo4-rank{0,1,2,3}.json.gz) | tee "$OUT/grpo4-skew.txt" | head -40
+    (cd bench && python3 trace_skew.py /tmp/t4/grpo4*-rank{0,1,2,3}.json.gz) | tee "$OUT/grpo4-skew.txt" | head -40
     tar czf "$OUT/grpo4-traces.tgz" -C /tmp t1 t4
     ;;
 async4)
