@@ -9,7 +9,8 @@ from tether.models import make_tiny_model
 from tether.trainers.online import GRPOConfig
 
 VOLATILE = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
-            "queue/wait_seconds", "gather_time", "queue/weights_wait_seconds"}  # wall-clock (gather_time: only where a replica is kept)
+            "queue/wait_seconds", "gather_time", "queue/weights_wait_seconds", "queue/produce_seconds",
+            "queue/send_seconds"}  # wall-clock (gather_time: only where a replica is kept)
 
 
 def one_thread_for_the_module():

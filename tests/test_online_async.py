@@ -123,7 +123,12 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     # the sampler's wait for each batch's weights, kept out of rollout/seconds (a timing: volatile)
     import json
     logged = [json.loads(x) for x in (setup / "runs" / "dis1" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["queue/weights_wait_seconds"] >= 0 for r in logged if "step_time" in r)
+    steps = [r for r in logged if "step_time" in r]
+    assert all(r["queue/weights_wait_seconds"] >= 0 and r["queue/produce_seconds"] > 0 for r in steps)
+    # the previous batch's packing + storing: none before the first batch, some time after
+    sends = [r["queue/send_seconds"] for r in steps]
+    assert (sends[0] == 0) if samplers == 1 else True
+    assert all(x > 0 for x in sends[samplers:])
     assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]
     _same_weights(local, {"checkpoint": str(setup / "runs" / "dis1" / "checkpoints" / "step-4")})
 

@@ -326,8 +326,10 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "rollout/tokens_per_second": rollout.stats.get("tokens_per_s", 0.0),
             "rollout/seconds": rollout.stats.get("total_s", 0.0),
             # a sampler process: its wait for this batch's weights (the trainer's update and the
-            # broadcast), kept out of rollout/seconds
-            **({"queue/weights_wait_seconds": rollout.stats["weights_wait_s"]} if "weights_wait_s" in rollout.stats else {})}
+            # broadcast), kept out of rollout/seconds; its sampling + scoring of the batch; the
+            # packing + storing of its previous batch — together its cycle (online_async.serve)
+            **{f"queue/{k}_seconds": rollout.stats[f"{k}_s"] for k in ("weights_wait", "produce", "send")
+               if f"{k}_s" in rollout.stats}}
 
 
 def samples(batch: Batch, count: int, names: Sequence[str] = ()) -> list[dict]:

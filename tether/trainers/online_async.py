@@ -268,7 +268,7 @@ class Interleaved(Source):
         try:
             yield
         finally:
-            if sampler is not None and self.stream is not None:
+            if sampler is not None:
                 sampler.release()
             with self.cond:
                 self.paused = False
@@ -481,7 +481,7 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     samplers: each joins it when it needs the version, or at the end). Returns its counts."""
     _receive(link, t)
     version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
-    cuda = next(t.model.parameters()).is_cuda
+    cuda, sent = next(t.model.parameters()).is_cuda, 0.0
     for j in range(t.total_steps):
         if j % link.samplers != link.index:
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
@@ -496,8 +496,14 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
         started = time.perf_counter()
         batch = produce(j, sampler)
         seconds += time.perf_counter() - started
-        batch.rollout.stats["weights_wait_s"] = started - waiting
+        # the sampler's cycle, for the trainer's log: its wait for the weights, this batch's
+        # sampling + scoring, and the packing + storing of its previous batch (this one's is not
+        # known before it is packed)
+        batch.rollout.stats.update(weights_wait_s=started - waiting, produce_s=time.perf_counter() - started,
+                                   send_s=sent)
+        sending = time.perf_counter()
         link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
+        sent = time.perf_counter() - sending
         produced += 1
     while version < last:  # the trainer broadcasts every version a batch needs: join the rest
         _receive(link, t)
