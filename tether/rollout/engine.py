@@ -57,7 +57,7 @@ class Sampler:
         self.backend = self.state = None
         self.graphs: dict = {}
         self.pool = None
-        self._side = None  # the CUDA stream graph captures warm up on (one for all captures)
+        self._side = None  # the CUDA stream this Sampler's graphs warm up and are captured on
         self._fingerprint = None
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
         # A flat tensor the KV cache may live in (native backend; when large enough and of the
@@ -230,8 +230,11 @@ class Sampler:
         t0 = time.perf_counter()
         side = None
         if self._device().type == "cuda":
-            # one side stream for every capture: each new stream would get its own cuBLAS workspace
-            # and cached blocks, kept for the process's life
+            # one side stream for every capture of this Sampler, warm-up and capture both: each
+            # new stream would get its own cuBLAS workspace and cached blocks, kept for the
+            # process's life; and no other Sampler's graphs may share it (graphs.capture says why;
+            # torch hands out its 32 pooled streams in turn, so a process would need 32 Samplers
+            # alive at once to get one twice)
             side = self._side = self._side or torch.cuda.Stream()
         g = capture(lambda: self._step(b, kv, cfg), self.state, kv, side, self.pool)
         if side is not None:

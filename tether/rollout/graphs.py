@@ -17,7 +17,7 @@ from torch import Tensor
 # Held by every CUDA graph capture, and by a trainer thread around its GPU work while a sampler
 # thread of the same process may capture (online_async.Interleaved): a capture that overlapped the
 # other thread's GPU work failed ("operation failed due to a previous error during capture", H200,
-# session 15) — and evaluation sampling beside the sampler thread scored wrong (same session).
+# session 15).
 CAPTURE_LOCK = threading.RLock()
 
 
@@ -102,8 +102,15 @@ def capture(step, st: State, kv: int, side=None, pool=None):
             g = torch.cuda.CUDAGraph()
             # thread_local: the interleaved placement's sampler thread captures while the trainer
             # thread may sync and allocate (outside its GPU work); the default (global) mode fails
-            # those calls with "operation not permitted when stream is capturing" (seen on an H200)
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            # those calls with "operation not permitted when stream is capturing" (seen on an H200).
+            # stream=side, the caller's own (one per Sampler), not torch's one default capture
+            # stream: graphs captured on one stream share its cuBLAS workspace, and destroying any
+            # of them drops that workspace under the others still alive (pytorch/pytorch#193402),
+            # whose GEMMs then use freed memory — two Samplers in one process (the interleaved
+            # placement's thread and the trainer's evaluation) corrupted each other's graphs so:
+            # held-out pass@1 0.14-0.16 where the same weights score 0.39 (session 15). A Sampler
+            # destroys its graphs all together (release, a larger cache), so its own share is safe.
+            with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
                 step()
     for t, s in zip(st.small(), saved):
         t.copy_(s)

@@ -255,13 +255,13 @@ class Interleaved(Source):
     @contextlib.contextmanager
     def alone(self, sampler=None):
         """The producer paused between batches (its current one finished) while the trainer
-        evaluates with `sampler`, whose graphs and cache are released afterwards, so each eval point
-        samples from a fresh one. On CUDA (session 15, SmolLM2, H200 and H100): with the producer
-        running beside it an eval point's graph capture failed; with the producer paused, a sampler
-        kept from one eval point to the next (the producer sampling between them) scored held-out
-        pass@1 0.14 / 0.16 where `tether eval` scores the same weights 0.395 / 0.39 — the cause
-        not found; the fresh sampler is the workaround (and the eval's cache is not held through
-        training). On CPU every eval point equals `tether eval` of its weights either way."""
+        evaluates with `sampler`, whose graphs and cache are released afterwards (they are not held
+        through training; the next eval point captures anew). Session 15, CUDA: beside the running
+        producer an eval point's graph capture failed, and eval points after the first scored
+        held-out pass@1 0.14-0.16 where `tether eval` scores the same weights 0.39 — the two
+        Samplers' graphs shared torch's default capture stream, so the producer destroying its
+        graphs dropped the cuBLAS workspace the evaluation's graphs still used (graphs.capture:
+        each Sampler now captures on its own stream)."""
         with self.cond:
             self.paused = True
             self.cond.wait_for(lambda: not self.busy)
