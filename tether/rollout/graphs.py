@@ -17,7 +17,7 @@ from torch import Tensor
 # Held by every CUDA graph capture, and by a trainer thread around its GPU work while a sampler
 # thread of the same process may capture (online_async.Interleaved): a capture that overlapped the
 # other thread's GPU work failed ("operation failed due to a previous error during capture", H200,
-# session 15).
+# session 15; then both threads also captured on torch's one default capture stream, see capture).
 CAPTURE_LOCK = threading.RLock()
 
 
