@@ -151,20 +151,38 @@ def test_blockwise_sampling_equals_the_softmax_draw(T, V):
 def test_one_samplers_released_graphs_leave_anothers_intact():
     """Two Samplers in one process (the interleaved placement's sampler thread and the trainer's
     evaluation): destroying one's graphs must not touch the other's. Captured on torch's shared
-    default capture stream they shared its cuBLAS workspace, which a graph's destruction drops
-    (pytorch/pytorch#193402): session 15's evaluation then scored 0.14 where its weights score 0.39.
-    The width makes the decode GEMMs long in K (split-K: a workspace); the garbage fills what the
-    allocator got back."""
+    default capture stream they shared its cuBLAS workspace, created inside the first capturer's
+    graph pool and dropped by a graph's destruction (pytorch/pytorch#193402): session 15's
+    evaluation then scored 0.14 where its weights score 0.39. Here `b` captures first (the shared
+    workspace would be in its pool), `a` second; `b` is released, the cache emptied and refilled with
+    garbage, and `a` replays. The width makes the decode GEMMs long in K (split-K: a workspace)."""
     model, tok = make_tiny_model(None, family="qwen2", hidden_size=1024, num_layers=2, num_heads=8,
                                  num_kv_heads=2, intermediate_size=4096)
     model = model.to("cuda", torch.float32).eval()
     a, b = (Sampler(model, tok, max_new_tokens=24, temperature=0) for _ in range(2))
-    first = a.sample(PROMPTS).texts
     b.sample(PROMPTS[:7])
-    b.release()  # its graphs destroyed
+    first = a.sample(PROMPTS).texts
+    assert a._side.cuda_stream != b._side.cuda_stream
+    b.release()  # its graphs destroyed, its stream handed back
+    torch.cuda.empty_cache()
     junk = [torch.full((1 << 24,), float("nan"), device="cuda") for _ in range(8)]
     again = a.sample(PROMPTS)
     del junk
     assert again.stats["capture_s"] == 0 and again.texts == first
     eager = Sampler(model, tok, max_new_tokens=24, temperature=0, cuda_graphs=False).sample(PROMPTS).texts
     assert first == eager
+
+
+def test_capture_streams_are_not_shared_by_live_samplers():
+    """torch hands out its 32 pooled streams in turn: 40 Samplers alive at once still get 32
+    different capture streams before any repeats, and one released gives its stream back."""
+    import gc
+    from tether.rollout import graphs
+    gc.collect()  # Samplers of earlier tests gone, their streams back
+    before = dict(graphs._capture_streams)
+    free = 32 - len(before)
+    raw = [(s.device, s.cuda_stream) for s in (graphs.take_stream(torch.device("cuda")) for _ in range(40))]
+    assert len(set(raw[:free])) == free and not set(raw[:free]) & set(before)
+    for k in raw:
+        graphs.give_stream(k)
+    assert graphs._capture_streams == before

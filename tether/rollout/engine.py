@@ -28,6 +28,7 @@ from torch import Tensor
 from tether.data.tokenize import bos_ids
 
 from .finish import StopChecker, assemble
+from . import graphs
 from .graphs import State, bucket, capture, round_up
 from .native import HFBackend, NativeBackend, native_support, unwrap
 from .sampling import SamplingConfig, draw_seed, sample_tokens, sequence_keys, uniforms
@@ -58,6 +59,7 @@ class Sampler:
         self.graphs: dict = {}
         self.pool = None
         self._side = None  # the CUDA stream this Sampler's graphs warm up and are captured on
+        self._give_side = None  # hands it back (graphs.give_stream) on release or when collected
         self._fingerprint = None
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
         # A flat tensor the KV cache may live in (native backend; when large enough and of the
@@ -142,6 +144,9 @@ class Sampler:
         if self.backend is not None:
             self.backend.release()
         self.backend = None
+        if self._give_side is not None:  # its graphs are gone: another Sampler may capture there
+            self._give_side()
+            self._side = self._give_side = None
 
     # ---------------------------------------------------------------- setup
     def _encode(self, p, cfg: SamplingConfig) -> list[int]:
@@ -230,12 +235,14 @@ class Sampler:
         t0 = time.perf_counter()
         side = None
         if self._device().type == "cuda":
-            # one side stream for every capture of this Sampler, warm-up and capture both: each
-            # new stream would get its own cuBLAS workspace and cached blocks, kept for the
-            # process's life; and no other Sampler's graphs may share it (graphs.capture says why;
-            # torch hands out its 32 pooled streams in turn, so a process would need 32 Samplers
-            # alive at once to get one twice)
-            side = self._side = self._side or torch.cuda.Stream()
+            # one side stream for every capture of this Sampler, warm-up and capture both (each
+            # new stream gets its own cuBLAS workspace and cached blocks), held by no other live
+            # Sampler (graphs.capture says why)
+            if self._side is None:
+                self._side = graphs.take_stream(self._device())
+                self._give_side = weakref.finalize(self, graphs.give_stream,
+                                                   (self._side.device, self._side.cuda_stream))
+            side = self._side
         g = capture(lambda: self._step(b, kv, cfg), self.state, kv, side, self.pool)
         if side is not None:
             self.pool = g.pool()  # every batch size's graph shares one memory pool

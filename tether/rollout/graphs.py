@@ -21,6 +21,33 @@ from torch import Tensor
 CAPTURE_LOCK = threading.RLock()
 
 
+_capture_streams: dict = {}  # (device, raw stream) -> live Samplers holding it
+_streams_lock = threading.Lock()
+
+
+def take_stream(device) -> "torch.cuda.Stream":
+    """A CUDA stream for one Sampler's warm-ups and graph captures that no other live Sampler holds
+    (capture says why): torch hands out its 32 pooled streams a priority in turn, whatever their
+    owners, so a stream comes back after 32 requests — a process that makes Samplers often (SFT's
+    sample points) would otherwise get a live one's again. Shared only if all 32 are held."""
+    with _streams_lock:
+        for _ in range(32):
+            s = torch.cuda.Stream(device=device)
+            if (s.device, s.cuda_stream) not in _capture_streams:
+                break
+        key = (s.device, s.cuda_stream)
+        _capture_streams[key] = _capture_streams.get(key, 0) + 1
+        return s
+
+
+def give_stream(key) -> None:
+    """`take_stream`'s stream back (its holder's graphs are gone); key = (device, raw stream)."""
+    with _streams_lock:
+        n = _capture_streams.pop(key, 0) - 1
+        if n > 0:
+            _capture_streams[key] = n
+
+
 def bucket(n: int) -> int:
     """Batch sizes that get a CUDA graph: powers of two up to 8, then multiples of 16, then of 64."""
     if n <= 8:
@@ -103,9 +130,9 @@ def capture(step, st: State, kv: int, side=None, pool=None):
             # thread_local: the interleaved placement's sampler thread captures while the trainer
             # thread may sync and allocate (outside its GPU work); the default (global) mode fails
             # those calls with "operation not permitted when stream is capturing" (seen on an H200).
-            # stream=side, the caller's own (one per Sampler), not torch's one default capture
-            # stream: graphs captured on one stream share its cuBLAS workspace, and destroying any
-            # of them drops that workspace under the others still alive (pytorch/pytorch#193402),
+            # stream=side, the caller's own (one per live Sampler: take_stream), not torch's one
+            # default capture stream: graphs captured on one stream share its cuBLAS workspace, and
+            # destroying any of them drops that workspace under the others alive (pytorch#193402),
             # whose GEMMs then use freed memory — two Samplers in one process (the interleaved
             # placement's thread and the trainer's evaluation) corrupted each other's graphs so:
             # held-out pass@1 0.14-0.16 where the same weights score 0.39 (session 15). A Sampler

@@ -456,7 +456,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
             history.append(last["reward"])
             if t.log_due():
                 t.log(last)
-                t.add_samples(samples(batch, cfg.run.num_samples, names))
+                with source.trainer_turn():  # (its GPU reads)
+                    t.add_samples(samples(batch, cfg.run.num_samples, names))
             if t.due(cfg.run.eval_every):
                 with source.alone(sampler):  # (interleaved: the sampler thread paused meanwhile)
                     t.log_eval(held_out(t, sampler))

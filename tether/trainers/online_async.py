@@ -268,11 +268,13 @@ class Interleaved(Source):
         try:
             yield
         finally:
-            if sampler is not None:
-                sampler.release()
-            with self.cond:
-                self.paused = False
-                self.cond.notify_all()
+            try:
+                if sampler is not None:
+                    sampler.release()
+            finally:
+                with self.cond:
+                    self.paused = False
+                    self.cond.notify_all()
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
