@@ -33,6 +33,9 @@ join)
     ;;
 tests)
     python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_online_gpu.py -p no:cacheprovider 2>&1 | tail -15
+    echo "== without the fix (one shared capture stream): the regression test should fail"
+    PYTHONPATH=$PWD:$PWD/bench python3 -m pytest -q -m gpu -p nofix_capture_stream -p no:cacheprovider \
+        tests/test_rollout_gpu.py -k "released or streams" 2>&1 | tail -4
     ;;
 evalfix)
     RUNS="A B" bash bench/gpu_session15.sh evalbug
