@@ -399,3 +399,18 @@ def test_bf16_reduction_drops_the_fp32_copy_of_the_unsharded_gradients(qwen05):
     with pytest.raises(Exception, match="fsdp_defer_sync"):
         load(DPOConfig, overrides={"model": "m", "data": "d", "fsdp_reduce": "bf16", "fsdp_defer_sync": True})
     load(DPOConfig, overrides={"model": "m", "data": "d", "fsdp": False, "fsdp_reduce": "bf16", "fsdp_defer_sync": True})
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "replicate"])
+def test_release_replica_takes_the_replica_and_cache_out_of_the_training_step(qwen05, sharding):
+    """release_replica (rollout.release_replica): the training step's total drops exactly the
+    rollout group (replica + KV cache); the rollout phase and the components are unchanged."""
+    kw = dict(algo="grpo", gpus=2, sharding=sharding, weight_dtype="fp32", rollout_batch=8,
+              gradient_checkpointing=True)
+    kept, freed = _est(qwen05, **kw), _est(qwen05, release_replica=True, **kw)
+    held = _sum(kept, "rollout")
+    assert held > 0 and kept["components"] == freed["components"]
+    assert freed["totals_bytes"]["training_step"] == kept["totals_bytes"]["training_step"] - held
+    assert freed["totals_bytes"]["rollout"] == kept["totals_bytes"]["rollout"]
+    with pytest.raises(ValueError, match="release_replica"):
+        _est(qwen05, algo="dpo", gpus=2, sharding=sharding, release_replica=True)

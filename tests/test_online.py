@@ -239,3 +239,38 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     wa = load_file(f"{shared['checkpoint']}/model.safetensors")
     wb = load_file(f"{own['checkpoint']}/model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_release_replica_frees_the_copy_for_the_update_and_changes_nothing(setup, monkeypatch):
+    """rollout.release_replica: the sampling copy's weights (and the sampler's cache) are freed
+    for every update and rebuilt for the next rollout, in new memory — the same run as keeping
+    them, step for step and in the final weights; during each update the copy holds no memory."""
+    from safetensors.torch import load_file
+    from tether.trainers import online
+    empty_during_update = []
+    real = online.update_policy
+
+    def spy(t, *a, **k):
+        empty_during_update.append(t.replica is not None and all(p.numel() == 0 for p in t.replica.parameters()))
+        return real(t, *a, **k)
+    monkeypatch.setattr(online, "update_policy", spy)
+    volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
+                "gather_time"}
+    kept = train_grpo(_cfg(setup, "kept", max_steps=3, sampler_copy=True), reward_funcs=[digit_frac])
+    assert empty_during_update == [False] * 3
+    empty_during_update.clear()
+    freed = train_grpo(_cfg(setup, "freed", max_steps=3, sampler_copy=True, release_replica=True),
+                       reward_funcs=[digit_frac])
+    assert empty_during_update == [True] * 3
+    a, b = ([{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, n)] for n in ("kept", "freed"))
+    assert a == b and len(a) == 3
+    wa, wb = (load_file(f"{s['checkpoint']}/model.safetensors") for s in (kept, freed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_release_replica_refusals(setup):
+    from tether.config import ConfigError
+    with pytest.raises(ConfigError, match="nothing to release"):
+        _cfg(setup, "x", release_replica=True)  # one process without a copy
+    with pytest.raises(ConfigError, match="synchronous loop"):
+        _cfg(setup, "x", release_replica=True, sampler_copy=True, max_staleness=1)

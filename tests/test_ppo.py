@@ -208,3 +208,16 @@ def test_lora_trains_only_the_adapters_and_raises_the_reward(tmp_path, monkeypat
     assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6) and rows[-1]["objective/kl"] > 0.01
     up = _reward_curve(tmp_path / "runs" / "lora")
     assert sum(up[-3:]) / 3 > sum(up[:3]) / 3 + 0.15, up
+
+
+def test_release_replica_changes_nothing(tmp_path):
+    """rollout.release_replica with PPO (a sampling copy freed for each update, rebuilt for the
+    next rollout): the same run as keeping the copy."""
+    data = _setup(tmp_path)
+    for name, kw in (("kept", {}), ("freed", {"release_replica": True})):
+        train_ppo(_cfg(tmp_path, data, name, max_steps=3, kl_coef=0.1, sampler_copy=True, **kw),
+                  reward_funcs=[count_x])
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "step_time", "rollout/seconds",
+                                                                   "tokens_per_second", "gather_time")} for r in rows]
+    a, b = (strip(read_jsonl(tmp_path / "runs" / n / "metrics.jsonl")) for n in ("kept", "freed"))
+    assert a == b and len(a) == 3

@@ -95,8 +95,9 @@ def estimate_replicated(cfg: MemoryConfig, info: dict) -> dict:
 
     resident, grads, held = total("resident"), total("gradients"), total("rollout")
     # the training step holds activations; the gradient sum runs after backward freed them
-    step_total = resident + grads + held + total("training")
-    summing = resident + grads + held + total("reduce")
+    kept = 0 if cfg.release_replica else held  # rollout.release_replica: freed for the training pass
+    step_total = resident + grads + kept + total("training")
+    summing = resident + grads + kept + total("reduce")
     during_rollout = resident + held if cfg.algo in ONLINE else None  # gradients freed while sampling
     peak = max(step_total, summing)
     outside = CUDA_CONTEXT_BYTES + NCCL_BYTES
@@ -115,7 +116,7 @@ def format_replicated(est: dict, head: list[str], row, tot, rule: str) -> list[s
     """The table body for a replicated per-GPU estimate (memory.format_table's header and row helpers)."""
     c, t = est["config"], est["totals_gb"]
     by = {g: [x for x in est["components"] if x["group"] == g] for g in ("resident", "gradients", "training", "rollout", "reduce")}
-    held = " + replica + KV cache" if by["rollout"] else ""
+    held = " + replica + KV cache" if by["rollout"] and not est["config"]["release_replica"] else ""
     lines = [*head, rule, *map(row, by["resident"]), rule,
              tot("= weights + optimizer state", t["weights_and_optimizer"], "per GPU"),
              *map(row, by["gradients"]), tot("= + gradients", t["with_gradients"]),

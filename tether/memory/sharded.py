@@ -191,7 +191,8 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
 
     resident, grads, held = total("resident"), total("gradients"), total("rollout")
     frozen = [x["bytes"] for x in rows if x["group"] == "frozen"]
-    step_total = resident + grads + held + total("gather", "training")
+    # rollout.release_replica: the replica and the KV cache are freed for the training pass
+    step_total = resident + grads + (0 if cfg.release_replica else held) + total("gather", "training")
     during_rollout = resident + held + total("refresh") if cfg.algo in ONLINE else None
     during_frozen = resident + held + max(frozen) if frozen else None
     loading = total("load")
@@ -219,7 +220,7 @@ def format_sharded(est: dict, head: list[str], row, tot, rule: str) -> list[str]
              *map(row, by["rollout"] + by["gather"] + by["training"]),
              tot("= training step", t["training_step"],
                  "resident + gradients + gathered + unsharded gradients + activations"
-                 + (" + replica + KV cache" if by["rollout"] else ""))]
+                 + (" + replica + KV cache" if by["rollout"] and not est["config"]["release_replica"] else ""))]
     if by["rollout"]:
         lines += [*map(row, by["refresh"]), tot("= rollout generation", t["rollout"],
                                                 "resident + replica + KV cache (+ its refresh)")]

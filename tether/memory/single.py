@@ -87,6 +87,8 @@ class MemoryConfig:
     "gpus > 1 with fsdp and mixed precision: the gradients' reduce-scatter dtype (model.fsdp_reduce); bf16: no fp32 copy of a unit's gradients (replicate ignores it)"
     fsdp_defer_sync: bool = False
     "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync; replicate ignores it)"
+    release_replica: bool = False
+    "gpus > 1, online algorithms: the rollout replica and the sampler's KV cache freed for each training pass (rollout.release_replica): the training step holds neither"
     grad_accum: PositiveInt = 1
     "micro-batches per step in one process (global batch = batch_size x grad_accum); gpus > 1: each GPU's micro-batch is min(batch_size, global batch / gpus)"
     format: Literal["table", "json"] = "table"
@@ -101,6 +103,8 @@ class MemoryConfig:
             if self.sharding == "none":
                 raise ValueError(f"config key 'sharding': none is one process holding everything (gpus=1); "
                                  f"for gpus={self.gpus} use fsdp (the trainers' default) or replicate (fsdp=false)")
+            if self.release_replica and self.algo not in ONLINE:
+                raise ValueError(f"config key 'release_replica': {self.algo} holds no rollout replica")
             bad = fsdp_conflict(self.sharding == "fsdp", self.fsdp_offload, self.fsdp_reduce,
                                 self.fsdp_defer_sync)  # what the trainers' model section refuses
             if bad:

@@ -174,7 +174,8 @@ class BoNConfig:
     "best-of-n and rejection-sampling fine-tuning"
 
     UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n",
-                              "rollout.sampler_copy": "bon samples from the loaded policy, which does not train"}
+                              "rollout.sampler_copy": "bon samples from the loaded policy, which does not train",
+                              "rollout.release_replica": "bon samples from the loaded policy, which does not train"}
     # Held-out evaluation scores a policy that training changed: only the RFT run has one.
     EVAL_KEYS: ClassVar[tuple] = ("data.eval_data", "run.eval_every", "reward.eval_reward_funcs", "run.keep_best")
 

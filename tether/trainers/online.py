@@ -139,6 +139,7 @@ class GRPOConfig:
     def __post_init__(self):
         check_eval(self)
         check_queue(self)  # eval_every / eval_reward_funcs need data.eval_data
+        self.rollout.check_release()
         if not 0 <= self.grpo.overlong_buffer < self.rollout.max_new_tokens:
             raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
         if self.grpo.dynamic_sampling and self.rollout.num_generations < 2:
@@ -442,6 +443,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 if grad_buffer is not None:  # (it held the sampler's KV cache until now)
                     grad_buffer.zero_()
             source.before_update(t.step)
+            t.lend_rollout_memory(sampler)  # (rollout.release_replica: the copy's memory to the update)
             with source.trainer_turn():
                 # 5. μ updates on this batch
                 update = update_policy(t, batch, grpo, norm_length=rollout_cfg.max_new_tokens,

@@ -84,6 +84,9 @@ def check_queue(cfg) -> None:
         if trainers > 1:
             raise ConfigError("config key 'queue.partial': partial rollouts run in one process, or "
                               "placement=disaggregated with one trainer process (torchrun --nproc-per-node 2)")
+    if cfg.rollout.release_replica and (q.partial or q.placement != "auto" or q.max_staleness > 0):
+        raise ConfigError("config key 'rollout.release_replica': only the synchronous loop (placement=auto, "
+                          "max_staleness=0, no partial rollouts) leaves the sampler idle during the update")
     if q.placement == "auto" and q.max_staleness == 0:
         return
     if grpo.advantage == "remax":

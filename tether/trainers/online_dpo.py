@@ -105,6 +105,7 @@ class ODPOConfig:
 
     UNUSED = {"preference.sample_max_new_tokens": "samples come from the rounds (rollout.max_new_tokens)",
               "rollout.sampler_copy": "the rounds sample from the policy itself",
+              "rollout.release_replica": "the rounds sample from the policy itself",
               "preference.ref_model": "the reference is the initial policy (fixed) or the round's (reset)"}
 
     def __post_init__(self):

@@ -121,6 +121,7 @@ class PPOConfig:
 
     def __post_init__(self):
         check_eval(self, funcs_need_data=False)  # eval_every needs data.eval_data
+        self.rollout.check_release()
         if self.ppo.num_minibatches > self.data.batch_size * self.rollout.num_generations:
             raise ValueError("num_minibatches cannot exceed batch_size × num_generations")
 
@@ -357,6 +358,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         # 3. `ppo_epochs` passes over shuffled minibatches (the gradient buffer held the KV cache until now)
         if gradient_buffer is not None:
             gradient_buffer.zero_()
+        t.lend_rollout_memory(sampler)  # (rollout.release_replica: the copy's memory to the update)
         updates = ppo_epochs(t, spec, critic, batch, old_logps, old_values, advantages, returns,
                              temperature, shares, seen["lengths"], keep_grads=gradient_buffer is not None)
         t.step += 1

@@ -226,6 +226,17 @@ class RolloutSection:
     "stop strings ending a completion (besides EOS)"
     sampler_copy: bool = False
     "one process (grpo family, ppo): sample from a copy of the policy whose weights are in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision; its KV cache too), refreshed after each update, instead of from the fp32 weights themselves; costs 2 B a parameter (the bf16 KV cache still borrows the idle fp32 gradient buffer's bytes); under torchrun the copy always exists"
+    release_replica: bool = False
+    "grpo family and ppo with a sampling copy (under torchrun, or rollout.sampler_copy): free the copy's weights and the sampler's KV cache for each training pass and rebuild them before the next rollout; the training step then holds neither (tether memory release_replica=true), at the cost of building the cache and capturing the CUDA graphs anew each step"
+
+    def check_release(self) -> None:
+        """rollout.release_replica needs a sampling copy to release (refused, not ignored)."""
+        import os
+        if self.release_replica and not self.sampler_copy and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            from tether.config import ConfigError
+            raise ConfigError("config key 'rollout.release_replica': one process samples from the policy "
+                              "itself (its KV cache already in the idle gradient buffer): nothing to release; "
+                              "set rollout.sampler_copy=true, or run under torchrun")
 
     def sampling(self):
         """The sampler's config for these knobs (the engine's other settings keep their defaults)."""

@@ -133,6 +133,8 @@ class Training:
     replica: Optional[torch.nn.Module] = None
     "under torchrun, or with rollout.sampler_copy: a whole copy of the policy the sampler runs on (rollout_model)"
     replica_stale: bool = True
+    replica_shapes: Optional[dict] = None
+    "rollout.release_replica: the replica's parameter shapes while its memory is lent to training"
     gather_seconds: float = 0.0
     "time spent gathering the shards into the replica (reported as gather_time)"
     best: Optional[Best] = None
@@ -171,12 +173,28 @@ class Training:
         happened since (collective under torchrun: every rank calls this at the same points)."""
         if self.replica is None:
             return self.model
+        if self.replica_shapes is not None:  # lent to the training pass: memory of its own again
+            for name, p in self.replica.named_parameters():
+                p.data = torch.empty(self.replica_shapes[name], dtype=p.dtype, device=p.device)
+            self.replica_shapes, self.replica_stale = None, True
         if self.replica_stale:
             started = time.perf_counter()
             distributed.copy_full_weights(self.model, self.replica)
             self.gather_seconds += time.perf_counter() - started
             self.replica_stale = False
         return self.replica
+
+    def lend_rollout_memory(self, sampler) -> None:
+        """rollout.release_replica, before a training pass: the replica's weights and `sampler`'s KV
+        cache and graphs freed, so the pass can use their memory (2 B a parameter, and the cache);
+        rollout_model() brings the replica back in new memory — the sampler then builds its cache
+        and captures its graphs anew, which is the option's time cost."""
+        if not self.cfg.rollout.release_replica or self.replica is None or self.replica_shapes is not None:
+            return
+        sampler.release()
+        self.replica_shapes = {name: p.shape for name, p in self.replica.named_parameters()}
+        for p in self.replica.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def optimizer_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """`guarded_step`, a refused step returning a NaN gradient norm instead of raising."""
