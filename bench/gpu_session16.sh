@@ -10,6 +10,9 @@
 #            ran three groups at once on one host); the sampler's cycle is logged now
 #            (queue/weights_wait|produce|send_seconds)
 #   async5b  (after join) interleaved staleness 4, none / tis / mis, one GPU each, with evaluation fixed
+#   grpo7b   issue 16: 7B GRPO at TRL's memory? rollout.release_replica=true (the replica and KV cache
+#            freed for each update, graphs recaptured) vs the default, on 4 GPUs (session 13: 63.7 GiB
+#            allocated vs TRL 41.1)
 #   trace7b  issue 16: tether's 7B DPO step traced with shapes (which tensors the ~100 ms of casts
 #            and copies move; scale.py --trace records shapes now)
 set -uo pipefail
@@ -59,6 +62,12 @@ async5b)
     done
     wait
     (cd /tmp/rl && tar czf "$OUT/rl-async5b.tgz" --exclude='checkpoints' .)
+    ;;
+grpo7b)
+    for set in "" "--set release_replica=true"; do
+        timeout 280 python3 bench/scale.py --shape qwen7b --gpus 4 --algos grpo --steps 2 --warmup 1 --keep-model /tmp/m7 \
+            --run-timeout 260 $set --results "$OUT/grpo7b.md" --json "$OUT/grpo7b${set:+-release}.json" 2>&1 | grep -E "^\| grpo"
+    done
     ;;
 trace7b)
     timeout 200 python3 bench/scale.py --shape qwen7b --gpus 4 --algos dpo --steps 2 --warmup 2 --keep-model /tmp/m7 \
