@@ -28,8 +28,7 @@ from torch import Tensor
 from tether.data.tokenize import bos_ids
 
 from .finish import StopChecker, assemble
-from . import graphs
-from .graphs import State, bucket, capture, round_up
+from .graphs import State, bucket, capture, give_stream, round_up, take_stream
 from .native import HFBackend, NativeBackend, native_support, unwrap
 from .sampling import SamplingConfig, draw_seed, sample_tokens, sequence_keys, uniforms
 from .types import Rollout
@@ -239,9 +238,8 @@ class Sampler:
             # new stream gets its own cuBLAS workspace and cached blocks), held by no other live
             # Sampler (graphs.capture says why)
             if self._side is None:
-                self._side = graphs.take_stream(self._device())
-                self._give_side = weakref.finalize(self, graphs.give_stream,
-                                                   (self._side.device, self._side.cuda_stream))
+                self._side = take_stream(self._device())
+                self._give_side = weakref.finalize(self, give_stream, (self._side.device, self._side.cuda_stream))
             side = self._side
         g = capture(lambda: self._step(b, kv, cfg), self.state, kv, side, self.pool)
         if side is not None:
