@@ -2,8 +2,9 @@
 its placements, and the off-policy correction of what it hands over (issue 19; docs/grpo.md).
 
 The loop (online.train_grpo) asks a *source* for step k's scored batch (`get`), updates on it
-between `before_update` and `after_update`, and the source decides who sampled it, with which
-weights:
+between `before_update` and `after_update` (its GPU work inside `trainer_turn`, its evaluation
+inside `alone`: where a sampler thread shares the GPU, no graph capture overlaps the one and no
+sampling the other), and the source decides who sampled it, with which weights:
 
 - **synchronous** (max_staleness 0, placement auto): sampled right there, with the weights about to
   be trained — the loop as it always was.
