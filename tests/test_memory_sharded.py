@@ -414,3 +414,18 @@ def test_release_replica_takes_the_replica_and_cache_out_of_the_training_step(qw
     assert freed["totals_bytes"]["rollout"] == kept["totals_bytes"]["rollout"]
     with pytest.raises(ValueError, match="release_replica"):
         _est(qwen05, algo="dpo", gpus=2, sharding=sharding, release_replica=True)
+
+
+def test_release_replica_frees_the_copy_for_the_frozen_forwards_it_follows(qwen05):
+    """The copy is released once the batch is sampled: the reference's forward (grpo, ppo) and PPO's
+    reward model's run without it; the grpo family's reward model scores inside the rollout step,
+    beside it."""
+    def frozen(algo, release, **kw):
+        e = _est(qwen05, algo=algo, gpus=2, weight_dtype="fp32", rollout_batch=8, release_replica=release, **kw)
+        return e["totals_bytes"]["frozen_forwards"], _sum(e, "rollout")
+    (kept, held), (freed, _) = (frozen("grpo", r, reward="verifier", beta=0.04) for r in (False, True))
+    assert freed == kept - held
+    (kept, held), (freed, _) = (frozen("grpo", r, reward="model", beta=0) for r in (False, True))
+    assert freed == kept
+    (kept, held), (freed, _) = (frozen("ppo", r, reward="model") for r in (False, True))
+    assert freed == kept - held

@@ -241,28 +241,32 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_release_replica_frees_the_copy_for_the_update_and_changes_nothing(setup, monkeypatch):
+@pytest.mark.parametrize("advantage", ["grpo", "remax"])
+def test_release_replica_frees_the_copy_for_the_update_and_changes_nothing(setup, monkeypatch, advantage):
     """rollout.release_replica: the sampling copy's weights (and the sampler's cache) are freed
-    for every update and rebuilt for the next rollout, in new memory — the same run as keeping
-    them, step for step and in the final weights; during each update the copy holds no memory."""
+    once the batch is sampled — through the reference's forward and the update — and rebuilt for
+    the next rollout, in new memory (ReMax's greedy baseline brings it back in between): the same
+    run as keeping them, step for step and in the final weights."""
     from safetensors.torch import load_file
     from tether.trainers import online
-    empty_during_update = []
-    real = online.update_policy
+    seen = []
+    for name in ("prepare_batch", "update_policy"):
+        real = getattr(online, name)
 
-    def spy(t, *a, **k):
-        empty_during_update.append(t.replica is not None and all(p.numel() == 0 for p in t.replica.parameters()))
-        return real(t, *a, **k)
-    monkeypatch.setattr(online, "update_policy", spy)
+        def spy(t, *a, _real=real, _name=name, **k):
+            seen.append((_name, t.replica is not None and all(p.numel() == 0 for p in t.replica.parameters())))
+            return _real(t, *a, **k)
+        monkeypatch.setattr(online, name, spy)
     volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
                 "gather_time"}
-    kept = train_grpo(_cfg(setup, "kept", max_steps=3, sampler_copy=True), reward_funcs=[digit_frac])
-    assert empty_during_update == [False] * 3
-    empty_during_update.clear()
-    freed = train_grpo(_cfg(setup, "freed", max_steps=3, sampler_copy=True, release_replica=True),
-                       reward_funcs=[digit_frac])
-    assert empty_during_update == [True] * 3
-    a, b = ([{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, n)] for n in ("kept", "freed"))
+    kw = dict(max_steps=3, sampler_copy=True, advantage=advantage, beta=0.05)
+    kept = train_grpo(_cfg(setup, f"kept{advantage}", **kw), reward_funcs=[digit_frac])
+    assert seen and not any(empty for _, empty in seen)
+    seen.clear()
+    freed = train_grpo(_cfg(setup, f"freed{advantage}", release_replica=True, **kw), reward_funcs=[digit_frac])
+    assert seen == [("prepare_batch", True), ("update_policy", True)] * 3
+    a, b = ([{k: v for k, v in r.items() if k not in volatile} for r in _metrics(setup, n)]
+            for n in (f"kept{advantage}", f"freed{advantage}"))
     assert a == b and len(a) == 3
     wa, wb = (load_file(f"{s['checkpoint']}/model.safetensors") for s in (kept, freed))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

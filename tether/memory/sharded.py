@@ -190,11 +190,16 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         return sum(x["bytes"] for x in rows if x["group"] in groups and x["device"] == device)
 
     resident, grads, held = total("resident"), total("gradients"), total("rollout")
-    frozen = [x["bytes"] for x in rows if x["group"] == "frozen"]
+    # (bytes, held beside it): with release_replica the replica and the cache are gone for the
+    # reference's forward (and PPO's reward model's), not for the grpo family's reward model, which
+    # scores inside the rollout step
+    frozen = [(x["bytes"], held if not cfg.release_replica
+               or (cfg.algo != "ppo" and x["component"].startswith("reward model")) else 0)
+              for x in rows if x["group"] == "frozen"]
     # rollout.release_replica: the replica and the KV cache are freed for the training pass
     step_total = resident + grads + (0 if cfg.release_replica else held) + total("gather", "training")
     during_rollout = resident + held + total("refresh") if cfg.algo in ONLINE else None
-    during_frozen = resident + held + max(frozen) if frozen else None
+    during_frozen = resident + max(b + h for b, h in frozen) if frozen else None
     loading = total("load")
     peak = max(v for v in (step_total, during_rollout, during_frozen, loading) if v is not None)
     outside = CUDA_CONTEXT_BYTES + NCCL_BYTES
@@ -226,7 +231,7 @@ def format_sharded(est: dict, head: list[str], row, tot, rule: str) -> list[str]
                                                 "resident + replica + KV cache (+ its refresh)")]
     if by["frozen"]:
         lines += [*map(row, by["frozen"]), tot("= frozen forwards", t["frozen_forwards"],
-                                               "resident (+ replica + KV cache) + the largest frozen gather")]
+                                               "resident (+ replica + KV cache, unless released) + the largest frozen gather")]
     lines += [*map(row, by["load"]), tot("= loading", t["loading"], "setup, before the models are sharded"),
               rule, tot("total (peak per GPU)", t["peak"], "what torch.cuda.max_memory_allocated() should read"),
               tot("+ CUDA context + NCCL", t["outside_allocator"], "outside the allocator (measured, H100)"),

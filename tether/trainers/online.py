@@ -388,6 +388,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                              buffer=grpo.overlong_buffer, coef=grpo.overlong_penalty)
 
     def greedy_scores(prompt_rows):  # ReMax's baseline: the greedy completion's score, no KL term
+        t.rollout_model()  # (rollout.release_replica: the copy brought back, same weights)
         greedy = sampler.sample([p["prompt_ids"] for p in prompt_rows], n=1, temperature=0.0)
         return torch.nan_to_num(score_completions(prompt_rows, greedy)[1])
 
@@ -434,6 +435,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         while t.step < t.total_steps:
             started, gathered = time.perf_counter(), t.gather_seconds
             collected, queue_stats = source.get(t.step)  # 1-2. step k's scored rollouts (produce)
+            # rollout.release_replica: the copy's memory to the reference's forward and the update
+            t.lend_rollout_memory(sampler)
             with source.trainer_turn():  # (the GPU work; the waits for the source stay outside)
                 # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator
                 #    asks, weighted by the off-policy correction (is_correction)
@@ -443,7 +446,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 if grad_buffer is not None:  # (it held the sampler's KV cache until now)
                     grad_buffer.zero_()
             source.before_update(t.step)
-            t.lend_rollout_memory(sampler)  # (rollout.release_replica: the copy's memory to the update)
+            t.lend_rollout_memory(sampler)  # (again, if ReMax's baseline brought the copy back)
             with source.trainer_turn():
                 # 5. μ updates on this batch
                 update = update_policy(t, batch, grpo, norm_length=rollout_cfg.max_new_tokens,

@@ -322,6 +322,9 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations,
                                  seed=cfg.run.seed * 1_000_003 + t.step, only=shares.prompts)
         policy.train()
+        # rollout.release_replica: the copy's memory to the reward model's, the reference's and the
+        # critic's forwards and the update
+        t.lend_rollout_memory(sampler)
         sampling_seconds = time.perf_counter() - started
         rows = [prompts[shares.prompts[i // generations]] for i in range(len(rollout))]
         scored = rewards.score(rows, rollout, spec.length_penalty)
@@ -358,7 +361,6 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         # 3. `ppo_epochs` passes over shuffled minibatches (the gradient buffer held the KV cache until now)
         if gradient_buffer is not None:
             gradient_buffer.zero_()
-        t.lend_rollout_memory(sampler)  # (rollout.release_replica: the copy's memory to the update)
         updates = ppo_epochs(t, spec, critic, batch, old_logps, old_values, advantages, returns,
                              temperature, shares, seen["lengths"], keep_grads=gradient_buffer is not None)
         t.step += 1

@@ -227,7 +227,7 @@ class RolloutSection:
     sampler_copy: bool = False
     "one process (grpo family, ppo): sample from a copy of the policy whose weights are in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision; its KV cache too), refreshed after each update, instead of from the fp32 weights themselves; costs 2 B a parameter (the bf16 KV cache still borrows the idle fp32 gradient buffer's bytes); under torchrun the copy always exists"
     release_replica: bool = False
-    "grpo family and ppo with a sampling copy (under torchrun, or rollout.sampler_copy): free the copy's weights and the sampler's KV cache for each training pass and rebuild them before the next rollout; the training step then holds neither (tether memory release_replica=true), at the cost of building the cache and capturing the CUDA graphs anew each step"
+    "grpo family and ppo with a sampling copy (under torchrun, or rollout.sampler_copy): free the copy's weights and the sampler's KV cache once a batch is sampled (for the frozen models' forwards and the update) and rebuild them before the next rollout; the training step then holds neither (tether memory release_replica=true), at the cost of building the cache and capturing the CUDA graphs anew each step"
 
     def check_release(self) -> None:
         """rollout.release_replica needs a sampling copy to release (refused, not ignored)."""
