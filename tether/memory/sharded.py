@@ -190,14 +190,13 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         return sum(x["bytes"] for x in rows if x["group"] in groups and x["device"] == device)
 
     resident, grads, held = total("resident"), total("gradients"), total("rollout")
-    # (bytes, held beside it): with release_replica the replica and the cache are gone for the
-    # reference's forward (and PPO's reward model's), not for the grpo family's reward model, which
-    # scores inside the rollout step
-    frozen = [(x["bytes"], held if not cfg.release_replica
-               or (cfg.algo != "ppo" and x["component"].startswith("reward model")) else 0)
-              for x in rows if x["group"] == "frozen"]
-    # rollout.release_replica: the replica and the KV cache are freed for the training pass
-    step_total = resident + grads + (0 if cfg.release_replica else held) + total("gather", "training")
+    # rollout.release_replica: the replica and the KV cache are freed once a batch is sampled, so the
+    # training step and the reference's forward (and PPO's reward model's) run without them; the
+    # grpo family's reward model scores inside the rollout step, beside them
+    kept = 0 if cfg.release_replica else held
+    frozen = [(x["bytes"], held if cfg.algo != "ppo" and x["component"].startswith("reward model") else kept)
+              for x in rows if x["group"] == "frozen"]  # (its gathered layers, what is held beside them)
+    step_total = resident + grads + kept + total("gather", "training")
     during_rollout = resident + held + total("refresh") if cfg.algo in ONLINE else None
     during_frozen = resident + max(b + h for b, h in frozen) if frozen else None
     loading = total("load")

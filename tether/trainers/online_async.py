@@ -487,7 +487,8 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     samplers: each joins it when it needs the version, or at the end). Returns its counts."""
     _receive(link, t)
     version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
-    cuda, sent = next(t.model.parameters()).is_cuda, 0.0
+    cuda = next(t.model.parameters()).is_cuda
+    sent = 0.0  # seconds packing + storing the previous batch
     for j in range(t.total_steps):
         if j % link.samplers != link.index:
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)

@@ -9,6 +9,7 @@ YAML file and `SFTConfig(lr=1e-5)` in Python all still work (tether.config.route
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal, Optional
 
@@ -231,7 +232,6 @@ class RolloutSection:
 
     def check_release(self) -> None:
         """rollout.release_replica needs a sampling copy to release (refused, not ignored)."""
-        import os
         if self.release_replica and not self.sampler_copy and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tether.config import ConfigError
             raise ConfigError("config key 'rollout.release_replica': one process samples from the policy "
