@@ -35,6 +35,7 @@ join)
     [ "$1" = 0 ] && ls wheels/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps wheels/*.whl 2>&1 | tail -2
     ;;
 tests)
+    [ -n "${JOIN0:-}" ] && bash "$0" join 0  # (with JOIN0=1: the first GGUF part travels in the same call)
     python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_online_gpu.py -p no:cacheprovider 2>&1 | tail -15
     echo "== without the fix (one shared capture stream): the regression test should fail"
     PYTHONPATH=$PWD:$PWD/bench python3 -m pytest -q -m gpu -p nofix_capture_stream -p no:cacheprovider \
@@ -42,6 +43,12 @@ tests)
     ;;
 evalfix)
     RUNS="A B" bash bench/gpu_session15.sh evalbug
+    ;;
+evalinter)  # one call on a 4-GPU lease: evalfix on GPU 0 beside async5b on GPUs 1-3 (neither is timed)
+    CUDA_VISIBLE_DEVICES=0 RUNS="A B" bash bench/gpu_session15.sh evalbug > /tmp/evalfix.txt 2>&1 &
+    G0=1 bash "$0" async5b
+    wait
+    cat /tmp/evalfix.txt
     ;;
 async5a)
     prep
@@ -54,7 +61,7 @@ async5a)
     ;;
 async5b)
     prep
-    g=0
+    g=${G0:-0}  # the first of three GPUs
     for c in none tis mis; do
         rl $g c-inter4-$c-s0 "${common[@]}" --set queue.placement=interleaved --set queue.max_staleness=4 \
             --set grpo.is_correction=$c &
