@@ -44,6 +44,15 @@ tests)
 evalfix)
     RUNS="A B" bash bench/gpu_session15.sh evalbug
     ;;
+evaldiag)  # (after join) the wrong eval points scored four ways (bench/evaldiag.py): copy / no copy
+    prep
+    python3 bench/evaldiag.py --model /tmp/smollm2 --data /tmp/arith --out /tmp/diag/copy > /tmp/diag-copy.log 2>&1 &
+    python3 bench/evaldiag.py --model /tmp/smollm2 --data /tmp/arith --out /tmp/diag/nocopy \
+        --set rollout.sampler_copy=false > /tmp/diag-nocopy.log 2>&1 &
+    wait
+    for v in copy nocopy; do echo "== $v"; grep -E "^DIAG|Error|error" /tmp/diag-$v.log | tail -4; done
+    cp /tmp/diag-*.log "$OUT/"
+    ;;
 evalinter)  # one call on a 4-GPU lease: evalfix on GPU 0 beside async5b on GPUs 1-3 (neither is timed)
     CUDA_VISIBLE_DEVICES=0 RUNS="A B" bash bench/gpu_session15.sh evalbug > /tmp/evalfix.txt 2>&1 &
     G0=1 bash "$0" async5b
