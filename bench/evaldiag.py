@@ -5,7 +5,7 @@ itself saved and reloaded.
     python bench/evaldiag.py --model /tmp/smollm2 --data /tmp/arith --out /tmp/diag [--set k=v ...]
 
 At each eval point (HeldOut.evaluate patched): `logged` (what the run logs), `fresh` (a new Sampler
-over the same model object), `copy` (a deepcopy of the model, fp32), `disk` (save_pretrained, then
+over the same model object), `copy` (a deepcopy of the model, fp32), `bf16` (that copy in bf16), `disk` (save_pretrained, then
 from_pretrained as `tether eval` loads it), plus the tie of the LM head to the embeddings and the
 largest differences between the model in memory and the reloaded one (parameters and buffers).
 Writes one JSON line per eval point to stdout and <out>/diag.jsonl.
@@ -70,6 +70,9 @@ def main() -> None:
         self.sampler = None
         twin = copy.deepcopy(model)
         row["copy"] = pass1(real(self, twin, tokenizer, None))
+        self.sampler = None
+        twin.to(torch.bfloat16)  # the weights rounded to bf16, as a bf16 checkpoint holds them
+        row["bf16"] = pass1(real(self, twin, tokenizer, None))
         self.sampler = None
         del twin
         with tempfile.TemporaryDirectory() as tmp:
