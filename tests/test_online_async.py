@@ -163,11 +163,11 @@ def test_disaggregated_with_two_sharded_trainers(setup):
 
 
 def test_interleaved_with_a_sampling_copy_evaluates_the_trained_policy(setup):
-    """rollout.sampler_copy under the interleaved placement: the sampler thread takes its own copy
-    and the trainer's is dropped; evaluation (and ReMax's greedy baseline) must then sample from
-    the trained policy, not the dropped copy frozen at the first step's weights (session 14: the
-    held-out pass@1 on the GPU stayed at its step-0 value). On CPU the copy has the weights' dtype,
-    so with and without it every logged value, evaluation included, is the same."""
+    """rollout.sampler_copy under the interleaved placement: the sampler thread takes its own copy;
+    evaluation (and ReMax's greedy baseline) must sample the trained policy, not a copy frozen at
+    the first step's weights (session 14: the held-out pass@1 on the GPU stayed at its step-0
+    value). On CPU the copy has the weights' dtype, so with and without it every logged value,
+    evaluation included, is the same."""
     kw = dict(placement="interleaved", max_staleness=1, max_steps=4, eval_data=str(setup / "prompts.jsonl"),
               eval_every=2)
     train_grpo(_cfg(setup, "evalcopy", sampler_copy=True, **kw), reward_funcs=[digit_frac])
@@ -209,3 +209,31 @@ def test_interleaved_evaluation_never_overlaps_the_sampler_thread(setup, monkeyp
               eval_every=1)
     train_grpo(_cfg(setup, "evalalone", **kw), reward_funcs=[reward])
     assert len(seen) == 2 * 6 and not any(seen)
+
+
+def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_points(setup, monkeypatch):
+    """With rollout.sampler_copy in bf16 (forced here on CPU, as on CUDA), the interleaved
+    placement's eval points sample the trained policy *in bf16* — the numerics it is trained to
+    sample with, and what its bf16 checkpoint holds — not the fp32 weights (session 16, SmolLM2 on
+    an H100: the fp32 weights scored greedy pass@1 0.1575, the same weights in bf16 0.4025). The
+    trainer's copy is refreshed for each eval point and freed in between (every step's get sees it
+    empty)."""
+    from tether.trainers import held_out, online_async, setup as setup_mod
+    monkeypatch.setattr(setup_mod, "sharding_bf16", lambda cfg, device: True)
+    seen, sizes = [], []
+    real_eval, real_get = held_out.HeldOut.evaluate, online_async.Interleaved.get
+
+    def eval_dtype(self, model, tokenizer, sampler=None):
+        seen.append((next(model.parameters()).dtype, sampler.model is model if sampler else None))
+        return real_eval(self, model, tokenizer, sampler)
+
+    def get(self, step):
+        sizes.append(sum(p.numel() for p in self.t.replica.parameters()))
+        return real_get(self, step)
+    monkeypatch.setattr(held_out.HeldOut, "evaluate", eval_dtype)
+    monkeypatch.setattr(online_async.Interleaved, "get", get)
+    kw = dict(placement="interleaved", max_staleness=1, max_steps=4, eval_data=str(setup / "prompts.jsonl"),
+              eval_every=2)
+    train_grpo(_cfg(setup, "evalbf16", sampler_copy=True, **kw), reward_funcs=[digit_frac])
+    assert seen == [(torch.bfloat16, True)] * 2  # step 2 and the final evaluation
+    assert len(sizes) == 4 and set(sizes) == {0}

@@ -418,10 +418,6 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     # Where step k's batch comes from: sampled here and now (max_staleness 0), by a thread ahead of
     # the trainer (interleaved) or by another process (disaggregated); online_async.
     source = batch_source(cfg, t, produce, sampler, make_sampler, link)  # (and its in-flight batches in each checkpoint)
-    if sampler.model is not t.rollout_model():
-        # the interleaved thread took the sampling copy for itself (t.replica dropped): evaluation
-        # and ReMax's greedy baseline sample from the trained policy, not from that frozen copy
-        sampler = make_sampler(t.rollout_model())
     # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
     # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
     grad_buffer = lend_gradients(sampler, t.model, prompts_per_step * rollout_cfg.num_generations,
@@ -456,7 +452,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 # 6. log / samples / checkpoint
                 last = {**step_metrics(t, batch, update, names, time.perf_counter() - started), **correction,
                         **queue_stats, **partial_metrics(batch, t.step - 1)}
-            if t.replica is not None:
+            if t.replica is not None and source.refreshes_replica:
                 last["gather_time"] = t.gather_seconds - gathered
             history.append(last["reward"])
             if t.log_due():

@@ -139,6 +139,7 @@ def _state(produce):
 
 class Source:
     """What a source does around the trainer's step when it has nothing to do there (module doc)."""
+    refreshes_replica = True  # the trainer's replica is brought up to date for each batch (gather_time)
 
     def before_update(self, step: int) -> None:
         pass
@@ -181,6 +182,7 @@ class Synchronous(Source):
 class Interleaved(Source):
     """A producer thread on a copy of the policy, `max_staleness` batches ahead (module doc)."""
     lends_gradients = False
+    refreshes_replica = False  # the thread's copy is; the trainer's replica only at eval points
 
     def __init__(self, t, produce: Callable, make_sampler: Callable, max_staleness: int):
         if distributed.active():
@@ -188,11 +190,14 @@ class Interleaved(Source):
                               "torchrun use placement=disaggregated")
         self.t, self.produce, self.S = t, produce, max_staleness
         self.start, self.total = t.step, t.total_steps
-        # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy);
-        # t.replica itself is then dropped: the thread's copy replaces it (held-out evaluation
-        # samples from t.model), so it neither costs its memory twice nor logs a gather_time of 0
+        # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy).
+        # t.replica stays for held-out evaluation (and ReMax's greedy baseline), freed between eval
+        # points (alone): evaluation must sample with the numerics the policy is trained to sample
+        # with. Session 16 (SmolLM2, bf16 copy, staleness 4, 30 steps): the fp32 weights scored
+        # greedy pass@1 0.1575 where the same weights rounded to bf16 scored 0.4025 (and `tether
+        # eval` of the bf16 checkpoint 0.39) — the "wrong eval points" of sessions 14-15 were this.
         self.model = copy.deepcopy(t.replica if t.replica is not None else t.model).requires_grad_(False).eval()
-        t.replica = None
+        t.free_replica()
         self.sampler = make_sampler(self.model)
         self.queue = TrajectoryQueue(max_staleness + 1)
         # On resume the batches the checkpoint had in flight (sampled with versions older than its
@@ -262,10 +267,10 @@ class Interleaved(Source):
         evaluates with `sampler`, whose graphs and cache are released afterwards (they are not held
         through training; the next eval point captures anew). Session 15, CUDA: beside the running
         producer an eval point's graph capture failed, and eval points after the first scored
-        held-out pass@1 0.14-0.16 where `tether eval` scores the same weights 0.39 — the two
-        Samplers' graphs shared torch's default capture stream, so the producer destroying its
-        graphs dropped the cuBLAS workspace the evaluation's graphs still used (graphs.capture:
-        each Sampler now captures on its own stream)."""
+        held-out pass@1 0.14-0.16 where `tether eval` scores the same weights 0.39. Neither was a
+        race: evaluation sampled the fp32 weights while training samples a bf16 copy (__init__); the pause stays, as the capture fix (graphs.capture: each Sampler on its
+        own stream), since two threads' graph captures must not overlap. The replica evaluated is
+        freed again afterwards (t.free_replica), as it is outside eval points."""
         with self.cond:
             self.paused = True
             self.cond.wait_for(lambda: not self.busy)
@@ -275,6 +280,7 @@ class Interleaved(Source):
             try:
                 if sampler is not None:
                     sampler.release()
+                self.t.free_replica()
             finally:
                 with self.cond:
                     self.paused = False

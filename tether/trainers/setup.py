@@ -192,6 +192,13 @@ class Training:
         if not self.cfg.rollout.release_replica or self.replica is None or self.replica_shapes is not None:
             return
         sampler.release()
+        self.free_replica()
+
+    def free_replica(self) -> None:
+        """The replica's weights freed until rollout_model() brings them back (new memory, refreshed
+        from the model). A no-op without a replica or when it is freed already."""
+        if self.replica is None or self.replica_shapes is not None:
+            return
         self.replica_shapes = {name: p.shape for name, p in self.replica.named_parameters()}
         for p in self.replica.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
