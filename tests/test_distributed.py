@@ -212,6 +212,34 @@ def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_
     assert replication_hint(gpu // 64, 1, gpu) is None
 
 
+def test_a_model_in_cpu_memory_is_sharded_for_bf16_compute_on_gpus(monkeypatch):
+    """Under torchrun on GPUs setup_training loads the model into CPU memory and fully_shard moves
+    the shards: the policy must follow the GPU the rank computes on, not the weights' device now
+    (until session 16 it read the latter: every FSDP2 run on GPUs gathered fp32 weights and cast
+    them at each use). Here: a CPU model, the group said to be NCCL on cuda:0 with bf16."""
+    import types
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from tether import distributed
+    from tether.models.tiny import tiny_config
+    from tether.trainers import setup
+    from tether.trainers.sections import ModelSection
+    from transformers import AutoModelForCausalLM
+    seen = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append(kw["mp_policy"]))
+    monkeypatch.setattr(distributed, "uses_cuda", lambda: True)
+    monkeypatch.setattr(distributed, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                         num_kv_heads=1, intermediate_size=64))
+    assert next(model.parameters()).device.type == "cpu"
+    setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m")))
+    assert len(seen) == 3 and all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32 for p in seen)
+    seen.clear()  # fp32 compute asked for: no bf16 policy
+    setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", mixed_precision="no")))
+    assert len(seen) == 3 and all(p.param_dtype is None for p in seen)
+
+
 def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
     """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit — each layer, an
     untied head's own, the root — through setup.shard_model (fp32 by default); the compute dtype

@@ -496,7 +496,12 @@ def shard_model(model, cfg) -> torch.nn.Module:
     one process's numerics, gradients summed at each step)."""
     if not cfg.model.fsdp:
         return distributed.replicate(model)
-    device = next(model.parameters()).device
+    # The device it will compute on, not where its weights are now: under torchrun on GPUs the
+    # model is still in CPU memory here (setup_training; fully_shard moves the shards). Until
+    # session 16 this read the weights' device, so every FSDP2 run on GPUs went without the bf16
+    # policy: fp32 all-gathers, autocast casting each gathered weight at each use, fp32 activations
+    # between layers (the 7B DPO trace: fp32 [18944, 3584] weights into aten::linear).
+    device = distributed.device() if distributed.uses_cuda() else next(model.parameters()).device
     return distributed.shard(model, decoder_layers(model), bf16=sharding_bf16(cfg, device),
                              reduce_bf16=cfg.model.fsdp_reduce == "bf16", offload=cfg.model.fsdp_offload,
                              reshard_after_forward=cfg.model.fsdp_reshard,
