@@ -133,11 +133,12 @@ def capture(step, st: State, kv: int, side=None, pool=None):
             # stream=side, the caller's own (one per live Sampler: take_stream), not torch's one
             # default capture stream: graphs captured on one stream share its cuBLAS workspace, and
             # destroying any of them drops that workspace under the others alive (pytorch#193402),
-            # whose GEMMs then use freed memory: with two Samplers in one process (the interleaved
-            # placement's thread and the trainer's evaluation) the likely cause of session 15's
-            # eval points scoring held-out pass@1 0.14-0.16 where the same weights score 0.39 (the
-            # GPU regression test checks it: tests/test_rollout_gpu.py). A Sampler destroys its
-            # graphs all together (release, a larger cache), so its own share is safe.
+            # whose GEMMs would then use freed memory with two Samplers in one process (the
+            # interleaved placement's thread and the trainer's evaluation). Defensive: suspected in
+            # session 15 of the interleaved eval points' low scores, it was not their cause (session
+            # 16: those sampled the fp32 weights, online_async.Interleaved), and the GPU regression
+            # test (tests/test_rollout_gpu.py) did not fail without it on torch 2.11 / H100. A
+            # Sampler destroys its graphs all together (release, a larger cache): its own share is safe.
             with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
                 step()
     for t, s in zip(st.small(), saved):
