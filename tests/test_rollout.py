@@ -276,3 +276,19 @@ def test_kv_cache_in_lent_storage_same_samples_and_stale_values_masked():
     s.kv_storage = torch.zeros(10)  # too small: a cache of its own again
     c = s.sample(ids, n=2, seed=5)
     assert not s.backend.borrowed and torch.equal(c.completion_ids, own.completion_ids)
+
+
+def test_completion_lists_are_the_masked_rows():
+    """Rollout.completion_lists (one copy to the CPU) gives what masking row by row gives, for
+    prefix masks and for holes (a partial rollout's rows need not be prefixes)."""
+    from tether.rollout.types import Rollout
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (6, 9), generator=g)
+    mask = torch.arange(9)[None] < torch.tensor([9, 1, 4, 0, 7, 3])[:, None]
+    mask[4, 2] = False  # a hole
+    r = Rollout(prompt_ids=[[1]] * 6, completion_ids=ids, completion_mask=mask, logprobs=torch.zeros(6, 9),
+                texts=[""] * 6, finish_reasons=["length"] * 6, group=torch.arange(6), logprob_temperature=1.0,
+                pad_token_id=0)
+    got = r.completion_lists()
+    assert got == [row[m].tolist() for row, m in zip(ids, mask)]
+    assert [len(x) for x in got] == [9, 1, 4, 0, 6, 3]

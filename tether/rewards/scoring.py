@@ -76,7 +76,7 @@ def score_rollout(funcs, weights, seq_rows: list[dict], rollout, *, max_new_toke
     `buffer`, `coef`; to scored completions only: a skipped one stays NaN). Returns (per-function
     rewards [N, F], total reward [N]); with shaping on (buffer > 0), the penalty is per_fn's last
     column (logged as `rewards/overlong_penalty/mean`)."""
-    comp_ids = [ids[m].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    comp_ids = rollout.completion_lists()
     try:
         per_fn, rewards = score(funcs, weights, seq_rows, rollout.texts, comp_ids)
     except UserError as e:  # under torchrun: about this rank's completions, the others may not fail

@@ -44,6 +44,13 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def completion_lists(self) -> list[list[int]]:
+        """Each row's completion token ids (its mask's positions) as a list, from one copy to the
+        CPU: indexing GPU rows one by one costs two device syncs each (session 16: ~25 ms of a
+        256-row batch's scoring on an H100, on the sampler's critical path)."""
+        ids, mask = self.completion_ids.cpu().tolist(), self.completion_mask.cpu().tolist()
+        return [[t for t, keep in zip(row, m) if keep] for row, m in zip(ids, mask)]
+
     @property
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)

@@ -196,7 +196,7 @@ def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tup
     n = cfg.bon.n
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
-    ids = [rollout.completion_ids[i][rollout.completion_mask[i]].tolist() for i in range(len(rollout))]
+    ids = rollout.completion_lists()
     completions = as_completions(prompts, rollout.texts)  # chat prompts: message lists, as TRL passes them
     proxies = proxy.score(prompts, completions, ids, columns).total
     golds = gold.score(prompts, completions, ids, columns).total if gold else None

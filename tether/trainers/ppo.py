@@ -211,7 +211,7 @@ class Rewards:
     def score(self, rows: list[dict], rollout, length_penalty: float) -> dict:
         """R per completion ([N], CPU; no score from any function = 0, counted) and the
         per-function rewards behind it."""
-        completion_ids = [ids[m].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        completion_ids = rollout.completion_lists()
         try:
             per_function, scores = score_completions(self.funcs, self.weights, rows, rollout.texts, completion_ids)
             evals = score_completions(self.evals, [1.0] * len(self.evals), rows, rollout.texts,
