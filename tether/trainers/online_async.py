@@ -413,33 +413,20 @@ def finish_sampler(t, counts: dict) -> dict:
     return counts
 
 
-def _broadcast(link: Link, model, wait: bool = True) -> list:
+def _broadcast(link: Link, model) -> None:
     """The weights from trainer rank 0 to the sampler, tensor by tensor in state_dict order (the
     same names on both sides: FSDP2 keeps them). On the trainers each sharded tensor is gathered
-    first (collective among them). wait=False: the collectives only posted; returns their works
-    (wait on each before reading the weights: under NCCL that orders the current stream after them,
-    under gloo it blocks until they are done)."""
-    works = []
+    first (collective among them)."""
     for value in model.state_dict().values():
         value = distributed.full(value) if not link.samples else value
         if link.weights is not None:
-            work = link.weights.broadcast(value.data, 0)
-            if wait:
-                work.wait()
-            else:
-                works.append(work)
-    return works
+            link.weights.broadcast(value.data, 0).wait()
 
 
-def _receive(link: Link, t, posted: Optional[list] = None) -> None:
+def _receive(link: Link, t) -> None:
     """A sampler process takes the next version's weights into its policy (the trainer's dtype, as
-    sent); a sampling copy of it (rollout.sampler_copy) is refreshed from them before the next batch.
-    posted: that version's broadcast, posted earlier (serve): only waited for here."""
-    if posted is None:
-        _broadcast(link, t.model)
-    else:
-        for work in posted:
-            work.wait()
+    sent); a sampling copy of it (rollout.sampler_copy) is refreshed from them before the next batch."""
+    _broadcast(link, t.model)
     t.replica_stale = True
 
 
@@ -508,32 +495,18 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
     cuda = next(t.model.parameters()).is_cuda
     sent = 0.0  # seconds packing + storing the previous batch
-    # With a sampling copy (t.replica) the policy's own weights are idle while a batch samples, so
-    # the next version's broadcast is posted as the batch starts and lands during it (NCCL on its
-    # own stream, gloo in its thread): the sampler's wait for the weights then holds only what is
-    # left of the transfer and the copy's refresh (session 16: the whole receive was 0.015-0.02 s
-    # of a ~0.25 s cycle). Without a copy the sampler reads those weights: received when needed.
-    # Only once the batch that version comes from (batch `version`) is sent: a device-wide sync
-    # while sampling (a CUDA graph capture makes one) waits for every posted receive, and a receive
-    # waiting on the batch being sampled would never land. One sampler only: with several, that
-    # batch may be another's, still to come.
-    early = t.replica is not None and link.samplers == 1
-    posted = None  # the works of version + 1, posted
     for j in range(t.total_steps):
         if j % link.samplers != link.index:
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
             continue
         waiting = time.perf_counter()
         while version < j - max_staleness:  # the versions in order, each broadcast once
-            _receive(link, t, posted)
-            posted = None
+            _receive(link, t)
             version += 1
         t.rollout_model()  # the sampler's copy (rollout.sampler_copy) brought up to the version
         if cuda:  # the weights are here before the clock starts: NCCL's receive only queues on the
             torch.cuda.synchronize()  # stream, and would count the trainer's update as sampling time
         started = time.perf_counter()
-        if early and version < min(j, last):  # (the trainer broadcasts versions up to `last`, in order)
-            posted = _broadcast(link, t.model, wait=False)
         batch = produce(j, sampler)
         seconds += time.perf_counter() - started
         # the sampler's cycle, for the trainer's log: its wait for the weights, this batch's
@@ -546,8 +519,7 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
         sent = time.perf_counter() - sending
         produced += 1
     while version < last:  # the trainer broadcasts every version a batch needs: join the rest
-        _receive(link, t, posted)
-        posted = None
+        _receive(link, t)
         version += 1
     return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
 
