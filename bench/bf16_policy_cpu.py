@@ -57,6 +57,10 @@ def jobs(root: Path) -> dict:
         "rm": dict(base, data=root / "pairs.jsonl", batch_size=4),
         "grpo": dict(prompt, beta=0.05),
         "ppo": dict(prompt, num_generations=2),
+        # LoRA with a KL term: the reference's forward (adapters off) comes first (session 16's
+        # review: peft's disable_adapter made FSDP2's lazy init see no trained parameter)
+        "grpo-lora": dict(prompt, beta=0.05, lora_r=4),
+        "dpo-lora": dict(base, data=root / "pairs.jsonl", batch_size=4, lora_r=4),
     }
 
 
@@ -90,12 +94,13 @@ def main() -> None:
         if a.only and command not in a.only.split(","):
             continue
         args = [f"{k}={v}" for k, v in {**kw, "name": command}.items()]
+        trainer = command.split("-")[0]
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc),
-                               "--master-port", str(port), __file__, "--worker", json.dumps([command, args])],
+                               "--master-port", str(port), __file__, "--worker", json.dumps([trainer, args])],
                               capture_output=True, text=True, env=env, timeout=900)
         if proc.returncode != 0:
             err = [line for line in proc.stderr.splitlines() if ("Error" in line or "error:" in line)

@@ -164,7 +164,7 @@ def test_disaggregated_with_two_sharded_trainers(setup):
 
 def test_interleaved_with_a_sampling_copy_evaluates_the_trained_policy(setup):
     """rollout.sampler_copy under the interleaved placement: the sampler thread takes its own copy;
-    evaluation (and ReMax's greedy baseline) must sample the trained policy, not a copy frozen at
+    evaluation must sample the trained policy, not a copy frozen at
     the first step's weights (session 14: the held-out pass@1 on the GPU stayed at its step-0
     value). On CPU the copy has the weights' dtype, so with and without it every logged value,
     evaluation included, is the same."""

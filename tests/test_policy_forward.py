@@ -104,6 +104,16 @@ def test_lora_reference_through_the_split_head(setup, monkeypatch):
         on, _ = common.completion_token_logps(lm, batch, 1.0, nullcontext())
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert (on - want).abs().max() > 1e-3  # the adapters do act when enabled
+    # tether's own switch (models.lora.adapters_off): the same base numbers, and the adapters stay
+    # trainable inside it (peft's context turns requires_grad off, which broke FSDP2's bf16 policy)
+    from tether.models.lora import adapters_off
+    trained = {n for n, p in lm.named_parameters() if p.requires_grad}
+    with torch.no_grad(), adapters_off(lm):
+        off, _ = common.completion_token_logps(lm, batch, 1.0, nullcontext())
+        assert {n for n, p in lm.named_parameters() if p.requires_grad} == trained and trained
+    torch.testing.assert_close(off, want, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(common.completion_token_logps(lm, batch, 1.0, nullcontext())[0], on)
 
 
 def test_autocast_fp32_weights(setup, monkeypatch):

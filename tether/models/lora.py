@@ -7,6 +7,8 @@ frozen reference of the RL / preference trainers is that base with the adapters 
 
 from __future__ import annotations
 
+import contextlib
+
 from tether.errors import UserError
 
 
@@ -24,3 +26,23 @@ def apply_lora(model, spec, ckpt=None):
     return get_peft_model(model, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha,
                                             lora_dropout=spec.lora_dropout,
                                             target_modules=targets, task_type="CAUSAL_LM"))
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model under the adapters (the frozen reference of the RL / preference trainers),
+    for the forwards inside: every adapter layer bypassed, as peft's `disable_adapter()` does, but
+    without its `requires_grad_(False)` on the adapters. Why: under FSDP2 with the bf16
+    mixed-precision policy, a sharded model's first forward fixes which parameters are trained
+    (lazy init); when that forward was the reference's, peft's context had switched every trained
+    parameter off, and the first backward then failed ("a gradient with dtype BFloat16 to a tensor
+    with grad_dtype Float"). A model without adapters passes through unchanged."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    was = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m, w in zip(layers, was):
+            m._disable_adapters = w

@@ -29,6 +29,7 @@ from tether.data import sequence_sums
 from tether.models import load_model
 from tether.models.load import hf_progress
 from tether.models.logprobs import completion_token_logps, packing_layout
+from tether.models.lora import adapters_off
 from tether.trainers.offline_data import KL_PAIRING_SEED, collate, collate_mismatched, kl_partners
 
 logger = logging.getLogger("tether.offline")
@@ -130,6 +131,9 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
     ref_model, spec = cfg.preference.ref_model, cfg.model
     ref_source = ref_model or spec.path
     precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
+    from tether.trainers.setup import sharding_bf16
+    if distributed.active() and spec.fsdp and sharding_bf16(cfg, device):
+        precision += "/fsdp-bf16"  # FSDP2's bf16 policy rounds otherwise than one process's autocast
     if cfg.data.packing:  # packed forwards round differently (~1e-7): step 1's zero margins need them
         precision += f"/packed-{packing_layout(model, True)}"
     fingerprint = cache_fingerprint(ref_source, splits, precision, forwards)
@@ -145,7 +149,7 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
             tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp, forwards)
             how = "policy at step 0"
         elif spec.lora_r > 0 and not ref_model:
-            with model.disable_adapter():
+            with adapters_off(model):
                 tensors = reference_logps(model, splits, paired, cfg, pad_id, device, amp, forwards)
             how = "base with adapters disabled"
         else:

@@ -191,8 +191,8 @@ class Interleaved(Source):
         self.t, self.produce, self.S = t, produce, max_staleness
         self.start, self.total = t.step, t.total_steps
         # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy).
-        # t.replica stays for held-out evaluation (and ReMax's greedy baseline), freed between eval
-        # points (alone): evaluation must sample with the numerics the policy is trained to sample
+        # t.replica stays for held-out evaluation, freed between eval points (alone; a point's
+        # peak holds both copies): evaluation must sample with the numerics the policy is trained to sample
         # with. Session 16 (SmolLM2, bf16 copy, staleness 4, 30 steps): the fp32 weights scored
         # greedy pass@1 0.1575 where the same weights rounded to bf16 scored 0.4025 (and `tether
         # eval` of the bf16 checkpoint 0.39) — the "wrong eval points" of sessions 14-15 were this.
@@ -465,10 +465,22 @@ def _unpack(raw: bytes) -> Trajectories:
 class Disaggregated(Source):
     """The trainer's side: batches from the sampler process, weights broadcast back (module doc)."""
     lends_gradients = True  # this process only trains and evaluates
+    refreshes_replica = False  # its replica serves evaluation only: refreshed and freed around eval points
 
     def __init__(self, t, link: Link, max_staleness: int, generations: int):
         self.t, self.link, self.S, self.total, self.G = t, link, max_staleness, t.total_steps, generations
         _broadcast(link, t.model)  # version 0: the sampler starts from exactly these weights
+        t.free_replica()  # (rollout_model() brings it back, refreshed, for each eval point)
+
+    @contextlib.contextmanager
+    def alone(self, sampler=None):
+        """An eval point: its sampler's graphs and cache and the trainer's replica freed after it."""
+        try:
+            yield
+        finally:
+            if sampler is not None:
+                sampler.release()
+            self.t.free_replica()
 
     def get(self, step: int):
         started = time.perf_counter()

@@ -37,6 +37,7 @@ from tether.constraints import NonNegativeInt, PositiveInt
 from tether.data.tokenize import bos_ids
 from tether.errors import NonFiniteLossError, UserError
 from tether.feedback.lm import answer_contexts, answer_logprobs, chat_text
+from tether.models.lora import adapters_off
 from tether.objectives import group_stats
 from tether.rewards.registry import load_reward
 from tether.rewards.scoring import fn_name, score_rollout
@@ -217,7 +218,7 @@ def round_reference(t, cfg: ODPOConfig, rows: list[dict], forwards: list[list[in
         return reference_logps(t.model, *args)
     if t.reference is not None:
         return reference_logps(t.reference, *args)
-    with t.model.disable_adapter():  # LoRA: the base under the adapters is the initial policy
+    with adapters_off(t.model):  # LoRA: the base under the adapters is the initial policy
         return reference_logps(t.model, *args)
 
 

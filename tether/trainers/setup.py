@@ -36,7 +36,7 @@ from tether.models import load_model, load_tokenizer
 from tether.models.load import DTYPES, compile_layers, decoder_layers, hf_progress, stored_dtype
 from tether.models import logprobs
 from tether.models.logprobs import completion_token_logps
-from tether.models.lora import apply_lora
+from tether.models.lora import adapters_off, apply_lora
 from tether.plots import plot_metrics
 from tether.rollout.hf import generate
 from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weights, refuse_previous_run,
@@ -290,7 +290,7 @@ class Training:
         """Per-token log-probs of the completion tokens under the frozen reference."""
         if self.reference is not None:
             return completion_token_logps(self.reference, batch, temperature, self.amp)[0]
-        with self.model.disable_adapter():  # LoRA: the base under the adapters is the reference
+        with adapters_off(self.model):  # LoRA: the base under the adapters is the reference
             return completion_token_logps(self.model, batch, temperature, self.amp)[0]
 
     def finish(self, summary: dict) -> dict:
