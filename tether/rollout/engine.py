@@ -385,8 +385,12 @@ def _replace(cfg: SamplingConfig, overrides: dict) -> SamplingConfig:
 
 
 def _sync(dev) -> None:
+    """Wait for this Sampler's own GPU work (its timings' clock): the current stream, not the
+    device. A device-wide sync would also wait for whatever else runs on the GPU — the trainer's
+    update beside the interleaved placement's sampler thread (three times a wave), NCCL work —
+    and so serialise what the placement overlaps."""
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def sample(model, tokenizer, prompts, n: int = 1, seed: int | None = None, **config) -> Rollout:
