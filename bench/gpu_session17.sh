@@ -11,6 +11,11 @@
 #   dpo05    Qwen2.5-0.5B DPO with FSDP2 on 1/2/4 GPUs (weak scaling), and fsdp=false beside it
 #   mem      the planner's FSDP2 rows again (0.5B sft/dpo/ppo/lora on 2 and 4 GPUs; 7B sft on 4):
 #            `tether memory` vs measured, target within 10 %
+# and, from bench/gpu_session16.sh (same modes, unchanged): `tests` (the GPU tests: the Sampler's
+# syncs are per stream now), `join 0/1/2` (the real model), `async5a` (sync vs disaggregated, 3
+# seeds one at a time: Rollout.completion_lists should shorten the sampler's 25-30 ms of scoring),
+# `async5b` (interleaved staleness 4 none / tis / mis, now evaluating the bf16 copy, and with the
+# per-stream syncs: does the interleaved placement overlap at last?)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD OMP_NUM_THREADS=4
