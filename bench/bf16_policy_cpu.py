@@ -110,8 +110,10 @@ def main() -> None:
         rows = [json.loads(x) for x in (root / "runs" / command / "metrics.jsonl").read_text().splitlines() if x]
         key = next((k for k in ("loss", "pg_loss", "loss/policy", "policy/loss") if any(k in r for r in rows)),
                    next((k for r in rows for k in r if "loss" in k), "loss"))
-        losses = [round(r[key], 4) for r in rows if r.get(key) is not None]
-        print(f"{command}: ok, {key} {losses}", flush=True)
+        values = [r[key] for r in rows if key in r]  # (a non-finite value is logged as null)
+        finite = bool(values) and all(v is not None for v in values)
+        print(f"{command}: {'ok' if finite else 'NOT FINITE'}, {key} {[v if v is None else round(v, 4) for v in values]}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -192,10 +192,10 @@ class Interleaved(Source):
         self.start, self.total = t.step, t.total_steps
         # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy).
         # t.replica stays for held-out evaluation, freed between eval points (alone; a point's
-        # peak holds both copies): evaluation must sample with the numerics the policy is trained to sample
-        # with. Session 16 (SmolLM2, bf16 copy, staleness 4, 30 steps): the fp32 weights scored
-        # greedy pass@1 0.1575 where the same weights rounded to bf16 scored 0.4025 (and `tether
-        # eval` of the bf16 checkpoint 0.39) — the "wrong eval points" of sessions 14-15 were this.
+        # peak holds both copies): evaluation must sample with the numerics the policy is trained
+        # to sample with. Session 16 (SmolLM2, bf16 copy, staleness 4, 30 steps): the fp32
+        # weights scored greedy pass@1 0.1575 where the same weights rounded to bf16 scored
+        # 0.4025 (`tether eval` of the bf16 checkpoint: 0.39) — sessions 14-15's "wrong eval points".
         self.model = copy.deepcopy(t.replica if t.replica is not None else t.model).requires_grad_(False).eval()
         t.free_replica()
         self.sampler = make_sampler(self.model)
@@ -268,9 +268,10 @@ class Interleaved(Source):
         through training; the next eval point captures anew). Session 15, CUDA: beside the running
         producer an eval point's graph capture failed, and eval points after the first scored
         held-out pass@1 0.14-0.16 where `tether eval` scores the same weights 0.39. Neither was a
-        race: evaluation sampled the fp32 weights while training samples a bf16 copy (__init__); the pause stays, as the capture fix (graphs.capture: each Sampler on its
-        own stream), since two threads' graph captures must not overlap. The replica evaluated is
-        freed again afterwards (t.free_replica), as it is outside eval points."""
+        race: evaluation sampled the fp32 weights while training samples a bf16 copy (__init__).
+        The pause stays, as does the capture fix (graphs.capture: each Sampler on its own stream):
+        two threads' graph captures must not overlap. The replica evaluated is freed again
+        afterwards (t.free_replica), as it is outside eval points."""
         with self.cond:
             self.paused = True
             self.cond.wait_for(lambda: not self.busy)

@@ -1,0 +1,21 @@
+"""Every trainer under 2-process FSDP2 with the bf16 MixedPrecisionPolicy and bf16 autocast forced
+on CPU — the dtypes a GPU run has (bench/bf16_policy_cpu.py drives it). Until session 16 no GPU run
+got the policy (setup.shard_model), so nothing had exercised it; with it, LoRA with a KL term
+crashed at the first backward (peft's disable_adapter switched requires_grad off before FSDP2's
+lazy init: models.lora.adapters_off)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")]
+
+
+def test_every_trainer_runs_under_the_bf16_policy(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bf16_policy_cpu.py"), "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1500)
+    lines = [line for line in proc.stdout.splitlines() if ": " in line]
+    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+    assert all(": ok," in line for line in lines), "\n".join(lines)
