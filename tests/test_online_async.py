@@ -237,3 +237,45 @@ def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_poi
     train_grpo(_cfg(setup, "evalbf16", sampler_copy=True, **kw), reward_funcs=[digit_frac])
     assert seen == [(torch.bfloat16, True)] * 2  # step 2 and the final evaluation
     assert len(sizes) == 4 and set(sizes) == {0}
+
+
+def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
+    """The disaggregated weight broadcast sends buckets of same-dtype tensors (online_async._broadcast);
+    with buckets far smaller than the model (and a dtype change among the tensors) the receiver
+    ends with exactly the sender's weights and buffers, tied ones included. The process group is
+    faked in-process: what trainer rank 0 broadcasts, the sampler receives, in order."""
+    from tether.models.tiny import tiny_config
+    from tether.trainers import online_async
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setattr(online_async, "BROADCAST_BUCKET_BYTES", 20_000)
+    sent = []
+
+    class Work:
+        def wait(self):
+            pass
+
+    class Sender:
+        def broadcast(self, t, src):
+            sent.append(t.clone())
+            return Work()
+
+    class Receiver:
+        def broadcast(self, t, src):
+            t.copy_(sent.pop(0))
+            return Work()
+    cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    torch.manual_seed(0)
+    a = AutoModelForCausalLM.from_config(cfg)
+    a.register_buffer("counts", torch.arange(7, dtype=torch.int64))  # a second dtype in the state_dict
+    torch.manual_seed(1)
+    b = AutoModelForCausalLM.from_config(cfg)
+    b.register_buffer("counts", torch.zeros(7, dtype=torch.int64))
+    values = list(a.state_dict().values())
+    buckets = online_async._buckets(values)
+    assert len(buckets) > 3 and all(len({v.dtype for v in bk}) == 1 for bk in buckets)
+    assert [v for bk in buckets for v in bk] == values  # order kept, nothing dropped
+    online_async._broadcast(online_async.Link(samples=False, store=None, weights=Sender(), timeout=1), a)
+    online_async._broadcast(online_async.Link(samples=True, store=None, weights=Receiver(), timeout=1), b)
+    assert not sent
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
