@@ -439,11 +439,17 @@ def copy_full_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     target = dict(dst.named_parameters())
     params = set(target)
     target.update(dict(dst.named_buffers()))
-    written = set()
+    written, dst_list, src_list = set(), [], []
     for name, value in src.state_dict().items():
         if name in target:
-            target[name].copy_(full(value))
+            if hasattr(value, "full_tensor"):  # sharded: gathered one at a time (a 7B model's
+                target[name].copy_(value.full_tensor())  # whole fp32 weights would not fit at once)
+            else:
+                dst_list.append(target[name])
+                src_list.append(value)
             written.add(name)
+    if dst_list:  # one foreach copy (casting to the replica's dtype), not ~270 copy_ calls: the
+        torch._foreach_copy_(dst_list, src_list)  # refresh runs before every rollout, the GPU idle
     if params - written:  # a weight the sampler would keep stale forever: refuse rather than drift
         raise RuntimeError(f"copy_full_weights: {len(params - written)} parameter(s) of the copy have no "
                            f"counterpart in the model's state_dict, e.g. {sorted(params - written)[:3]}")
