@@ -51,11 +51,8 @@ like7b32)  # the fp32-reduce pair, if the first call left time
         --run-timeout 200 --trl-timeout 280 --trl --trl-reduce fp32 --results "$OUT/like7b-fp32.md" \
         --json "$OUT/like7b-fp32.json" 2>&1 | grep -E "^\| (dpo|TRL)" | cut -c1-300
     ;;
-grpo7b)
-    for set in "" "--set release_replica=true"; do
-        timeout 280 python3 bench/scale.py --shape qwen7b --gpus 4 --algos grpo --steps 2 --warmup 1 --keep-model /tmp/m7 \
-            --run-timeout 260 $set --results "$OUT/grpo7b.md" --json "$OUT/grpo7b${set:+-release}.json" 2>&1 | grep -E "^\| grpo"
-    done
+grpo7b)  # the same two runs as session 16's
+    bash bench/gpu_session16.sh grpo7b
     ;;
 dpo05)
     timeout 400 python3 bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo --steps 5 --warmup 2 --keep-model /tmp/m05 \
