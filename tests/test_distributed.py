@@ -240,6 +240,32 @@ def test_a_model_in_cpu_memory_is_sharded_for_bf16_compute_on_gpus(monkeypatch):
     assert len(seen) == 3 and all(p.param_dtype is None for p in seen)
 
 
+def test_a_scalar_head_is_its_own_fp32_unit_under_the_bf16_policy(monkeypatch):
+    """A reward model's / critic's head (ScalarHeadModel, fp32 on purpose) gets an FSDP2 unit of its
+    own without the bf16 policy, so its gathered weight stays fp32 as in one process; the body's
+    layers and the root keep the bf16 policy. (Its forward goes through the module, or the unit's
+    hooks would never gather it: bench/bf16_policy_cpu.py runs rm and ppo that way.)"""
+    import types
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from tether.models.heads import ScalarHeadModel
+    from tether.models.tiny import tiny_config
+    from tether.trainers import setup
+    from tether.trainers.sections import ModelSection
+    from transformers import AutoModelForCausalLM
+    seen = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append((module, kw["mp_policy"])))
+    monkeypatch.setattr(setup, "sharding_bf16", lambda cfg, device: True)
+    lm = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                      num_kv_heads=1, intermediate_size=64))
+    rm = ScalarHeadModel(lm)
+    setup.shard_model(rm, types.SimpleNamespace(model=ModelSection(path="m")))
+    policies = {id(m): p for m, p in seen}
+    assert policies[id(rm.head)].param_dtype is None  # fp32, as stored
+    assert policies[id(rm)].param_dtype == torch.bfloat16
+    assert all(policies[id(layer)].param_dtype == torch.bfloat16 for layer in setup.decoder_layers(rm))
+
+
 def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
     """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit — each layer, an
     untied head's own, the root — through setup.shard_model (fp32 by default); the compute dtype

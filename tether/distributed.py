@@ -297,6 +297,14 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
         fully_shard(head, **{**kw, "reshard_after_forward": False})
         if kw["reshard_after_forward"]:
             head.register_forward_hook(_reshard_unless_differentiated)
+    scalar = _scalar_head(model)
+    if scalar is not None:
+        # A reward model's or critic's scalar head (models.heads.ScalarHeadModel) computes in fp32 on
+        # purpose (bf16 scores flip close pairs): a unit of its own without the bf16 policy keeps
+        # its gathered weight fp32, as in one process (in the root it would be gathered in bf16).
+        fully_shard(scalar, **{**kw, "mp_policy": MixedPrecisionPolicy(), "reshard_after_forward": False})
+        if kw["reshard_after_forward"]:
+            scalar.register_forward_hook(_reshard_unless_differentiated)
     fully_shard(model, **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -311,6 +319,12 @@ def _reshard_unless_differentiated(module, args, out) -> None:
     tensors = out if isinstance(out, (tuple, list)) else (out,)
     if not (torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors)):
         module.reshard()
+
+
+def _scalar_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A ScalarHeadModel's fp32 head (reward model, critic); else None."""
+    from tether.models.heads import ScalarHeadModel
+    return model.head if isinstance(model, ScalarHeadModel) else None
 
 
 def _untied_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -89,12 +88,11 @@ class ScalarHeadModel(nn.Module):
                            position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         # The head runs in fp32: scores are compared across sequences, bf16 rounding of a scalar
-        # (8 bits of mantissa) would flip close pairs. Explicitly, not by the head's dtype: autocast
-        # would run the matmul in bf16, and under FSDP2's bf16 mixed precision the gathered head
-        # weight *is* bf16 (an fp32 input then fails the matmul).
-        w, b = self.head.weight, self.head.bias
+        # (8 bits of mantissa) would flip close pairs. Outside autocast (which would run the matmul
+        # in bf16), through the module: under FSDP2 the head is a unit of its own without the bf16
+        # policy (distributed.shard), whose hooks gather its weight in fp32 only when it is called.
         with torch.autocast(h.device.type, enabled=False):
-            score = F.linear(h.float(), w.float(), None if b is None else b.float())
+            score = self.head(h.float())
         return score.squeeze(-1) - self.offset
 
     def score(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
