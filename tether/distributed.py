@@ -322,9 +322,9 @@ def _reshard_unless_differentiated(module, args, out) -> None:
 
 
 def _scalar_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """A ScalarHeadModel's fp32 head (reward model, critic); else None."""
-    from tether.models.heads import ScalarHeadModel
-    return model.head if isinstance(model, ScalarHeadModel) else None
+    """A ScalarHeadModel's fp32 head (reward model, critic: models.heads.Fp32Linear); else None."""
+    head = getattr(model, "head", None)
+    return head if getattr(head, "fp32_unit", False) else None
 
 
 def _untied_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -44,6 +45,19 @@ def last_token_index(attention_mask: Tensor) -> Tensor:
     return idx
 
 
+class Fp32Linear(nn.Linear):
+    """A scalar head's Linear, computed in fp32 whatever its weight's dtype (a bf16 checkpoint, a
+    bf16 gather) and outside autocast: scores are compared across sequences, and bf16 rounding of a
+    scalar (8 bits of mantissa) would flip close pairs. A module call, so that under FSDP2 the
+    unit of its own (distributed.shard, `fp32_unit`: gathered without the bf16 policy) is gathered."""
+    fp32_unit = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            b = self.bias
+            return F.linear(x.float(), self.weight.float(), None if b is None else b.float())
+
+
 class ScalarHeadModel(nn.Module):
     """Causal-LM body + Linear(hidden, 1). `forward` gives per-token scalars [B, T]."""
 
@@ -62,6 +76,7 @@ class ScalarHeadModel(nn.Module):
             nn.init.zeros_(head.bias)
         p = next(body.parameters())
         self.head = head.to(device=p.device, dtype=torch.float32)
+        self.head.__class__ = Fp32Linear  # (a loaded head is a plain nn.Linear: same layout)
 
     @property
     def config(self):
@@ -87,12 +102,7 @@ class ScalarHeadModel(nn.Module):
         out = self._base()(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        # The head runs in fp32: scores are compared across sequences, bf16 rounding of a scalar
-        # (8 bits of mantissa) would flip close pairs. Outside autocast (which would run the matmul
-        # in bf16), through the module: under FSDP2 the head is a unit of its own without the bf16
-        # policy (distributed.shard), whose hooks gather its weight in fp32 only when it is called.
-        with torch.autocast(h.device.type, enabled=False):
-            score = self.head(h.float())
+        score = self.head(h)  # in fp32 (Fp32Linear)
         return score.squeeze(-1) - self.offset
 
     def score(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
