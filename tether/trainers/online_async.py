@@ -161,6 +161,14 @@ class Source:
         return contextlib.nullcontext()
 
 
+def _after_eval(t, sampler) -> None:
+    """An eval point's memory back: its sampler's graphs and cache, and the trainer's replica
+    (rollout_model() brings it back, refreshed, for the next one)."""
+    if sampler is not None:
+        sampler.release()
+    t.free_replica()
+
+
 class Synchronous(Source):
     """Sample step k's batch when the trainer asks for it, with the weights it is about to train."""
     lends_gradients = True  # sampling and the update never overlap: the KV cache may sit in the gradients
@@ -279,9 +287,7 @@ class Interleaved(Source):
             yield
         finally:
             try:
-                if sampler is not None:
-                    sampler.release()
-                self.t.free_replica()
+                _after_eval(self.t, sampler)
             finally:
                 with self.cond:
                     self.paused = False
@@ -509,9 +515,7 @@ class Disaggregated(Source):
         try:
             yield
         finally:
-            if sampler is not None:
-                sampler.release()
-            self.t.free_replica()
+            _after_eval(self.t, sampler)
 
     def get(self, step: int):
         started = time.perf_counter()
