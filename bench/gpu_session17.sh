@@ -35,6 +35,17 @@ case "$mode" in
 smoke)
     timeout 500 python3 bench/gpu_smoke.py --nproc 2 --out "$OUT/smoke.json" 2>&1 | tail -20
     ;;
+smokemem)  # smoke on GPUs 0,1 beside the planner's 2-GPU rows on GPUs 2,3 (peaks are per process)
+    ( CUDA_VISIBLE_DEVICES=0,1 timeout 470 python3 bench/gpu_smoke.py --nproc 2 --out "$OUT/smoke.json" \
+        > "$OUT/smoke.log" 2>&1; echo "smoke rc=$?" ) &
+    S=(--shape qwen2.5-0.5b --steps 3)
+    ( mc dpo2 2 2,3 29730 120 "${S[@]}" --workdir /tmp/mcC --algo dpo --batch-size 2 --grad-accum 4 --seq-len 1024
+      mc sft2 2 2,3 29732 120 "${S[@]}" --workdir /tmp/mcC --algo sft --batch-size 4 --grad-accum 4 --seq-len 1024
+      mc off2 2 2,3 29731 140 "${S[@]}" --workdir /tmp/mcE --algo sft --batch-size 4 --grad-accum 4 --seq-len 1024 --fsdp-offload ) &
+    wait
+    tail -25 "$OUT/smoke.log"; cat "$OUT"/mem-*.jsonl
+    for f in "$OUT"/mc-*.log; do echo "== $f"; tail -3 "$f"; done
+    ;;
 like7b)
     python3 -m pip install -q --no-index --no-deps wheels/*.whl 2>&1 | tail -1
     common=(--shape qwen7b --gpus 4 --algos dpo --steps 5 --warmup 2 --keep-model /tmp/m7 --run-timeout 200 --trl-timeout 280)
