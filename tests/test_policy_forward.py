@@ -210,3 +210,33 @@ def test_head_fp32_does_not_outlive_its_run(tmp_path, monkeypatch):
                                 progress=False, head_fp32=True))
     assert seen and set(seen) == {torch.float32}
     assert common.HEAD_DTYPE is None
+
+
+def test_head_gradient_by_vocabulary_chunks_of_128_columns(monkeypatch):
+    """dW by vocabulary chunks (a vocabulary wider than one chunk): equal to autograd through the full
+    logits, and every chunk but the last 128·k columns wide — an odd width (16,303 at 7B) left each
+    chunk's rows unaligned and cuBLAS took an align-1 GEMM (session 17)."""
+    torch.manual_seed(0)
+    N, H, V, T = 50, 16, 1000, 0.7
+    h, b = torch.randn(N, H, requires_grad=True), torch.randn(V, requires_grad=True)
+    w = (0.3 * torch.randn(V, H)).requires_grad_()  # logits of a few units, as a trained head's
+    y = torch.randint(0, V, (N,))
+    g_lp, g_ent = torch.randn(N), torch.randn(N)
+    widths = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, wt, bias=None: widths.append(wt.shape[0]) or real(x, wt, bias))
+    lp, ent = common._HeadLogps.apply(h, w, b, y, T, 10, torch.float32, True)  # 10 tokens a chunk -> 200 columns
+    (lp * g_lp + ent * g_ent).sum().backward()
+    monkeypatch.undo()
+    grads = [t.grad.clone() for t in (h, w, b)]
+    for t in (h, w, b):
+        t.grad = None
+    logp = torch.log_softmax(real(h, w, b) / T, -1)
+    ref_lp, ref_ent = logp.gather(-1, y[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    (ref_lp * g_lp + ref_ent * g_ent).sum().backward()
+    for got, t in zip(grads, (h, w, b)):
+        torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=1e-4)
+    vocab_chunks = [c for c in widths if c < V]
+    assert vocab_chunks == [128] * 7 + [104]  # 1000 = 7 · 128 + 104
