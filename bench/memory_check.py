@@ -36,6 +36,7 @@ measured"). Runs of a trainer that does not yet run under torchrun fail in that 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shlex
@@ -272,7 +273,8 @@ def from_scale(path: str) -> list[dict]:
     configurations of their own: GRPO (per GPU `per_gpu` prompts x G, micro-batch 8, beta 0, one
     process sampling from the training model, N from the bf16 replica) and DPO (pairs of `dpo_len`
     tokens, reference log-probs precomputed), fp32 weights, gradient checkpointing as given. The
-    peak there is max_memory_allocated over the whole rank process, in GiB (converted to GB here)."""
+    peak there is max_memory_allocated over the whole rank process, in GiB (converted to GB here).
+    Its `--set` overrides that the planner models are read: fsdp=false, release_replica=true."""
     from tether.memory import MemoryConfig, estimate
     d = json.loads(Path(path).read_text())
     a = d["args"]
@@ -286,12 +288,17 @@ def from_scale(path: str) -> list[dict]:
                 if r.get("who", "tether") != "tether" or r.get("peak_alloc_gib") is None:
                     continue
                 N = r["gpus"]
+                given = a.get("set")  # (scale.py writes its arguments as strings: "['fsdp=false']")
+                given = ast.literal_eval(given) if isinstance(given, str) and given.startswith("[") else given
+                sets = dict(x.split("=", 1) for x in (given if isinstance(given, list) else []))
+                sharding = "none" if N == 1 else "replicate" if sets.get("fsdp") == "false" else "fsdp"
                 common = dict(model=config_dir, algo=algo, weight_dtype="fp32", optimizer="adamw",
                               gradient_checkpointing=a["grad_ckpt"] == "true", gpus=N,
-                              sharding="fsdp" if N > 1 else "none", format="json")
+                              sharding=sharding, format="json")
                 if algo == "grpo":
                     cfg = MemoryConfig(**common, batch_size=micro, seq_len=int(a["prompt_len"]) + int(a["new_tokens"]),
-                                       rollout_batch=per_gpu * N, num_generations=G, reward="verifier", beta=0)
+                                       rollout_batch=per_gpu * N, num_generations=G, reward="verifier", beta=0,
+                                       release_replica=sets.get("release_replica") == "true")
                 else:
                     pairs = max(1, min(per_gpu, micro // 2))
                     cfg = MemoryConfig(**common, batch_size=pairs, grad_accum=per_gpu * N // pairs,

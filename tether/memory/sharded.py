@@ -18,25 +18,34 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tether.memory.single import (HEAD_CHUNK_BYTES_PER_LOGIT, HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
+from tether.memory.single import (HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OPT_BYTES, OPT_NOTE, PAIRWISE, MemoryConfig,
                            activation_bytes, component, held_models, whole_logits)
 
-# The constants below are measurements (bench/memory_check.py, 2 x H100 / H200, torch 2.11,
-# Qwen2.5-0.5B and -7B shapes; the numbers are in docs/memory.md, "Many GPUs: measured").
+# The constants below are fitted to measurements (bench/memory_check.py and bench/scale.py, 4 x H200,
+# torch 2.11, Qwen2.5-0.5B and -7B shapes, session 17: the first runs with FSDP2's bf16
+# MixedPrecisionPolicy really on; docs/memory.md, "Many GPUs: measured"). The model sums its rows as
+# if all were live at once, which they are not quite (the head's chunk and a recomputed layer come
+# at different moments); the constants absorb that, so read them as fitted, not as counts.
 #
-# Decoder layers whose gathered weights are live at once when nothing else holds them (gradient
-# checkpointing, frozen forwards). Prefetch alone would keep 2, but the CPU issues all-gathers ahead
-# of the GPU and a resharded layer's memory returns only once the GPU is past it: a snapshot of
-# the 7B forward held the root and ~9.5 layers' worth (4.75 GB of gathered weights + 1.86 GB of
-# all-gather buffers).
-FSDP_LIVE_LAYERS = 10
+# Decoder layers whose gathered weights count as live (gradient checkpointing, frozen forwards):
+# prefetch keeps 2, and the CPU issues all-gathers ahead of the GPU. 10 fitted the fp32-gather runs
+# of sessions 9-16; 4 fits the bf16 ones (13 configurations within 10 %).
+FSDP_LIVE_LAYERS = 4
+# Saved-for-backward bytes under the bf16 policy, as a share of single.activation_bytes's count:
+# FSDP2 casts each unit's inputs to bf16, so the residual stream and the norms' inputs are bf16,
+# where autocast over fp32 weights (what the formula was written for) keeps them fp32. Fitted:
+# 0.76-0.81 from the no-checkpointing runs (0.5B, 4 x 1024 tokens a GPU, full and LoRA).
+SHARDED_ACT = 0.8
 # fsdp_reshard=false: gathered weights, measured, in units of the whole model in the compute dtype
-# (0.5B: +1.98 GB = 2 x 0.99 over resharding, which itself holds the whole model without checkpointing)
+# (0.5B: +1.98 GB = 2 x 0.99 over resharding, which itself holds the whole model without
+# checkpointing). Measured with fp32 gathers (before session 17); not measured again.
 NO_RESHARD_WHOLE_MODELS = 3
 # Bytes per logit per compute-dtype byte: the logits and their gradient (tether's token_logps is
 # tiled and keeps no fp32 copy), where the whole logits are held: SFT's forward, and the others'
 # when their logits fit one chunk (else the chunked head runs inside the root's FSDP2 call,
 # models/logprobs._sharded_chunked_head). Measured: 3.96 B/logit in bf16 (0.5B, batch 4 vs 1).
+# The chunked head's one chunk counts the same (on CUDA its kernels keep the bf16 logits and write
+# their gradient over them; the one-process planner's 14 B, fitted before, stays there).
 LOGIT_COPIES = 2
 # Outside the caching allocator, so outside torch.cuda.max_memory_allocated (what `peak` predicts):
 # the device's used memory minus torch's reserved memory. CUDA context with cuBLAS handles: 0.72 GB
@@ -141,22 +150,24 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         layer_tr = lora_layer if cfg.lora else unit
         root_tr = max(0, m.trainable - shape.layers * layer_tr)
         # the root (embeddings, a tied head) is reduced last: its gradients accumulate unsharded
-        # through the whole backward and are cast for their reduce-scatter at the end; a layer's are
-        # reduced as its backward ends. An untied LM head is a unit of its own (distributed.shard),
-        # reduced first, but then beside every layer's saved input: measured (7B DPO, 4 H100,
-        # session 14) the peak rose 1.2 GiB with it, so the root's whole count stays here.
-        add(f"{m.name} unsharded gradients", "gather", root_tr * (c + r) + k_units * layer_tr * (c + r),
-            note=f"backward: the root's and one unit's ({k_units} layer{'s' if k_units > 1 else ''}) {cdt} "
-                 f"gradients + their {'fp32' if r == 4 else cdt} reduce-scatter input")
+        # through the whole backward (c bytes each) and are cast for their reduce-scatter at the end,
+        # once the activations and gathered layers are gone (so that copy is not counted); a layer's
+        # are reduced, in the reduce dtype, as its backward ends. An untied LM head is a unit of its
+        # own (distributed.shard), reduced first: its count stays with the root's (fitted, session 17).
+        add(f"{m.name} unsharded gradients", "gather", root_tr * c + k_units * layer_tr * (c + r),
+            note=f"backward: the root's {cdt} gradients and one unit's ({k_units} layer{'s' if k_units > 1 else ''}) "
+                 f"+ that unit's {'fp32' if r == 4 else cdt} reduce-scatter input")
 
     seqs, gen = _per_gpu_batch(cfg)
     ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
     for m in (m for m in models if m.activations):
-        add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs, c),
-            note=f"{seqs} seq x {cfg.seq_len} tok per GPU, {ckpt}, {cfg.attention}, {cdt}")
+        share = SHARDED_ACT if mixed else 1  # (bf16 weights: the formula as on one GPU; not measured sharded)
+        add(f"{m.name} activations", "training", activation_bytes(cfg, shape, seqs, c) * share,
+            note=f"{seqs} seq x {cfg.seq_len} tok per GPU, {ckpt}, {cfg.attention}, {cdt}"
+                 + (f", x {share} (fitted, bf16 policy)" if share != 1 else ""))
         if m.activations == "lm":
             full = seqs * cfg.seq_len * shape.vocab * c * LOGIT_COPIES
-            chunk = HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
+            chunk = HEAD_CHUNK_LOGITS * c * LOGIT_COPIES  # (the CUDA head kernels: see LOGIT_COPIES)
             if whole_logits(cfg, shape, seqs):  # SFT too (sft._micro_loss)
                 add(f"{m.name} logits", "training", full,
                     note=f"{seqs} x {cfg.seq_len} x {shape.vocab} vocab, {cdt} logits + their gradient")
