@@ -288,3 +288,48 @@ def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
         setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", fsdp_reduce=reduce)))
         assert [m for m, _ in seen] == [*model.model.layers, model.lm_head, model]
         assert all(p.reduce_dtype == want and p.param_dtype == torch.bfloat16 for _, p in seen)
+
+
+def test_the_state_hint_counts_each_parameter_once_and_keeps_none_of_them():
+    """setup's small-model hint counts the policy, the reference and the critic, each parameter once
+    (a tied or shared one too), and holds no parameter after it returns: fully_shard replaces the
+    module's parameters with shards, and a list of the old ones kept in setup's frame held the whole
+    fp32 model on every GPU through sharding (session 17: 28.4 GiB of the 7B runs' peaks)."""
+    import copy
+    import gc
+    import weakref
+    import torch
+    from tether.models.tiny import tiny_config
+    from tether.trainers.setup import replication_hint, state_hint
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                         num_kv_heads=1, intermediate_size=64))
+    ref = copy.deepcopy(model).requires_grad_(False)
+    n = sum(p.numel() for p in model.parameters())  # (tied embeddings: parameters() yields them once)
+    gpu = 10**12
+    assert state_hint((model, ref, model, None), gpu) == replication_hint(n, 4 * n, gpu) is not None
+    olds = [weakref.ref(p) for p in model.parameters()]
+    for mod in model.modules():  # what fully_shard does to a module: new parameters in place of the old
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(p.detach()[:1].clone())
+    gc.collect()
+    assert all(r() is None for r in olds)
+
+
+def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype():
+    """sampling_copy casts each parameter as it moves (no whole fp32 copy on the device first);
+    buffers (RoPE's inv_freq) keep their fp32; ties stay tied."""
+    import torch
+    from tether.models.tiny import tiny_config
+    from tether.trainers.setup import sampling_copy
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                         num_kv_heads=1, intermediate_size=64))
+    replica = sampling_copy(model, torch.device("cpu"), bf16=True)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in replica.parameters())
+    assert all(b.dtype == torch.float32 for b in replica.buffers() if b.is_floating_point())
+    assert replica.lm_head.weight is replica.model.embed_tokens.weight
+    for a, b in zip(model.parameters(), replica.parameters()):
+        torch.testing.assert_close(b, a.detach().to(torch.bfloat16))
+    assert all(p.dtype == torch.float32 for p in sampling_copy(model, torch.device("cpu"), bf16=False).parameters())

@@ -400,11 +400,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         replica = sampling_copy(model, device, bf16=sharding_bf16(cfg, device))
     hint = None
     if distributed.active() and distributed.uses_cuda() and cfg.model.fsdp:
-        # every parameter once: the policy, the reference and what else is trained (PPO's critic)
-        held = list({id(p): p for m in (model, ref, trainable) if m is not None for p in m.parameters()}.values())
-        hint = replication_hint(sum(p.numel() for p in held if p.requires_grad),
-                                sum(p.numel() * p.element_size() for p in held if not p.requires_grad),
-                                torch.cuda.get_device_properties(device).total_memory)
+        hint = state_hint((model, ref, trainable), torch.cuda.get_device_properties(device).total_memory)
     if distributed.active():
         for m in (model, ref):
             if m is not None:
@@ -462,11 +458,31 @@ def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
     compute dtype). Buffers keep their dtype: RoPE's inv_freq is a non-persistent fp32 buffer that no
     weight refresh (copy_full_weights walks state_dict) restores, and in bf16 it put the cos/sin
     tables up to 0.36 off at position 2047 — the trainer computes them in fp32 (autocast, FSDP2)."""
-    replica = copy.deepcopy(model).requires_grad_(False).eval().to(device)
-    if bf16:
-        for p in replica.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    return replica
+    replica = copy.deepcopy(model).requires_grad_(False).eval()
+    for p in replica.parameters():  # one parameter at a time, cast on the way: under torchrun the
+        # model is still in CPU memory here, and moving it whole first put the fp32 model on the GPU
+        # (28.4 GiB at 7B) before the bf16 copy was made
+        p.data = p.data.to(device, dtype=torch.bfloat16 if bf16 else None)
+    return replica.to(device)  # (the buffers)
+
+
+def state_hint(models, gpu_bytes: int) -> str | None:
+    """replication_hint for `models` (None entries skipped), each parameter counted once. A function
+    of its own so that nothing here outlives the count: fully_shard moves each parameter's whole
+    tensor to the GPU before it shards it, and a list of the parameters kept in setup's frame (as
+    until session 17) held the whole fp32 model on every GPU through sharding — 28.4 GiB of the
+    7B runs' 35.5 GiB (DPO) and 49.6 GiB (GRPO) peaks."""
+    seen: set[int] = set()
+    trained = frozen = 0
+    for m in models:
+        for p in (m.parameters() if m is not None else ()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                if p.requires_grad:
+                    trained += p.numel()
+                else:
+                    frozen += p.numel() * p.element_size()
+    return replication_hint(trained, frozen, gpu_bytes)
 
 
 def replication_hint(trainable_params: int, frozen_bytes: int, gpu_bytes: int) -> str | None:
