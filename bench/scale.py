@@ -135,6 +135,9 @@ def worker(a) -> None:
         args += [f"num_generations={a.generations}", f"max_new_tokens={a.new_tokens}",
                  f"max_prompt_length={a.prompt_len}", "loss_agg=token-mean", "beta=0",
                  f"micro_batch_size={a.micro_batch}", "reward_funcs=[bench/scale.py:reward]"]
+        if N == 1:  # sample from a bf16 copy, as every rank does from its replica: until session 17
+            args.append("sampler_copy=true")  # one GPU sampled its fp32 weights (1.49 s vs 0.57), which
+            # flattered every GRPO speed-up
     else:  # batch_size = pairs per forward; grad_accum makes the global batch per_gpu × N pairs
         pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
         args[-1] = f"batch_size={pairs}"
@@ -353,13 +356,18 @@ def peak(r: dict) -> str:
     return f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f}"
 
 
+def _reduce(a) -> str:
+    """The gradient reduce dtype tether's runs used (model.fsdp_reduce, fp32 unless --set says)."""
+    return next((kv.split("=", 1)[1] for kv in (a.set or []) if kv.split("=", 1)[0] in ("fsdp_reduce", "model.fsdp_reduce")), "fp32")
+
+
 def render(a, results: dict) -> str:
     name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU (gloo)"
     lines = [f"## scale-out: {a.shape}, weak scaling (per GPU: GRPO {a.per_gpu} prompts × "
              f"{a.generations} × ({a.prompt_len} + {a.new_tokens}) tokens; DPO {a.per_gpu} pairs × "
              f"{a.dpo_len} tokens)", "",
              f"Card: {name}. Date: {datetime.date.today().isoformat()}. torch {torch.__version__}. "
-             f"FSDP2 (fp32 master, bf16 compute, fp32 reduce), gradient checkpointing {a.grad_ckpt}, "
+             f"FSDP2 (fp32 master, bf16 compute, {_reduce(a)} reduce), gradient checkpointing {a.grad_ckpt}, "
              f"micro-batch {a.micro_batch}, median of {a.steps} steps after {a.warmup} warm-up. "
              f"Command: `python bench/scale.py {' '.join(sys.argv[1:])}`", "",
              "| algo | GPUs | s/step | tokens/s | speed-up | efficiency | MFU | replica gather (s) | "
