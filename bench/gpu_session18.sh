@@ -12,7 +12,8 @@
 #            should remain) -- gpu_session17.sh like7b. Carry wheels/.
 #   grpo7b   7B GRPO default and release_replica=true (expect ~38 GiB released, vs TRL's 41.1)
 #   grpo05   0.5B GRPO weak scaling 1/2/4 with the fair one-GPU baseline, and DPO 1/2/4 beside it
-#   mem7b    memory_check: 7B DPO on 4 (its training peak, setup apart) and 7B SFT on 4
+#   mem7b    memory_check: 7B DPO on 4 (its training peak, setup apart) and 7B SFT on 4; after like7b
+#            or grpo7b on the same warm machine (it links their /tmp/m7 weights)
 # and from gpu_session16.sh: async5a (3 seeds; needs the SmolLM2 parts: join 0/1/2 first), async5b.
 set -uo pipefail
 cd "$(dirname "$0")/.."
