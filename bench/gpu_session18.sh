@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU calls planned after session 17 (4 x H100/H200 lease unless said). Session 17 measured FSDP2
-# with its bf16 policy at last; after the calls three things changed that only a GPU can measure:
+# with its bf16 policy at last; after the calls four things changed that only a GPU can measure:
 #   - the chunked LM head's vocabulary chunks are whole multiples of 128 columns (the 7B DPO trace
 #     had 39 ms a step of align-1 GEMMs from 16,303-column chunks);
 #   - setup no longer keeps the whole fp32 model on every GPU through sharding (7B DPO's 35.5 GiB and
@@ -14,7 +14,8 @@
 #   grpo05   0.5B GRPO weak scaling 1/2/4 with the fair one-GPU baseline, and DPO 1/2/4 beside it
 #   mem7b    memory_check: 7B DPO on 4 (its training peak, setup apart) and 7B SFT on 4; after like7b
 #            or grpo7b on the same warm machine (it links their /tmp/m7 weights)
-# and from gpu_session16.sh: async5a (3 seeds; needs the SmolLM2 parts: join 0/1/2 first), async5b.
+# and, through `bash bench/gpu_session16.sh MODE`: async5a (3 seeds; needs the SmolLM2 parts: join 0/1/2
+# first), async5b.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD OMP_NUM_THREADS=4
@@ -43,5 +44,8 @@ mem7b)
         bench/memory_check.py --device cuda --out "$OUT/mem-sft7b.jsonl" "${S[@]}" --workdir /tmp/mc7 --algo sft \
         --batch-size 2 --grad-accum 4 --seq-len 1024 > "$OUT/mc-sft7b.log" 2>&1; echo "sft7b rc=$?"
     cat "$OUT"/mem-*.jsonl
+    ;;
+*)
+    echo "unknown mode $mode (like7b, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2
     ;;
 esac

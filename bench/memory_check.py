@@ -274,7 +274,9 @@ def from_scale(path: str) -> list[dict]:
     process sampling from the training model, N from the bf16 replica) and DPO (pairs of `dpo_len`
     tokens, reference log-probs precomputed), fp32 weights, gradient checkpointing as given. The
     peak there is max_memory_allocated over the whole rank process, in GiB (converted to GB here).
-    Its `--set` overrides that the planner models are read: fsdp=false, release_replica=true."""
+    Its `--set` overrides that the planner models are read (fsdp=false, fsdp_reduce, release_replica),
+    and a one-GPU GRPO row's `sampler_copy` (bench/scale.py samples from a bf16 copy there since
+    session 17; older rows sampled the fp32 weights)."""
     from tether.memory import MemoryConfig, estimate
     d = json.loads(Path(path).read_text())
     a = d["args"]
@@ -290,15 +292,19 @@ def from_scale(path: str) -> list[dict]:
                 N = r["gpus"]
                 given = a.get("set")  # (scale.py writes its arguments as strings: "['fsdp=false']")
                 given = ast.literal_eval(given) if isinstance(given, str) and given.startswith("[") else given
-                sets = dict(x.split("=", 1) for x in (given if isinstance(given, list) else []))
+                # tether keys as --set gave them, bare or qualified (model.fsdp_reduce=bf16)
+                sets = {k.split(".")[-1]: v for k, _, v in (str(x).partition("=") for x in (given or []))} \
+                    if isinstance(given, list) else {}
                 sharding = "none" if N == 1 else "replicate" if sets.get("fsdp") == "false" else "fsdp"
                 common = dict(model=config_dir, algo=algo, weight_dtype="fp32", optimizer="adamw",
-                              gradient_checkpointing=a["grad_ckpt"] == "true", gpus=N,
-                              sharding=sharding, format="json")
-                if algo == "grpo":
+                              gradient_checkpointing=a["grad_ckpt"] == "true", gpus=N, sharding=sharding,
+                              fsdp_reduce=sets.get("fsdp_reduce", "fp32") if sharding == "fsdp" else "fp32",
+                              format="json")
+                if algo == "grpo":  # (one GPU: a bf16 sampling copy where the row says so, since session 17)
                     cfg = MemoryConfig(**common, batch_size=micro, seq_len=int(a["prompt_len"]) + int(a["new_tokens"]),
                                        rollout_batch=per_gpu * N, num_generations=G, reward="verifier", beta=0,
-                                       release_replica=sets.get("release_replica") == "true")
+                                       release_replica=N > 1 and sets.get("release_replica") == "true",
+                                       sampler_copy=bool(r.get("sampler_copy")))
                 else:
                     pairs = max(1, min(per_gpu, micro // 2))
                     cfg = MemoryConfig(**common, batch_size=pairs, grad_accum=per_gpu * N // pairs,

@@ -299,7 +299,8 @@ def launch(a, N: int) -> dict:
     return {"gpus": N, "step_s": step, "tokens_per_s": trained / step, "gather_s": gather,
             "mfu": mfu(a, N, step), "steps": len(warm),
             "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks),
-            "rollout_s": statistics.median(r.get("rollout/seconds", 0.0) for r in warm)}
+            "rollout_s": statistics.median(r.get("rollout/seconds", 0.0) for r in warm),
+            **({"sampler_copy": True} if a.algo == "grpo" and N == 1 else {})}  # (worker: see sampler_copy=true)
 
 
 def run_capped(cmd, timeout=None, **kw) -> subprocess.CompletedProcess:
@@ -356,9 +357,12 @@ def peak(r: dict) -> str:
     return f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f}"
 
 
-def _reduce(a) -> str:
-    """The gradient reduce dtype tether's runs used (model.fsdp_reduce, fp32 unless --set says)."""
-    return next((kv.split("=", 1)[1] for kv in (a.set or []) if kv.split("=", 1)[0] in ("fsdp_reduce", "model.fsdp_reduce")), "fp32")
+def _layout(a) -> str:
+    """How tether's runs shared the model (the --set overrides of fsdp and fsdp_reduce)."""
+    sets = {k.split(".")[-1]: v for k, _, v in (kv.partition("=") for kv in (a.set or []))}
+    if sets.get("fsdp") == "false":
+        return "replicated (fsdp=false: fp32 weights, bf16 autocast, gradients all-reduced)"
+    return f"FSDP2 (fp32 master, bf16 compute, {sets.get('fsdp_reduce', 'fp32')} reduce)"
 
 
 def render(a, results: dict) -> str:
@@ -367,7 +371,7 @@ def render(a, results: dict) -> str:
              f"{a.generations} × ({a.prompt_len} + {a.new_tokens}) tokens; DPO {a.per_gpu} pairs × "
              f"{a.dpo_len} tokens)", "",
              f"Card: {name}. Date: {datetime.date.today().isoformat()}. torch {torch.__version__}. "
-             f"FSDP2 (fp32 master, bf16 compute, {_reduce(a)} reduce), gradient checkpointing {a.grad_ckpt}, "
+             f"{_layout(a)}, gradient checkpointing {a.grad_ckpt}, "
              f"micro-batch {a.micro_batch}, median of {a.steps} steps after {a.warmup} warm-up. "
              f"Command: `python bench/scale.py {' '.join(sys.argv[1:])}`", "",
              "| algo | GPUs | s/step | tokens/s | speed-up | efficiency | MFU | replica gather (s) | "

@@ -318,8 +318,9 @@ def test_the_state_hint_counts_each_parameter_once_and_keeps_none_of_them():
 
 
 def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype():
-    """sampling_copy casts each parameter as it moves (no whole fp32 copy on the device first);
-    buffers (RoPE's inv_freq) keep their fp32; ties stay tied."""
+    """sampling_copy makes each parameter in its place and dtype (no whole fp32 copy first, on the
+    GPU or in CPU memory); buffers (RoPE's inv_freq) keep their fp32; ties stay tied; the copy
+    shares no storage with the model."""
     import torch
     from tether.models.tiny import tiny_config
     from tether.trainers.setup import sampling_copy
@@ -332,4 +333,7 @@ def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype(
     assert replica.lm_head.weight is replica.model.embed_tokens.weight
     for a, b in zip(model.parameters(), replica.parameters()):
         torch.testing.assert_close(b, a.detach().to(torch.bfloat16))
-    assert all(p.dtype == torch.float32 for p in sampling_copy(model, torch.device("cpu"), bf16=False).parameters())
+    same = sampling_copy(model, torch.device("cpu"), bf16=False)  # same device and dtype: still a copy
+    assert all(p.dtype == torch.float32 for p in same.parameters())
+    assert not {p.data_ptr() for p in same.parameters()} & {p.data_ptr() for p in model.parameters()}
+    assert same.lm_head.weight is same.model.embed_tokens.weight

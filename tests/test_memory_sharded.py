@@ -436,3 +436,51 @@ def test_release_replica_frees_the_copy_for_the_frozen_forwards_it_follows(qwen0
     assert freed == kept
     (kept, held), (freed, _) = (frozen("ppo", r, reward="model") for r in (False, True))
     assert freed == kept - held
+
+
+# FSDP2 with its bf16 policy, measured in session 17 (4 x H200; benchmarks/memory/memory-check-
+# h200x4-2026-11-28-s17.jsonl and benchmarks/scale/*-s17.json): per-GPU peak max_memory_allocated, GB,
+# of the training step. The planner's FSDP2 constants were refitted on these rows (in-sample).
+S17_SFT = dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024)
+S17_DPO = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)  # bench/scale.py: 8 pairs a GPU
+S17_GRPO = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
+
+
+@pytest.mark.parametrize("gpus, kw, measured", [
+    (2, dict(algo="dpo", batch_size=2, grad_accum=4, seq_len=1024, precompute_ref=True), 10.409),
+    (2, dict(S17_SFT, fsdp_offload=True), 6.457),
+    (4, dict(S17_SFT, lora=True, lora_rank=16), 6.452),
+    (4, dict(S17_SFT, gradient_checkpointing=True), 2.890),
+    (4, dict(algo="ppo", batch_size=4, seq_len=512, rollout_batch=16, num_generations=1, reward="verifier",
+             beta=0.05, gradient_checkpointing=True), 7.334),
+    (2, dict(S17_DPO, grad_accum=4, gradient_checkpointing=True), 5.678),
+    (4, dict(S17_DPO, grad_accum=8, gradient_checkpointing=True), 3.701),
+    (2, dict(S17_GRPO, rollout_batch=16, gradient_checkpointing=True), 6.404),
+    (4, dict(S17_GRPO, rollout_batch=32, gradient_checkpointing=True), 4.428),
+])
+def test_fsdp_bf16_policy_within_ten_percent_of_measured(qwen05, gpus, kw, measured):
+    est = _est(qwen05, gpus=gpus, weight_dtype="fp32", optimizer="adamw", **kw)
+    assert 0.9 <= measured / est["totals_gb"]["peak"] <= 1.1
+
+
+def test_fsdp_7b_grpo_within_ten_percent_of_measured(tmp_path):
+    """Qwen2.5-7B shape, 4 GPUs, 2 prompts x 8 x (128 + 512) a GPU, micro-batch 8, checkpointing, the
+    replica kept: 53.36 GB measured (session 17; 49 MB above setup's moment, so the update's)."""
+    from transformers import Qwen2Config
+    Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False).save_pretrained(tmp_path)
+    est = _est(str(tmp_path), algo="grpo", gpus=4, weight_dtype="fp32", optimizer="adamw", batch_size=8,
+               seq_len=640, rollout_batch=8, num_generations=8, reward="verifier", beta=0, gradient_checkpointing=True)
+    assert 0.9 <= 53.358 / est["totals_gb"]["peak"] <= 1.1
+
+
+def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf16(qwen05):
+    """rollout.sampler_copy in one process (bench/scale.py's one-GPU GRPO since session 17): the
+    policy once more in bf16, kept all run, and a bf16 KV cache (still inside the fp32 gradients)."""
+    kw = dict(algo="grpo", weight_dtype="fp32", batch_size=8, seq_len=384, rollout_batch=8, num_generations=8,
+              reward="verifier", beta=0)
+    plain, copy = _est(qwen05, **kw), _est(qwen05, sampler_copy=True, **kw)
+    assert _row(copy, "sampling copy") == N * 2
+    assert _row(copy, "KV cache (rollouts)") * 2 == _row(plain, "KV cache (rollouts)")
+    assert copy["totals_bytes"]["peak"] == plain["totals_bytes"]["peak"] + N * 2  # the cache lent in both
+    assert not [r for r in _est(qwen05, gpus=2, sampler_copy=True, **kw)["components"] if r["component"] == "sampling copy"]

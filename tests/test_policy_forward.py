@@ -212,16 +212,18 @@ def test_head_fp32_does_not_outlive_its_run(tmp_path, monkeypatch):
     assert common.HEAD_DTYPE is None
 
 
-def test_head_gradient_by_vocabulary_chunks_of_128_columns(monkeypatch):
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA head kernels (offset chunks through grad_in_place)")])])
+def test_head_gradient_by_vocabulary_chunks_of_128_columns(monkeypatch, dev):
     """dW by vocabulary chunks (a vocabulary wider than one chunk): equal to autograd through the full
     logits, and every chunk but the last 128·k columns wide — an odd width (16,303 at 7B) left each
     chunk's rows unaligned and cuBLAS took an align-1 GEMM (session 17)."""
     torch.manual_seed(0)
     N, H, V, T = 50, 16, 1000, 0.7
-    h, b = torch.randn(N, H, requires_grad=True), torch.randn(V, requires_grad=True)
-    w = (0.3 * torch.randn(V, H)).requires_grad_()  # logits of a few units, as a trained head's
-    y = torch.randint(0, V, (N,))
-    g_lp, g_ent = torch.randn(N), torch.randn(N)
+    h, b = torch.randn(N, H, device=dev, requires_grad=True), torch.randn(V, device=dev, requires_grad=True)
+    w = (0.3 * torch.randn(V, H, device=dev)).requires_grad_()  # logits of a few units, as a trained head's
+    y = torch.randint(0, V, (N,), device=dev)
+    g_lp, g_ent = torch.randn(N, device=dev), torch.randn(N, device=dev)
     widths = []
     real = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, wt, bias=None: widths.append(wt.shape[0]) or real(x, wt, bias))

@@ -29,7 +29,7 @@ from tether.memory.single import (HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OP
 #
 # Decoder layers whose gathered weights count as live (gradient checkpointing, frozen forwards):
 # prefetch keeps 2, and the CPU issues all-gathers ahead of the GPU. 10 fitted the fp32-gather runs
-# of sessions 9-16; 4 fits the bf16 ones (13 configurations within 10 %).
+# of sessions 9-16; 4 fits the bf16 ones (11 training-step peaks within 10 %).
 FSDP_LIVE_LAYERS = 4
 # Saved-for-backward bytes under the bf16 policy, as a share of single.activation_bytes's count:
 # FSDP2 casts each unit's inputs to bf16, so the residual stream and the norms' inputs are bf16,

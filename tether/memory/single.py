@@ -87,6 +87,8 @@ class MemoryConfig:
     "gpus > 1 with fsdp and mixed precision: the gradients' reduce-scatter dtype (model.fsdp_reduce); bf16: no fp32 copy of a unit's gradients (replicate ignores it)"
     fsdp_defer_sync: bool = False
     "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync; replicate ignores it)"
+    sampler_copy: bool = False
+    "gpus = 1, online algorithms: sample from a copy of the policy in the compute dtype (rollout.sampler_copy: bf16 for fp32 weights), kept all run, its KV cache in that dtype; gpus > 1 ignores it (each GPU samples from its replica)"
     release_replica: bool = False
     "gpus > 1, online algorithms: the rollout replica and the sampler's KV cache freed for each training pass (rollout.release_replica): the training step holds neither"
     grad_accum: PositiveInt = 1
@@ -273,9 +275,16 @@ def estimate(cfg: MemoryConfig) -> dict:
     d = DTYPE_BYTES[cfg.weight_dtype]
     rows = one_process_rows(cfg, n, shape)
     if cfg.algo in ONLINE:
+        # rollout.sampler_copy: the sampler reads a copy in the compute dtype (setup.sampling_copy;
+        # bf16 for fp32 weights under mixed precision), refreshed after each step, kept all run
+        kv = 2 if cfg.sampler_copy and d == 4 and cfg.mixed_precision != "no" else d
+        if cfg.sampler_copy:
+            lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
+            rows.append(component("sampling copy", "resident", (n + lora) * kv, n + lora, kv,
+                                  "rollout.sampler_copy: the policy in the compute dtype, for the sampler"))
         gen = cfg.rollout_batch * (cfg.num_generations if cfg.algo != "ppo" else 1)
-        rows.append(component("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(d),
-                              note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(d)} B/token"))
+        rows.append(component("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(kv),
+                              note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(kv)} B/token"))
 
     def total(*groups, device="gpu"):
         return sum(r["bytes"] for r in rows if r["group"] in groups and r["device"] == device)

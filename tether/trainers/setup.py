@@ -458,12 +458,13 @@ def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
     compute dtype). Buffers keep their dtype: RoPE's inv_freq is a non-persistent fp32 buffer that no
     weight refresh (copy_full_weights walks state_dict) restores, and in bf16 it put the cos/sin
     tables up to 0.36 off at position 2047 — the trainer computes them in fp32 (autocast, FSDP2)."""
-    replica = copy.deepcopy(model).requires_grad_(False).eval()
-    for p in replica.parameters():  # one parameter at a time, cast on the way: under torchrun the
-        # model is still in CPU memory here, and moving it whole first put the fp32 model on the GPU
-        # (28.4 GiB at 7B) before the bf16 copy was made
-        p.data = p.data.to(device, dtype=torch.bfloat16 if bf16 else None)
-    return replica.to(device)  # (the buffers)
+    # Each parameter is copied straight into its place on `device` in its dtype (deepcopy takes the
+    # memo's copies in place of the originals, ties included): no whole fp32 copy first, on the GPU
+    # (one process) nor in CPU memory (torchrun, where the model is still there; 30 GB a rank at 7B).
+    dtype = torch.bfloat16 if bf16 else None
+    memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype=dtype, copy=True), requires_grad=False)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo).requires_grad_(False).eval().to(device)  # (.to: the buffers)
 
 
 def state_hint(models, gpu_bytes: int) -> str | None:
