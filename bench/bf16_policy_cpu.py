@@ -68,8 +68,8 @@ def worker(spec: str) -> None:
     import torch
 
     from tether import cli
-    from tether.trainers import common, setup
-    setup.sharding_bf16 = lambda cfg, device: cfg.model.mixed_precision in ("auto", "bf16") and cfg.model.dtype == "fp32"
+    from tether.trainers import common, setup, sharding
+    sharding.sharding_bf16 = lambda cfg, device: cfg.model.mixed_precision in ("auto", "bf16") and cfg.model.dtype == "fp32"
     common.autocast_context = lambda device, mp: torch.autocast("cpu", dtype=torch.bfloat16, enabled=mp in ("auto", "bf16"))
     setup.autocast_context = common.autocast_context
     command, args = json.loads(spec)

@@ -201,7 +201,7 @@ def test_cat_ranks_rebuilds_the_rows_in_rank_order():
 
 
 def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_of_a_gpu():
-    from tether.trainers.setup import replication_hint
+    from tether.trainers.sharding import replication_hint
     gpu = 80 * 10**9
     # Qwen2.5-0.5B trained with an fp32 reference copy: 16 B x 494M + 2 GB = 9.9 GB of 80: replicate
     said = replication_hint(494_000_000, 4 * 494_000_000, gpu)
@@ -222,7 +222,7 @@ def test_a_model_in_cpu_memory_is_sharded_for_bf16_compute_on_gpus(monkeypatch):
     import torch.distributed.fsdp as fsdp
     from tether import distributed
     from tether.models.tiny import tiny_config
-    from tether.trainers import setup
+    from tether.trainers import sharding
     from tether.trainers.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
@@ -233,10 +233,10 @@ def test_a_model_in_cpu_memory_is_sharded_for_bf16_compute_on_gpus(monkeypatch):
     model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
                                                          num_kv_heads=1, intermediate_size=64))
     assert next(model.parameters()).device.type == "cpu"
-    setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m")))
+    sharding.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m")))
     assert len(seen) == 3 and all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32 for p in seen)
     seen.clear()  # fp32 compute asked for: no bf16 policy
-    setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", mixed_precision="no")))
+    sharding.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", mixed_precision="no")))
     assert len(seen) == 3 and all(p.param_dtype is None for p in seen)
 
 
@@ -250,42 +250,43 @@ def test_a_scalar_head_is_its_own_fp32_unit_under_the_bf16_policy(monkeypatch):
     import torch.distributed.fsdp as fsdp
     from tether.models.heads import ScalarHeadModel
     from tether.models.tiny import tiny_config
-    from tether.trainers import setup
+    from tether.trainers import sharding
     from tether.trainers.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append((module, kw["mp_policy"])))
-    monkeypatch.setattr(setup, "sharding_bf16", lambda cfg, device: True)
+    monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)
     lm = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
                                                       num_kv_heads=1, intermediate_size=64))
     rm = ScalarHeadModel(lm)
-    setup.shard_model(rm, types.SimpleNamespace(model=ModelSection(path="m")))
+    sharding.shard_model(rm, types.SimpleNamespace(model=ModelSection(path="m")))
     policies = {id(m): p for m, p in seen}
     assert policies[id(rm.head)].param_dtype is None  # fp32, as stored
     assert policies[id(rm)].param_dtype == torch.bfloat16
-    assert all(policies[id(layer)].param_dtype == torch.bfloat16 for layer in setup.decoder_layers(rm))
+    from tether.models.load import decoder_layers
+    assert all(policies[id(layer)].param_dtype == torch.bfloat16 for layer in decoder_layers(rm))
 
 
 def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
     """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit — each layer, an
-    untied head's own, the root — through setup.shard_model (fp32 by default); the compute dtype
+    untied head's own, the root — through sharding.shard_model (fp32 by default); the compute dtype
     stays bf16 either way."""
     import types
     import torch
     import torch.distributed.fsdp as fsdp
     from tether.models.tiny import tiny_config
-    from tether.trainers import setup
+    from tether.trainers import sharding
     from tether.trainers.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append((module, kw["mp_policy"])))
-    monkeypatch.setattr(setup, "sharding_bf16", lambda cfg, device: True)  # CUDA's mixed precision, here
+    monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)  # CUDA's mixed precision, here
     cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
     cfg.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(cfg)
     for reduce, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         seen.clear()
-        setup.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", fsdp_reduce=reduce)))
+        sharding.shard_model(model, types.SimpleNamespace(model=ModelSection(path="m", fsdp_reduce=reduce)))
         assert [m for m, _ in seen] == [*model.model.layers, model.lm_head, model]
         assert all(p.reduce_dtype == want and p.param_dtype == torch.bfloat16 for _, p in seen)
 
@@ -300,7 +301,7 @@ def test_the_state_hint_counts_each_parameter_once_and_keeps_none_of_them():
     import weakref
     import torch
     from tether.models.tiny import tiny_config
-    from tether.trainers.setup import replication_hint, state_hint
+    from tether.trainers.sharding import replication_hint, state_hint
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
                                                          num_kv_heads=1, intermediate_size=64))
@@ -323,7 +324,7 @@ def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype(
     shares no storage with the model."""
     import torch
     from tether.models.tiny import tiny_config
-    from tether.trainers.setup import sampling_copy
+    from tether.trainers.sharding import sampling_copy
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
                                                          num_kv_heads=1, intermediate_size=64))

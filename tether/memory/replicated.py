@@ -6,7 +6,7 @@ weights under bf16 autocast by default, the same activation and logit formulas).
 are single.py's `one_process_rows` for the GPU's share of the global batch (sharded._per_gpu_batch:
 its micro-batch, its 1/N of the prompts), plus what torchrun changes:
 
-- online algorithms sample from a rollout replica (setup.sampling_copy: the whole policy in the
+- online algorithms sample from a rollout replica (sharding.sampling_copy: the whole policy in the
   compute dtype, kept all run), and the sampler's KV cache (the replica's dtype, the GPU's share of
   the prompts) is memory of its own: under torchrun `common.flat_grad_buffer` returns None, so the
   cache never lives inside the gradients as it can in one process, and is held through the step;
@@ -75,7 +75,7 @@ def estimate_replicated(cfg: MemoryConfig, info: dict) -> dict:
             r["note"] = f"{r['note']}; whole on every GPU" if r["note"] else "whole on every GPU"
     if cfg.algo in ONLINE:
         lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
-        # setup.sampling_copy: a deep copy of the (PEFT) policy, its parameters cast to bf16 under
+        # sharding.sampling_copy: a deep copy of the (PEFT) policy, its parameters cast to bf16 under
         # mixed precision; otherwise the weights' dtype, PEFT's adapters staying fp32
         ab = 2 if mixed else 4
         rows.append(component("rollout replica", "rollout", n * c + lora * ab, n + lora, None,

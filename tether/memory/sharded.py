@@ -1,6 +1,6 @@
 """`tether memory gpus=N`: what each GPU holds when N processes train one model under torchrun with FSDP2.
 
-The layout is tether/distributed.py's and trainers/setup.py's: FSDP2 `fully_shard` on every decoder
+The layout is tether/distributed.py's and trainers/sharding.py's: FSDP2 `fully_shard` on every decoder
 layer, then the root (embeddings, final norm, head); frozen models sharded the same way; the RL
 trainers' rollout replica (a whole policy per GPU) and their sampler's KV cache for the GPU's share
 of the prompts. sharding=replicate (the trainers' fsdp=false: plain replication, no FSDP2) is
@@ -85,7 +85,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     n, shape = info["params"], info["shape"]
     gpus = split = cfg.gpus  # split: what a resident or gradient byte is divided by
     d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
-    # setup.sharding_bf16: fp32 weights + mixed precision -> MixedPrecisionPolicy(bf16, reduce fp32,
+    # trainers/sharding.sharding_bf16: fp32 weights + mixed precision -> MixedPrecisionPolicy(bf16, reduce fp32,
     # or bf16 with fsdp_reduce=bf16); other dtypes compute and reduce in their own (FSDP2's default)
     mixed = d == 4 and cfg.mixed_precision != "no"
     c, r = (2, 2 if cfg.fsdp_reduce == "bf16" else 4) if mixed else (d, d)

@@ -275,7 +275,7 @@ def estimate(cfg: MemoryConfig) -> dict:
     d = DTYPE_BYTES[cfg.weight_dtype]
     rows = one_process_rows(cfg, n, shape)
     if cfg.algo in ONLINE:
-        # rollout.sampler_copy: the sampler reads a copy in the compute dtype (setup.sampling_copy;
+        # rollout.sampler_copy: the sampler reads a copy in the compute dtype (sharding.sampling_copy;
         # bf16 for fp32 weights under mixed precision), refreshed after each step, kept all run
         kv = 2 if cfg.sampler_copy and d == 4 and cfg.mixed_precision != "no" else d
         if cfg.sampler_copy:

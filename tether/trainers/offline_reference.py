@@ -131,7 +131,7 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
     ref_model, spec = cfg.preference.ref_model, cfg.model
     ref_source = ref_model or spec.path
     precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
-    from tether.trainers.setup import sharding_bf16
+    from tether.trainers.sharding import sharding_bf16
     if distributed.active() and spec.fsdp and sharding_bf16(cfg, device):
         precision += "/fsdp-bf16"  # FSDP2's bf16 policy rounds otherwise than one process's autocast
     if cfg.data.packing:  # packed forwards round differently (~1e-7): step 1's zero margins need them
@@ -157,7 +157,7 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
                 net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
                                  attn_implementation=spec.attn_implementation)
             if distributed.active():
-                from tether.trainers.setup import shard_model
+                from tether.trainers.sharding import shard_model
                 shard_model(net, cfg)  # each rank holds its shard only, as of the policy
             tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp, forwards), \
                 "reference model"

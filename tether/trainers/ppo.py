@@ -58,7 +58,8 @@ from tether.trainers.ppo_process import dense_process_rewards, process_reward_in
 from tether.trainers.ppo_update import Shares, ppo_epochs
 from tether.trainers.ppo_update import whiten as globally_whitened
 from tether.trainers.ppo_update import values_of as _values
-from tether.trainers.setup import load_policy, load_prompt_data, setup_training, shard_model
+from tether.trainers.setup import load_policy, load_prompt_data, setup_training
+from tether.trainers.sharding import shard_model
 
 
 @dataclass

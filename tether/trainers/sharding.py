@@ -1,0 +1,85 @@
+"""How a trainer's models are laid out over the GPUs under torchrun: FSDP2 sharding (or plain
+replication with `fsdp=false`), the bf16 policy, the rollout sampler's whole copy of the policy, and
+the note that says when replication would be faster. trainers/setup.py calls these while it builds
+a run (docs/distributed.md, "What is sharded where")."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tether import distributed
+from tether.models.load import decoder_layers
+
+
+def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
+    """A frozen copy of `model` to sample from, on `device`; bf16: its *parameters* in bf16 (the
+    compute dtype). Buffers keep their dtype: RoPE's inv_freq is a non-persistent fp32 buffer that no
+    weight refresh (copy_full_weights walks state_dict) restores, and in bf16 it put the cos/sin
+    tables up to 0.36 off at position 2047 — the trainer computes them in fp32 (autocast, FSDP2)."""
+    # Each parameter is copied straight into its place on `device` in its dtype (deepcopy takes the
+    # memo's copies in place of the originals, ties included): no whole fp32 copy first, on the GPU
+    # (one process) nor in CPU memory (torchrun, where the model is still there; 30 GB a rank at 7B).
+    dtype = torch.bfloat16 if bf16 else None
+    memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype=dtype, copy=True), requires_grad=False)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo).requires_grad_(False).eval().to(device)  # (.to: the buffers)
+
+
+def state_hint(models, gpu_bytes: int) -> str | None:
+    """replication_hint for `models` (None entries skipped), each parameter counted once. A function
+    of its own so that nothing here outlives the count: fully_shard moves each parameter's whole
+    tensor to the GPU before it shards it, and a list of the parameters kept in setup's frame (as
+    until session 17) held the whole fp32 model on every GPU through sharding — 28.4 GiB of the
+    7B runs' 35.5 GiB (DPO) and 49.6 GiB (GRPO) peaks."""
+    seen: set[int] = set()
+    trained = frozen = 0
+    for m in models:
+        for p in (m.parameters() if m is not None else ()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                if p.requires_grad:
+                    trained += p.numel()
+                else:
+                    frozen += p.numel() * p.element_size()
+    return replication_hint(trained, frozen, gpu_bytes)
+
+
+def replication_hint(trainable_params: int, frozen_bytes: int, gpu_bytes: int) -> str | None:
+    """Under torchrun with FSDP2: a note when the whole training state (fp32 weight, gradient and
+    two AdamW moments: 16 B a trained parameter, plus the frozen weights) would fill at most a
+    quarter of one GPU. Replication (fsdp=false) is then faster: FSDP2's per-layer hooks make a
+    small model's step CPU-bound (0.5B DPO on 2 H200s: 0.84 s a step sharded, 0.41-0.46 replicated;
+    docs/distributed.md, session 13). A quarter leaves room for activations and rollouts."""
+    need = 16 * trainable_params + frozen_bytes
+    if need > gpu_bytes / 4:
+        return None
+    return (f"the models' training state ({need / 1e9:.1f} GB) fits one GPU ({gpu_bytes / 1e9:.0f} GB): "
+            f"fsdp=false (a whole copy per GPU, gradients all-reduced) is faster at this size than "
+            f"FSDP2 sharding (docs/distributed.md, 'Which one')")
+
+
+def sharding_bf16(cfg, device) -> bool:
+    """Sharded compute in bf16 (fp32 master weights and gradient reduction): what autocast does
+    in one process, on CUDA with mixed precision on and fp32 weights."""
+    return device.type == "cuda" and cfg.model.mixed_precision in ("auto", "bf16") and \
+        cfg.model.dtype == "fp32" and torch.cuda.is_bf16_supported()
+
+
+def shard_model(model, cfg) -> torch.nn.Module:
+    """Under torchrun: FSDP2 over `model`'s decoder layers per the `model` section
+    (distributed.shard), or with `fsdp=false` the whole model on every rank (distributed.replicate:
+    one process's numerics, gradients summed at each step)."""
+    if not cfg.model.fsdp:
+        return distributed.replicate(model)
+    # The device it will compute on, not where its weights are now: under torchrun on GPUs the
+    # model is still in CPU memory here (setup_training; fully_shard moves the shards). Until
+    # session 16 this read the weights' device, so every FSDP2 run on GPUs went without the bf16
+    # policy: fp32 all-gathers, autocast casting each gathered weight at each use, fp32 activations
+    # between layers (the 7B DPO trace: fp32 [18944, 3584] weights into aten::linear).
+    device = distributed.device() if distributed.uses_cuda() else next(model.parameters()).device
+    return distributed.shard(model, decoder_layers(model), bf16=sharding_bf16(cfg, device),
+                             reduce_bf16=cfg.model.fsdp_reduce == "bf16", offload=cfg.model.fsdp_offload,
+                             reshard_after_forward=cfg.model.fsdp_reshard,
+                             defer_grad_sync=cfg.model.fsdp_defer_sync, unit_layers=cfg.model.fsdp_unit_layers)
