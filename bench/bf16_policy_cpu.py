@@ -67,9 +67,16 @@ def jobs(root: Path) -> dict:
 def worker(spec: str) -> None:
     import torch
 
-    from tether import cli
+    from tether import cli, distributed
     from tether.trainers import common, setup, sharding
     sharding.sharding_bf16 = lambda cfg, device: cfg.model.mixed_precision in ("auto", "bf16") and cfg.model.dtype == "fp32"
+    real_shard = distributed.shard
+
+    def shard(*a, **kw):  # the forcing above must reach FSDP2, or this run proves nothing
+        if not kw.get("bf16"):
+            raise RuntimeError("the bf16 policy did not reach distributed.shard")
+        return real_shard(*a, **kw)
+    distributed.shard = shard
     common.autocast_context = lambda device, mp: torch.autocast("cpu", dtype=torch.bfloat16, enabled=mp in ("auto", "bf16"))
     setup.autocast_context = common.autocast_context
     command, args = json.loads(spec)
