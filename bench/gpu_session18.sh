@@ -10,6 +10,8 @@
 # Modes, one per call:
 #   like7b   7B DPO vs TRL 1.16, bf16 reduce on both, then a traced step (no cutlass align1 GEMM
 #            should remain) -- gpu_session17.sh like7b. Carry wheels/.
+#   like7bc  the same 7B DPO with model.compile=true (per-layer compile under FSDP2): the lever left
+#            for the 1.3x target once the align fix is in (0.5B DPO: 1.46x from compile, session 14)
 #   grpo7b   7B GRPO default and release_replica=true (expect ~38 GiB released, vs TRL's 41.1)
 #   grpo05   0.5B GRPO weak scaling 1/2/4 with the fair one-GPU baseline, and DPO 1/2/4 beside it
 #   mem7b    memory_check: 7B DPO on 4 (its training peak, setup apart) and 7B SFT on 4; after like7b
@@ -25,6 +27,11 @@ mode=$1; shift
 case "$mode" in
 like7b)
     bash bench/gpu_session17.sh like7b
+    ;;
+like7bc)  # ours with model.compile=true (per-layer compile under FSDP2; runs on CPU gloo), after like7b
+    timeout 400 python3 bench/scale.py --shape qwen7b --gpus 4 --algos dpo --steps 5 --warmup 3 --keep-model /tmp/m7 \
+        --run-timeout 380 --set fsdp_reduce=bf16 --set compile=true --results "$OUT/like7bc.md" \
+        --json "$OUT/like7bc.json" 2>&1 | grep -E "^\| dpo"
     ;;
 grpo7b)
     bash bench/gpu_session16.sh grpo7b
@@ -46,6 +53,6 @@ mem7b)
     cat "$OUT"/mem-*.jsonl
     ;;
 *)
-    echo "unknown mode $mode (like7b, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2
+    echo "unknown mode $mode (like7b, like7bc, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2
     ;;
 esac
