@@ -161,8 +161,8 @@ def test_a_bf16_sampling_copy_borrows_the_fp32_gradient_buffer(setup, monkeypatc
     precision): the bf16 KV cache lives in the fp32 gradient buffer's bytes (viewed as bf16), and the
     run equals the one whose cache has memory of its own."""
     from tether.rollout import Sampler
-    from tether.trainers import common, setup as setup_module
-    monkeypatch.setattr(setup_module, "sharding_bf16", lambda cfg, device: True)
+    from tether.trainers import common, sharding
+    monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)
     seen = []
     real_sample = Sampler.sample
 

@@ -218,8 +218,8 @@ def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_poi
     an H100: the fp32 weights scored greedy pass@1 0.1575, the same weights in bf16 0.4025). The
     trainer's copy is refreshed for each eval point and freed in between (every step's get sees it
     empty)."""
-    from tether.trainers import held_out, online_async, setup as setup_mod
-    monkeypatch.setattr(setup_mod, "sharding_bf16", lambda cfg, device: True)
+    from tether.trainers import held_out, online_async, sharding
+    monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)
     seen, sizes = [], []
     real_eval, real_get = held_out.HeldOut.evaluate, online_async.Interleaved.get
 
