@@ -5,6 +5,7 @@ numbers before RFT next to the last eval point's; without rft the eval keys are 
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,20 +116,49 @@ def test_rft_raises_held_out_pass_at_1_on_a_verifiable_target(tmp_path):
     assert before == 0.45 and after >= before + 0.3, (before, after)
 
 
+def test_rft_min_reward_trains_only_on_rows_that_reach_it(tmp_path, monkeypatch):
+    """bon.rft_min_reward: RFT's SFT data holds the kept rows whose proxy reaches it (a prompt whose n
+    samples all failed is left out, not trained on its failing best), the summary counts the others,
+    and none left is a one-line error; unset, every kept row is trained on."""
+    from tether.config import ConfigError
+    from tether.errors import UserError
+    from tether.trainers import best_of_n, sft
+    seen = []
+
+    def fake_sft(cfg, held_out=None):
+        seen.append([json.loads(x)["completion"] for x in Path(cfg.data.path).read_text().splitlines()])
+        return {"checkpoint": "ckpt"}
+    monkeypatch.setattr(sft, "train_sft", fake_sft)
+    kept = [{"prompt": "1+1=", "completion": "2", "reward": 1.0}, {"prompt": "5+7=", "completion": "2", "reward": 0.0},
+            {"prompt": "2+2=", "completion": "4", "reward": 1.0}]
+    cfg = BoNConfig(model="m", data="d", reward_funcs=["arithmetic"], rft=True, rft_min_reward=1.0)
+    out = best_of_n.rejection_sampling_fine_tune(cfg, tmp_path, kept, True, None)
+    assert seen[-1] == ["2", "4"] and out["rows"] == 2 and out["below_min_reward"] == 1
+    out = best_of_n.rejection_sampling_fine_tune(BoNConfig(model="m", data="d", reward_funcs=["arithmetic"], rft=True),
+                                                 tmp_path, kept, True, None)
+    assert seen[-1] == ["2", "2", "4"] and out["below_min_reward"] == 0
+    with pytest.raises(UserError, match="rft_min_reward=2.0"):
+        best_of_n.rejection_sampling_fine_tune(BoNConfig(model="m", data="d", reward_funcs=["arithmetic"], rft=True,
+                                                         rft_min_reward=2.0), tmp_path, kept, True, None)
+    with pytest.raises(ConfigError, match="'bon.rft_min_reward' needs bon.rft=true"):
+        BoNConfig(model="m", data="d", reward_funcs=["arithmetic"], rft_min_reward=1.0)
+
+
 @pytest.mark.slow
 def test_rft_on_the_quickstart_arithmetic_task_raises_held_out_pass_at_1(tmp_path):
     """The real task: the quickstart's SFT model (level 2; it imitates demonstrations that forget the
     carry) best-of-8 on 256 training problems under the exact-match verifier, RFT on the kept
-    answers, greedy pass@1 on the 200 held-out problems. About 5 minutes on 2 CPU cores, 4.5 of
-    them the quickstart's pretrain + SFT; measured 0.59 -> 0.78 (docs/rlhf.md)."""
+    answers that pass it (rft_min_reward=1: a prompt whose 8 samples all fail teaches nothing but
+    the slip), greedy pass@1 on the 200 held-out problems. About 5 minutes on 2 CPU cores, 4.5 of
+    them the quickstart's pretrain + SFT; measured 0.535 -> 0.74 (docs/rlhf.md)."""
     from tether.quickstart import QuickstartConfig, run_quickstart
 
     q = run_quickstart(QuickstartConfig(runs_dir=str(tmp_path), rl=False, threads=1, progress=False))
     data = tmp_path / "quickstart" / "data"
     s = run_bon(BoNConfig(model=q["stages"]["sft"]["model"], data=str(data / "rl.jsonl"),
                           eval_data=str(data / "test.jsonl"), reward_funcs=["arithmetic"], n=8, max_prompts=256,
-                          max_new_tokens=64, device="cpu", rft=True, rft_lr=5e-4, rft_epochs=2, rft_batch_size=32,
-                          eval_every=4, runs_dir=str(tmp_path / "runs")))
+                          max_new_tokens=64, device="cpu", rft=True, rft_lr=2e-4, rft_epochs=4, rft_batch_size=32,
+                          rft_min_reward=1.0, eval_every=4, runs_dir=str(tmp_path / "runs")))
     before, after = s["eval"]["before"]["eval/greedy/pass@1"], s["eval"]["after"]["eval/greedy/pass@1"]
     # the same 200 problems scored by the quickstart's own greedy generate + exact match: the same count
     assert before == pytest.approx(q["stages"]["sft"]["accuracy"], abs=1e-3)

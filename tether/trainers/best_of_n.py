@@ -5,7 +5,8 @@ The command, top to bottom:
     (any reward: built-in, module:function, rm:<path>) and, when given, a gold reward
     -> keep the argmax of the proxy per prompt -> report proxy and gold of the kept ones next to
     KL_BoN = log n − (n − 1)/n and the whole best-of-n' curve for n' = 1, 2, 4, ..., n
-    -> `rft=true`: write the kept rows as prompt/completion jsonl and SFT the policy on them;
+    -> `rft=true`: write the kept rows (those with proxy >= `rft_min_reward`, when set) as
+       prompt/completion jsonl and SFT the policy on them;
        with `data.eval_data` the policy's greedy pass@1 / rewards on the held-out prompts before
        RFT, and the RFT run's eval points after (held_out.py, as every trainer's).
 
@@ -149,6 +150,8 @@ class BoNSection:
     "RFT passes over the kept rows"
     rft_batch_size: PositiveInt = 8
     "RFT examples per step"
+    rft_min_reward: Optional[float] = None
+    "RFT trains only on kept rows whose proxy reward is at least this (1.0 under a 0/1 verifier: a prompt none of whose n samples passed is left out, not trained on its failing best); unset keeps every prompt's best"
 
 
 @dataclass
@@ -188,6 +191,8 @@ class BoNConfig:
                         f"config key '{dotted}' needs bon.rft=true (it evaluates the fine-tuned policy); "
                         f"best-of-n on held-out prompts is `tether bon data=<them> bon.gold_reward=<fn>`, "
                         f"a model's pass@1 is `tether eval`")
+            if self.bon.rft_min_reward is not None:
+                raise ConfigError("config key 'bon.rft_min_reward' needs bon.rft=true (it filters what RFT trains on)")
         check_eval(self)  # eval_every / eval_reward_funcs need data.eval_data
 
 
@@ -222,6 +227,11 @@ def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict]
     and batch; `held_out` (bon's held-out prompts) is evaluated at the RFT run's eval points."""
     from tether import distributed
     from tether.trainers.sft import SFTConfig, train_sft
+    low = cfg.bon.rft_min_reward
+    below = 0 if low is None else sum(r["reward"] < low for r in kept)
+    kept = [r for r in kept if low is None or r["reward"] >= low]
+    if not kept:
+        raise UserError(f"bon: no kept completion has a proxy reward >= rft_min_reward={low}: nothing to fine-tune on")
     data = run_dir / "rft.jsonl"
     if is_main:
         # a chat prompt's completion is an assistant message, so the SFT data is conversational too
@@ -234,7 +244,7 @@ def rejection_sampling_fine_tune(cfg: BoNConfig, run_dir: Path, kept: list[dict]
         data=DataSection(path=str(data), batch_size=cfg.bon.rft_batch_size,
                          max_length=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens + 2),
         lr=cfg.bon.rft_lr, epochs=cfg.bon.rft_epochs), held_out=held_out)
-    return {"data": str(data), "rows": len(kept), "checkpoint": summary["checkpoint"],
+    return {"data": str(data), "rows": len(kept), "below_min_reward": below, "checkpoint": summary["checkpoint"],
             "final_loss": summary.get("final_loss"),
             "eval": {k: v for k, v in summary.items() if k.startswith("eval/")},
             **({"best": summary["best"]} if "best" in summary else {})}
