@@ -338,3 +338,54 @@ def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype(
     assert all(p.dtype == torch.float32 for p in same.parameters())
     assert not {p.data_ptr() for p in same.parameters()} & {p.data_ptr() for p in model.parameters()}
     assert same.lm_head.weight is same.model.embed_tokens.weight
+
+
+def test_setup_holds_no_unsharded_parameter_once_sharding_replaced_them(tmp_path, monkeypatch):
+    """setup_training under torchrun on GPUs (simulated on CPU): once shard_model has replaced a
+    model's parameters by shards — as fully_shard does, after moving each whole tensor to the GPU —
+    nothing in setup may keep the old ones alive. Until session 17 the small-model hint's list held
+    them, i.e. the whole fp32 model on every GPU until setup returned (7B: 28.4 GiB)."""
+    import gc
+    import json
+    import types
+    import weakref
+    import torch
+    from tether import distributed
+    from tether.models import make_tiny_model
+    from tether.trainers import setup
+    from tether.trainers.sft import SFTConfig, train_sft
+    make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"
+                                              for i in range(8)))
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed, "uses_cuda", lambda: True)
+    monkeypatch.setattr(distributed, "device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(distributed, "on_main", lambda fn: fn())
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "world_size", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=10**12))
+    olds = []
+
+    def shard_model(model, cfg):  # what fully_shard does to the module: new parameters for the old
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    olds.append(weakref.ref(p))
+                    mod._parameters[name] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        return model
+
+    class Stop(Exception):
+        pass
+
+    alive = []
+
+    def start(*a, **k):
+        gc.collect()
+        alive.append(sum(r() is not None for r in olds))
+        raise Stop
+    monkeypatch.setattr(setup, "shard_model", shard_model)
+    monkeypatch.setattr(setup, "_start", start)
+    with pytest.raises(Stop):
+        train_sft(SFTConfig(model=str(tmp_path / "m"), data=str(tmp_path / "d.jsonl"), runs_dir=str(tmp_path / "runs"),
+                            device="cpu", max_steps=1))
+    assert olds and alive == [0]
