@@ -54,6 +54,7 @@ like7b)
     timeout 150 python3 bench/scale.py "${common[@]}" --set fsdp_reduce=bf16 --steps 2 --trace /tmp/t7 \
         --results /tmp/t7.md > /dev/null 2>&1
     (cd bench && python3 trace_busy.py /tmp/t7/*rank0*.gz) | tee "$OUT/like7b-busy.txt"
+    (cd bench && python3 trace_gaps.py /tmp/t7/*rank0*.gz) | tee "$OUT/like7b-gaps.txt"
     cp /tmp/t7/*rank0*.gz "$OUT/" 2>/dev/null
     ;;
 like7b32)  # the fp32-reduce pair, if the first call left time
