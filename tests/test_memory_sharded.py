@@ -484,3 +484,5 @@ def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf1
     assert _row(copy, "KV cache (rollouts)") * 2 == _row(plain, "KV cache (rollouts)")
     assert copy["totals_bytes"]["peak"] == plain["totals_bytes"]["peak"] + N * 2  # the cache lent in both
     assert not [r for r in _est(qwen05, gpus=2, sampler_copy=True, **kw)["components"] if r["component"] == "sampling copy"]
+    with pytest.raises((ValueError, ConfigError), match="sampler_copy"):
+        _est(qwen05, algo="dpo", sampler_copy=True)

@@ -101,6 +101,8 @@ class MemoryConfig:
         bad = [t for t in self.lora_targets if t not in LINEARS]
         if bad:
             raise ValueError(f"config key 'lora_targets': unknown {', '.join(bad)}; allowed: {', '.join(LINEARS)}")
+        if self.sampler_copy and self.algo not in ONLINE:
+            raise ValueError(f"config key 'sampler_copy': {self.algo} does not sample (ppo, grpo and rloo do)")
         if self.gpus > 1:
             if self.sharding == "none":
                 raise ValueError(f"config key 'sharding': none is one process holding everything (gpus=1); "
