@@ -279,6 +279,8 @@ def from_scale(path: str) -> list[dict]:
     session 17; older rows sampled the fp32 weights)."""
     from tether.memory import MemoryConfig, estimate
     d = json.loads(Path(path).read_text())
+    if "args" not in d or "results" not in d:  # (some sessions' files were assembled by hand)
+        raise SystemExit(f"{path}: not a bench/scale.py --json file (no args / results)")
     a = d["args"]
     shape = {"qwen0.5b": "qwen2.5-0.5b", "qwen7b": "qwen2.5-7b"}.get(a["shape"], a["shape"])
     per_gpu, micro, G = int(a["per_gpu"]), int(a["micro_batch"]), int(a["generations"])
