@@ -69,6 +69,10 @@ def jobs(root: Path, device: str) -> dict[str, dict]:
         "rloo": dict(online, num_generations=4),
         "remax": dict(online),
         "bon": dict(data=root / "prompts.jsonl", n=4, max_new_tokens=8, reward_funcs=reward, max_prompts=8),
+        # LoRA under FSDP2 with the bf16 policy: with a KL term the reference is the base with the
+        # adapters off, which crashed the first backward until session 16 (models.lora.adapters_off)
+        "grpo-lora": dict(online, num_generations=4, beta=0.04, lora_r=8, lr=1e-3),
+        "dpo-lora": dict(data=root / "pairs.jsonl", batch_size=4, lora_r=8, lr=1e-3),
     }, common
 
 
@@ -92,7 +96,7 @@ def main() -> None:
             continue
         kv = {**common, **({} if command == "bon" else {"max_steps": 3}), **kw, "name": command}
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-                "--master-port", str(29600 + i), "-m", "tether", command] + [f"{k}={v}" for k, v in kv.items()]
+                "--master-port", str(29600 + i), "-m", "tether", command.split("-")[0]] + [f"{k}={v}" for k, v in kv.items()]
         t0 = time.time()
         try:
             p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT)
@@ -104,7 +108,8 @@ def main() -> None:
         finite = all(math.isfinite(v) for v in last.values() if isinstance(v, (int, float)))
         row = {"command": command, "nproc": args.nproc, "device": args.device, "rc": rc,
                "seconds": round(time.time() - t0, 1), "metric_rows": bool(last), "finite": finite,
-               "checkpoint": any((root / "runs" / command).glob("checkpoints/*/config.json"))}
+               "checkpoint": any((root / "runs" / command).glob("checkpoints/*/config.json"))  # (LoRA: the adapters')
+               or any((root / "runs" / command).glob("checkpoints/*/adapter_config.json"))}
         if rc != 0:
             row["stderr"] = err[-2500:]
         results.append(row)
