@@ -8,6 +8,7 @@
 #   - the sampling copy is cast parameter by parameter on its way to the GPU;
 #   - bench/scale.py's one-GPU GRPO samples from a bf16 copy (a fair baseline for the speed-ups).
 # Modes, one per call:
+#   smokelora  LoRA under FSDP2 on 2 GPUs (grpo with beta > 0, dpo): ~20 s, beside any other mode
 #   like7b   7B DPO vs TRL 1.16, bf16 reduce on both, then a traced step (no cutlass align1 GEMM
 #            should remain) -- gpu_session17.sh like7b. Carry wheels/.
 #   like7bc  the same 7B DPO with model.compile=true (per-layer compile under FSDP2): the lever left
@@ -25,6 +26,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mode=$1; shift
 
 case "$mode" in
+smokelora)  # LoRA under FSDP2 on CUDA (grpo with a KL term, dpo): session 16's fix, CPU-tested only
+    CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 bench/gpu_smoke.py --nproc 2 --only grpo-lora,dpo-lora --out "$OUT/smokelora.json"
+    ;;
 like7b)
     bash bench/gpu_session17.sh like7b
     ;;
@@ -53,6 +57,6 @@ mem7b)
     cat "$OUT"/mem-*.jsonl
     ;;
 *)
-    echo "unknown mode $mode (like7b, like7bc, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2
+    echo "unknown mode $mode (smokelora, like7b, like7bc, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2
     ;;
 esac
