@@ -155,8 +155,7 @@ def live_group(model, tokenizer, prompt: str, rewards: list[str], columns: dict,
                 max_new_tokens=max_new_tokens)
     greedy = sample(model, tokenizer, [prompt], n=1, seed=seed, temperature=0.0, max_new_tokens=max_new_tokens)
     texts = list(ro.texts) + list(greedy.texts)
-    ids = [ro.completion_ids[i][ro.completion_mask[i]].tolist() for i in range(n)]
-    ids.append(greedy.completion_ids[0][greedy.completion_mask[0]].tolist())
+    ids = ro.completion_lists()[:n] + greedy.completion_lists()[:1]
     prompts = [prompt] * (n + 1)
     scored = RewardSet(list(rewards)).score(prompts, as_completions(prompts, texts), ids,
                                             {k: [v] * (n + 1) for k, v in columns.items()})

@@ -190,10 +190,8 @@ def build_pairs(rewards: torch.Tensor, k: int) -> tuple[list[tuple[int, int]], d
 def pair_rows(collected: StepBatch, pairs: list[tuple[int, int]]) -> list[dict]:
     """The pairs as the offline trainer's examples: token ids (a completion with its EOS) + `idx`."""
     ro = collected.rollout
-
-    def ids(i: int) -> list[int]:
-        return ro.completion_ids[i][ro.completion_mask[i]].tolist()
-    return [{"prompt_ids": list(ro.prompt_ids[w]), "chosen_ids": ids(w), "rejected_ids": ids(l), "idx": j}
+    ids = ro.completion_lists()  # (one copy to the CPU, not two device syncs per row)
+    return [{"prompt_ids": list(ro.prompt_ids[w]), "chosen_ids": ids[w], "rejected_ids": ids[l], "idx": j}
             for j, (w, l) in enumerate(pairs)]
 
 
