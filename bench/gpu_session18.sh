@@ -56,6 +56,35 @@ mem7b)
         --batch-size 2 --grad-accum 4 --seq-len 1024 > "$OUT/mc-sft7b.log" 2>&1; echo "sft7b rc=$?"
     cat "$OUT"/mem-*.jsonl
     ;;
+callA)  # first call: GGUF part 0 (and the TRL wheels), smokelora beside nothing, like7b, like7bc
+    bash bench/gpu_session16.sh join 0
+    bash "$0" smokelora; python3 -c "import json; [print(r) for r in json.load(open('$OUT/smokelora.json'))]" 2>&1 | cut -c1-300
+    bash "$0" like7b; rm -f "$OUT"/*.gz  # (the raw trace: at most 8 files come back)
+    timeout $((585 - SECONDS)) bash "$0" like7bc  # (the call's 600 s)
+    ;;
+callB)  # second call: part 1, released 7B GRPO, 7B DPO training peak, 0.5B scaling (fair GRPO baseline;
+        # DPO replicated + compiled: the configuration the setup hint recommends at this size)
+    bash bench/gpu_session16.sh join 1
+    timeout 200 python3 bench/scale.py --shape qwen7b --gpus 4 --algos grpo --steps 2 --warmup 1 --keep-model /tmp/m7 \
+        --run-timeout 180 --set release_replica=true --results "$OUT/grpo7b.md" --json "$OUT/grpo7b-release.json" 2>&1 | grep -E "^\| grpo"
+    S=(--shape qwen2.5-7b --steps 2 --gradient-checkpointing --weights-from /tmp/m7)
+    CUDA_VISIBLE_DEVICES=0,1,2,3 timeout 150 python3 -m torch.distributed.run --nproc-per-node 4 --master-port 29750 \
+        bench/memory_check.py --device cuda --out "$OUT/mem-dpo7b.jsonl" "${S[@]}" --workdir /tmp/mc7 --algo dpo \
+        --batch-size 2 --grad-accum 4 --seq-len 1024 > /tmp/mc-dpo7b.log 2>&1; echo "dpo7b rc=$?"; cat "$OUT/mem-dpo7b.jsonl"
+    timeout 170 python3 bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos grpo --steps 4 --warmup 2 --keep-model /tmp/m05 \
+        --run-timeout 60 --results "$OUT/grpo05.md" --json "$OUT/grpo05.json" 2>&1 | grep -E "^\| grpo"
+    timeout 170 python3 bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo --steps 5 --warmup 3 --keep-model /tmp/m05 \
+        --run-timeout 55 --set fsdp=false --set compile=true --results "$OUT/dpo05c.md" --json "$OUT/dpo05c.json" 2>&1 | grep -E "^\| dpo"
+    ;;
+callC)  # third call: part 2 (the SmolLM2 model), issue 19 section 1 (async5a) seed by seed until DEADLINE s
+    bash bench/gpu_session16.sh join 2
+    end=$((SECONDS + ${DEADLINE:-480}))
+    for s in 0 1 2; do
+        [ $((end - SECONDS)) -lt 200 ] && { echo "no time for seed $s"; break; }
+        SEEDS=$s timeout $((end - SECONDS)) bash bench/gpu_session16.sh async5a; echo "seed $s rc=$? at ${SECONDS}s"
+    done
+    (cd /tmp/rl && tar czf "$OUT/rl-async5a.tgz" --exclude='checkpoints' .)
+    ;;
 *)
     echo "unknown mode $mode (smokelora, like7b, like7bc, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2
     ;;
