@@ -267,6 +267,42 @@ def test_a_scalar_head_is_its_own_fp32_unit_under_the_bf16_policy(monkeypatch):
     assert all(policies[id(layer)].param_dtype == torch.bfloat16 for layer in decoder_layers(rm))
 
 
+def test_a_frozen_model_is_stored_in_bf16_under_the_bf16_policy(monkeypatch):
+    """Under the bf16 policy a frozen model (reference, reward model) is sharded from bf16
+    parameters: the values the policy would all-gather (its fp32 rounded to bf16), half the shard,
+    no cast before each gather. A reward model's scalar head stays fp32 (its own fp32 unit), buffers
+    (RoPE's inv_freq) keep their dtype; a trained model, and any model without the policy, keep fp32."""
+    import copy
+    import types
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from tether.models.heads import ScalarHeadModel
+    from tether.models.tiny import tiny_config
+    from tether.trainers import sharding
+    from tether.trainers.sections import ModelSection
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: None)
+    policy = types.SimpleNamespace(model=ModelSection(path="m"))
+    lm = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
+                                                      num_kv_heads=1, intermediate_size=64))
+    buffers = {n: b.dtype for n, b in lm.named_buffers()}
+    ref, rm, trained = copy.deepcopy(lm).requires_grad_(False), ScalarHeadModel(copy.deepcopy(lm)), copy.deepcopy(lm)
+    rm.requires_grad_(False)
+    monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: False)  # no policy: nothing changes
+    sharding.shard_model(ref, policy)
+    assert all(p.dtype == torch.float32 for p in ref.parameters())
+    monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)
+    for m in (ref, rm, trained):
+        sharding.shard_model(m, policy)
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in ref.parameters())
+    for name, p in ref.named_parameters():  # exactly the policy's rounding of the fp32 weights
+        assert torch.equal(p, dict(lm.named_parameters())[name].detach().to(torch.bfloat16))
+    assert {n: b.dtype for n, b in ref.named_buffers()} == buffers and buffers
+    assert all(p.dtype == torch.float32 for p in rm.head.parameters())
+    assert all(p.dtype == torch.bfloat16 for n, p in rm.named_parameters() if not n.startswith("head."))
+
+
 def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
     """model.fsdp_reduce picks MixedPrecisionPolicy's reduce dtype for every unit — each layer, an
     untied head's own, the root — through sharding.shard_model (fp32 by default); the compute dtype

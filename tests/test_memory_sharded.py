@@ -135,7 +135,14 @@ def test_optimizer_state_and_gradients_are_exactly_one_nth(qwen05, algo, lora, g
     replicated = _est(qwen05, gpus=gpus, sharding="replicate", **kw)
     assert _sum(replicated, "resident") == _sum(single, "resident")  # one process's, on every GPU
     assert _sum(replicated, "gradients") == _sum(single, "gradients")
-    assert _sum(sharded, "resident") * gpus == pytest.approx(_sum(single, "resident"), abs=gpus)
+    # frozen models (the reference) are sharded from bf16 weights under the bf16 policy
+    # (sharding.frozen_to_bf16): half their fp32 bytes, then 1/N
+    frozen = [r["component"] for r in single["components"] if r["component"] in ("reference weights", "reward model weights")]
+    assert "reference weights" in frozen or lora or algo == "sft"
+    for f in frozen:
+        assert _row(sharded, f) * gpus * 2 == _row(single, f)
+    assert _sum(sharded, "resident") * gpus == pytest.approx(
+        _sum(single, "resident") - sum(_row(single, f) for f in frozen) / 2, abs=gpus)
 
 
 def test_activations_follow_the_per_gpu_micro_batch(qwen05):
@@ -171,9 +178,10 @@ def test_rollout_replica_counts_once_per_gpu(qwen05):
 
 def test_frozen_models_are_sharded_and_gathered_in_their_forward(qwen05):
     est = _est(qwen05, algo="grpo", gpus=4, weight_dtype="fp32", beta=0.04, reward="model")
-    assert _row(est, "reference weights") == N * 4 // 4
+    # sharded from bf16 weights (sharding.frozen_to_bf16; the scalar head's 896 fp32 ones rounded in)
+    assert _row(est, "reference weights") == N * 2 // 4
     backbone = N + 896  # tied: no LM head to drop, a scalar head added
-    assert _row(est, "reward model weights") == backbone * 4 // 4
+    assert _row(est, "reward model weights") == backbone * 2 // 4
     assert _row(est, "reference gathered layers") == (ROOT + 4 * LAYER) * 2
     assert _row(est, "reward model gathered layers") == (ROOT + 896 + 4 * LAYER) * 2
     t = est["totals_bytes"]
@@ -451,6 +459,8 @@ S17_GRPO = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, rewar
     (2, dict(S17_SFT, fsdp_offload=True), 6.457),
     (4, dict(S17_SFT, lora=True, lora_rank=16), 6.452),
     (4, dict(S17_SFT, gradient_checkpointing=True), 2.890),
+    # (measured with the reference still sharded in fp32: session 18's frozen_to_bf16 halves it, 0.25 GB
+    # here, and the prediction with it: measured / predicted 0.99 -> 1.02 until re-measured)
     (4, dict(algo="ppo", batch_size=4, seq_len=512, rollout_batch=16, num_generations=1, reward="verifier",
              beta=0.05, gradient_checkpointing=True), 7.334),
     (2, dict(S17_DPO, grad_accum=4, gradient_checkpointing=True), 5.678),

@@ -327,6 +327,12 @@ def _scalar_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     return head if getattr(head, "fp32_unit", False) else None
 
 
+def fp32_unit_params(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters `shard` puts in an fp32 unit of their own (a scalar head's)."""
+    scalar = _scalar_head(model)
+    return {id(p) for p in scalar.parameters()} if scalar is not None else set()
+
+
 def _untied_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     """The model's output head when it is a module with weights of its own (not the input
     embedding's); else None."""

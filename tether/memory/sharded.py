@@ -99,7 +99,10 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     part = f"1/{gpus} shard"
     models = held_models(cfg, n, shape)
     for m in models:
-        add(f"{m.name} weights", "resident", m.weights * d / split, m.weights, d / split, f"{m.note}; {part}", where)
+        # sharding.frozen_to_bf16: a frozen model under the bf16 policy is sharded from bf16 weights
+        wd = c if mixed and not m.trainable else d
+        add(f"{m.name} weights", "resident", m.weights * wd / split, m.weights, wd / split,
+            f"{m.note}{', bf16' if wd != d else ''}; {part}", where)
         if m.adapters:
             add(f"{m.name} LoRA adapters", "resident", m.adapters * 4 / split, m.adapters, 4 / split,
                 f"rank {cfg.lora_rank}, fp32; {part}", where)
