@@ -473,15 +473,19 @@ def test_fsdp_bf16_policy_within_ten_percent_of_measured(qwen05, gpus, kw, measu
     assert 0.9 <= measured / est["totals_gb"]["peak"] <= 1.1
 
 
-def test_fsdp_7b_grpo_within_ten_percent_of_measured(tmp_path):
-    """Qwen2.5-7B shape, 4 GPUs, 2 prompts x 8 x (128 + 512) a GPU, micro-batch 8, checkpointing, the
-    replica kept: 53.36 GB measured (session 17; 49 MB above setup's moment, so the update's)."""
+@pytest.mark.parametrize("release, measured", [(False, 53.358), (True, 40.397)])
+def test_fsdp_7b_grpo_within_ten_percent_of_measured(tmp_path, release, measured):
+    """Qwen2.5-7B shape, 4 GPUs, 2 prompts x 8 x (128 + 512) a GPU, micro-batch 8, checkpointing. The
+    replica kept: 53.36 GB measured (session 17; 49 MB above setup's moment, so the update's).
+    rollout.release_replica: 40.40 GB (session 18, after the setup fix; out of sample: predicted
+    40.85 before it was measured, the rollout phase's peak)."""
     from transformers import Qwen2Config
     Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False).save_pretrained(tmp_path)
     est = _est(str(tmp_path), algo="grpo", gpus=4, weight_dtype="fp32", optimizer="adamw", batch_size=8,
-               seq_len=640, rollout_batch=8, num_generations=8, reward="verifier", beta=0, gradient_checkpointing=True)
-    assert 0.9 <= 53.358 / est["totals_gb"]["peak"] <= 1.1
+               seq_len=640, rollout_batch=8, num_generations=8, reward="verifier", beta=0, gradient_checkpointing=True,
+               release_replica=release)
+    assert 0.9 <= measured / est["totals_gb"]["peak"] <= 1.1
 
 
 def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf16(qwen05):
