@@ -488,6 +488,22 @@ def test_fsdp_7b_grpo_within_ten_percent_of_measured(tmp_path, release, measured
     assert 0.9 <= measured / est["totals_gb"]["peak"] <= 1.1
 
 
+@pytest.mark.xfail(strict=True, reason="the planner over-predicts the 7B DPO step: 0.855 (refit after mem7b)")
+def test_fsdp_7b_dpo_within_ten_percent_of_measured(tmp_path):
+    """Qwen2.5-7B shape, 4 GPUs, bench/scale.py's DPO (2 pairs x 1,024 tokens a GPU, precomputed
+    reference, checkpointing, bf16 reduce): 33.47 GB measured (session 18, the first 7B DPO peak
+    without setup's moment), 39.17 predicted — out of sample, 0.855. The extra over shards + AdamW +
+    gradients is 3.0 GB measured vs 8.7 predicted: gathered layers (root + 4) and the unsharded
+    gradients (the untied head's and the embedding's, counted as live together) are the suspects;
+    the 7B GRPO rows (fp32 reduce) fit. Strict xfail until a per-phase measurement (mem7b) refits it."""
+    from transformers import Qwen2Config
+    Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False).save_pretrained(tmp_path)
+    est = _est(str(tmp_path), algo="dpo", gpus=4, weight_dtype="fp32", optimizer="adamw", batch_size=2, grad_accum=4,
+               seq_len=1024, precompute_ref=True, gradient_checkpointing=True, fsdp_reduce="bf16")
+    assert 0.9 <= 33.468 / est["totals_gb"]["peak"] <= 1.1
+
+
 def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf16(qwen05):
     """rollout.sampler_copy in one process (bench/scale.py's one-GPU GRPO since session 17): the
     policy once more in bf16, kept all run, and a bf16 KV cache (still inside the fp32 gradients)."""
