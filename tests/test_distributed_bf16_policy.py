@@ -3,6 +3,7 @@ on CPU — the dtypes a GPU run has (bench/bf16_policy_cpu.py drives it). Until 
 got the policy (setup.shard_model), so nothing had exercised it; with it, LoRA with a KL term
 crashed at the first backward (peft's disable_adapter switched requires_grad off before FSDP2's
 lazy init: models.lora.adapters_off)."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,7 @@ def test_every_trainer_runs_under_the_bf16_policy(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if ": " in line]
     assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
     assert all(": ok," in line for line in lines), "\n".join(lines)
+    # the reference, frozen, is sharded from bf16 weights (sharding.frozen_to_bf16): exactly what the
+    # policy gathers from its fp32 shards, so at step 1 (policy = reference) the KL is exactly 0
+    first = json.loads((tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["kl"] == 0.0, first
