@@ -24,7 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def world(root: Path) -> None:
     from tether.models import make_tiny_model
-    make_tiny_model(root / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    from tether.models.heads import ScalarHeadModel
+    shape = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    make_tiny_model(root / "model", **shape)
+    # a frozen reward model for ppo (`rm:`): sharded from bf16 weights but for its fp32 scalar head
+    body, tok = make_tiny_model(None, seed=1, **shape)
+    ScalarHeadModel(body, offset=0.0).save_pretrained(root / "rm", tok)
     rng = random.Random(0)
     digits = lambda: "".join(rng.choice("0123456789") for _ in range(rng.randint(2, 6)))  # noqa: E731
     with open(root / "sft.jsonl", "w") as f:
@@ -56,7 +61,7 @@ def jobs(root: Path) -> dict:
         "kto": dict(base, data=root / "kto.jsonl", batch_size=4),
         "rm": dict(base, data=root / "pairs.jsonl", batch_size=4),
         "grpo": dict(prompt, beta=0.05),
-        "ppo": dict(prompt, num_generations=2),
+        "ppo": dict(prompt, num_generations=2, reward_funcs=f"[rm:{root / 'rm'}]"),
         # LoRA with a KL term: the reference's forward (adapters off) comes first (session 16's
         # review: peft's disable_adapter made FSDP2's lazy init see no trained parameter)
         "grpo-lora": dict(prompt, beta=0.05, lora_r=4),

@@ -20,7 +20,8 @@ def test_every_trainer_runs_under_the_bf16_policy(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if ": " in line]
     assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
     assert all(": ok," in line for line in lines), "\n".join(lines)
-    # the reference, frozen, is sharded from bf16 weights (sharding.frozen_to_bf16): exactly what the
-    # policy gathers from its fp32 shards, so at step 1 (policy = reference) the KL is exactly 0
+    # the reference, frozen, is sharded from bf16 weights (sharding.frozen_to_bf16; its dtypes are
+    # pinned in test_distributed.py): the policy gathers the same bf16 values from its fp32 shards, so
+    # at step 1 (policy = reference) the KL is exactly 0 — a cast of the buffers too (RoPE) breaks it
     first = json.loads((tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and first["kl"] == 0.0, first

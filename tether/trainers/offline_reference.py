@@ -156,6 +156,7 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
             with hf_progress(cfg.run.progress):
                 net = load_model(ref_source, dtype=spec.dtype, device=spec.device,
                                  attn_implementation=spec.attn_implementation)
+            net.eval().requires_grad_(False)  # frozen: under the bf16 policy sharded from bf16 weights
             if distributed.active():
                 from tether.trainers.sharding import shard_model
                 shard_model(net, cfg)  # each rank holds its shard only, as of the policy
