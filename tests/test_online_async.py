@@ -240,14 +240,14 @@ def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_poi
 
 
 def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
-    """The disaggregated weight broadcast sends buckets of same-dtype tensors (online_async._broadcast);
+    """The disaggregated weight broadcast sends buckets of same-dtype tensors (online_disaggregated._broadcast);
     with buckets far smaller than the model (and a dtype change among the tensors) the receiver
     ends with exactly the sender's weights and buffers, tied ones included. The process group is
     faked in-process: what trainer rank 0 broadcasts, the sampler receives, in order."""
     from tether.models.tiny import tiny_config
-    from tether.trainers import online_async
+    from tether.trainers import online_disaggregated
     from transformers import AutoModelForCausalLM
-    monkeypatch.setattr(online_async, "BROADCAST_BUCKET_BYTES", 20_000)
+    monkeypatch.setattr(online_disaggregated, "BROADCAST_BUCKET_BYTES", 20_000)
     sent = []
 
     class Work:
@@ -271,11 +271,11 @@ def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
     b = AutoModelForCausalLM.from_config(cfg)
     b.register_buffer("counts", torch.zeros(7, dtype=torch.int64))
     values = list(a.state_dict().values())
-    buckets = online_async._buckets(values)
+    buckets = online_disaggregated._buckets(values)
     assert len(buckets) > 3 and all(len({v.dtype for v in bk}) == 1 for bk in buckets)
     assert [v for bk in buckets for v in bk] == values  # order kept, nothing dropped
-    online_async._broadcast(online_async.Link(samples=False, store=None, weights=Sender(), timeout=1), a)
-    online_async._broadcast(online_async.Link(samples=True, store=None, weights=Receiver(), timeout=1), b)
+    online_disaggregated._broadcast(online_disaggregated.Link(samples=False, store=None, weights=Sender(), timeout=1), a)
+    online_disaggregated._broadcast(online_disaggregated.Link(samples=True, store=None, weights=Receiver(), timeout=1), b)
     assert not sent
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -65,7 +65,7 @@ def init(store=None) -> bool:
     timeout = datetime.timedelta(seconds=float(os.environ.get("TETHER_DIST_TIMEOUT", "600")))
     # gloo beside NCCL for CPU tensors: FSDP2's CPU offload keeps gradients (and their norm) there
     # store: a key-value store to meet in instead of torchrun's (a part of torchrun's processes
-    # forming a world of their own, WORLD_SIZE of them: online_async.split_world)
+    # forming a world of their own, WORLD_SIZE of them: online_disaggregated.split_world)
     where = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
                                            world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=timeout, **where)

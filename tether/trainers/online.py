@@ -49,8 +49,8 @@ from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
 from tether.trainers.common import lend_gradients
 from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
-from tether.trainers.online_async import (QueueSection, batch_source, check_queue, correct_off_policy,
-                                          finish_sampler, sampler_config, serve, split_world)
+from tether.trainers.online_async import QueueSection, batch_source, check_queue, correct_off_policy
+from tether.trainers.online_disaggregated import finish_sampler, sampler_config, serve, split_world
 from tether.trainers.online_partial import PartialRollouts, partial_metrics
 from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
 from tether.trainers.online_sampling import StepBatch, collect
@@ -328,7 +328,7 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "rollout/seconds": rollout.stats.get("total_s", 0.0),
             # a sampler process: its wait for this batch's weights (the trainer's update and the
             # broadcast), kept out of rollout/seconds; its sampling + scoring of the batch; the
-            # packing + storing of its previous batch — together its cycle (online_async.serve)
+            # packing + storing of its previous batch — together its cycle (online_disaggregated.serve)
             **{f"queue/{k}_seconds": rollout.stats[f"{k}_s"] for k in ("weights_wait", "produce", "send")
                if f"{k}_s" in rollout.stats}}
 
@@ -369,7 +369,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, funcs, weights)
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
 
-    # placement=disaggregated: torchrun's processes split into the trainer and a sampler (online_async)
+    # placement=disaggregated: torchrun's processes split into the trainer and a sampler (online_disaggregated)
     link = split_world(cfg)
     # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
     # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)

@@ -16,7 +16,7 @@ sampling the other), and the source decides who sampled it, with which weights:
   is published, so each batch's version — and with it the run — is the same whatever the speeds.
   At S = 0 it computes exactly what the synchronous loop does (the test); at S = 1 batch k+1's
   generation overlaps batch k's update. On CUDA the producer runs on its own stream.
-- **disaggregated** (torchrun: the first processes train — FSDP2 among them as under plain
+- **disaggregated** (online_disaggregated.py; torchrun: the first processes train — FSDP2 among them as under plain
   torchrun, each on its share of the sampler's batch — and the last one samples): the sampler
   process runs the same schedule; batches go through torchrun's key-value store (bounded by the
   schedule to S + 1 in flight), weights come back after each update by a broadcast (gloo on CPU,
@@ -37,20 +37,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import io
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal
 
 import torch
 
 from tether import distributed
 from tether.config import ConfigError
 from tether.constraints import NonNegativeInt, PositiveInt
-from tether.errors import UserError
 from tether.objectives import importance_weights, is_metrics
 from tether.rollout import graphs
 from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
@@ -342,243 +339,15 @@ class Interleaved(Source):
         self.thread.join(timeout=60)
 
 
-# ---- disaggregated: 1 trainer + sampler processes under torchrun ------------------------------------
-
-@dataclass
-class Link:
-    """This process's side of the disaggregated placement."""
-    samples: bool
-    "this process samples (else it trains)"
-    store: object
-    "torchrun's key-value store (prefixed): the batches travel through it"
-    weights: object
-    "the process group the weights are broadcast over (trainer rank 0 = its rank 0, the sampler 1); None on other trainer ranks"
-    timeout: float
-    trainers: int = 1
-    "trainer processes (torchrun's first ones; FSDP2 among them as under plain torchrun)"
-    samplers: int = 1
-    "sampler processes (the last ones)"
-    index: int = 0
-    "this sampler's number among them (it samples batches j with j mod samplers = index)"
-
-
-def split_world(cfg) -> Optional[Link]:
-    """placement=disaggregated: join torchrun's store, make the weights' process group (trainer rank
-    0 + the sampler), give the trainer processes a process group of their own (the default one, as
-    plain torchrun would: FSDP2 and tether.distributed work among them unchanged) and leave the
-    sampler a world of its own (WORLD_SIZE=1). Call before anything loads. None for the other
-    placements."""
-    if cfg.queue.placement != "disaggregated":
-        return None
-    import datetime
-    import torch.distributed as dist
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    trainers = world - cfg.queue.sampler_ranks
-    if trainers < 1:
-        raise UserError(f"{cfg.run.name}: placement=disaggregated runs trainer processes + {cfg.queue.sampler_ranks} "
-                        f"sampler process(es): torchrun --nproc-per-node {1 + cfg.queue.sampler_ranks} or "
-                        f"more (this is {world} process(es))")
-    if cfg.run.resume:
-        raise ConfigError("config key 'run.resume': placement=disaggregated does not resume yet")
-    timeout = float(os.environ.get("TETHER_DIST_TIMEOUT", "600"))
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
-    cuda = torch.cuda.is_available() and os.environ.get("TETHER_DIST_BACKEND", "") != "gloo"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    prefixed = dist.PrefixStore("tether/queue", store)
-    group = None
-    if rank == 0 or rank >= trainers:  # trainer rank 0 (link rank 0) and the sampler (link rank 1)
-        pg_store, link_rank = dist.PrefixStore("tether/weights", store), 0 if rank == 0 else rank - trainers + 1
-        size = 1 + cfg.queue.sampler_ranks
-        group = dist.ProcessGroupNCCL(pg_store, link_rank, size) if cuda else \
-            dist.ProcessGroupGloo(pg_store, link_rank, size, datetime.timedelta(seconds=timeout))
-    samples = rank >= trainers
-    # From here each side is what tether.distributed expects: the trainers a torchrun world of
-    # their own (distributed.init joins it over the same store), the sampler one process.
-    os.environ["WORLD_SIZE"] = "1" if samples else str(trainers)
-    if not samples and trainers > 1:
-        distributed.init(store=dist.PrefixStore("tether/trainers", store))
-    return Link(samples=samples, store=prefixed, weights=group, timeout=timeout, trainers=trainers,
-                samplers=cfg.queue.sampler_ranks, index=max(rank - trainers, 0))
-
-
-def sampler_config(cfg, link: Link):
-    """A sampler process's config: no progress bar, no evaluation, and a scratch runs_dir (removed by
-    `finish_sampler`): it writes nothing there (tether.run leaves writing to RANK 0), but would
-    check the trainer's run directory and its lock, which the trainer is taking at that moment."""
-    import tempfile
-    return dataclasses.replace(cfg, run=dataclasses.replace(
-        cfg.run, progress=False, save_every=0, eval_every=0, runs_dir=tempfile.mkdtemp(prefix="tether-sampler-")))
-
-
-def finish_sampler(t, counts: dict) -> dict:
-    """A sampler process's end: its run closed, its scratch runs_dir removed; returns `counts`."""
-    import shutil
-    t.bar.close()
-    t.run.close()
-    shutil.rmtree(t.cfg.run.runs_dir, ignore_errors=True)
-    return counts
-
-
-BROADCAST_BUCKET_BYTES = 256 << 20  # a weight broadcast's unit: consecutive same-dtype tensors up to this
-
-
-def _buckets(values: list) -> list[list]:
-    """`values` cut into runs of one dtype and at most BROADCAST_BUCKET_BYTES (a larger tensor alone),
-    in order: both sides cut the same state_dict (same names, shapes, dtypes) the same way."""
-    out, size = [], 0
-    for v in values:
-        nbytes = v.numel() * v.element_size()
-        if not out or v.dtype != out[-1][0].dtype or size + nbytes > BROADCAST_BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(v)
-        size += nbytes
-    return out
-
-
-def _broadcast(link: Link, model) -> None:
-    """The weights from trainer rank 0 to the sampler in state_dict order (the same names on both
-    sides: FSDP2 keeps them), a bucket of tensors a broadcast: one flat buffer each instead of one
-    collective per tensor (~270 for SmolLM2: their launch costs were most of the sampler's 15-20 ms
-    wait for the weights, session 16). On the trainers each sharded tensor is gathered first
-    (collective among them, every trainer rank in the same order)."""
-    values = list(model.state_dict().values())
-    for bucket in _buckets(values):
-        if not link.samples:
-            full = [distributed.full(v) for v in bucket]
-            if link.weights is not None:  # trainer rank 0
-                flat = torch.cat([f.detach().reshape(-1) for f in full])
-                link.weights.broadcast(flat, 0).wait()
-            continue
-        flat = torch.empty(sum(v.numel() for v in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-        link.weights.broadcast(flat, 0).wait()
-        offset = 0
-        with torch.no_grad():
-            for v in bucket:
-                v.copy_(flat[offset:offset + v.numel()].view_as(v))
-                offset += v.numel()
-
-
-def _receive(link: Link, t) -> None:
-    """A sampler process takes the next version's weights into its policy (the trainer's dtype, as
-    sent); a sampling copy of it (rollout.sampler_copy) is refreshed from them before the next batch."""
-    _broadcast(link, t.model)
-    t.replica_stale = True
-
-
-def _my_part(collected, G: int):
-    """This trainer rank's groups of the sampler's whole batch (every world_size-th group, as
-    EpochSampler.part hands prompts out): ranks are micro-batches of the one batch, so any split
-    trains the same update. A rank left without a group keeps the batch as its filler. The counts
-    step_metrics adds over the ranks (tokens, dynamic sampling's groups) stay with rank 0."""
-    if not distributed.active():
-        return collected
-    from tether.trainers.online_sampling import StepBatch, select_groups
-    rank, world = distributed.rank(), distributed.world_size()
-    groups = list(range(len(collected.prompt_rows)))[rank::world]
-    rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
-    sampled = torch.arange(len(collected.sampled_rewards))
-    mine = sampled[(collected.sampled_groups % world) == rank]  # the metrics' rows: each rank its own
-    rollout = select_groups(collected.rollout, groups, G)
-    rollout.stats = dict(collected.rollout.stats)
-    return StepBatch(rollout, [collected.prompt_rows[g] for g in groups], collected.per_fn[rows],
-                     collected.rewards[rows], collected.sampled_rewards[mine], collected.sampled_per_fn[mine],
-                     collected.sampled_groups[mine], collected.sampled_tokens if rank == 0 else 0,
-                     {k: v if k == "num_sampling_rounds" or rank == 0 else 0 for k, v in collected.metrics.items()},
-                     None if groups else collected.rollout, collected.epoch)
-
-
-def _pack(item: Trajectories) -> bytes:
-    buf = io.BytesIO()
-    torch.save(item, buf)
-    return buf.getvalue()
-
-
-def _unpack(raw: bytes) -> Trajectories:
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
-
-
-class Disaggregated(Source):
-    """The trainer's side: batches from the sampler process, weights broadcast back (module doc)."""
-    lends_gradients = True  # this process only trains and evaluates
-    refreshes_replica = False  # its replica serves evaluation only: refreshed and freed around eval points
-
-    def __init__(self, t, link: Link, max_staleness: int, generations: int):
-        self.t, self.link, self.S, self.total, self.G = t, link, max_staleness, t.total_steps, generations
-        _broadcast(link, t.model)  # version 0: the sampler starts from exactly these weights
-        t.free_replica()  # (rollout_model() brings it back, refreshed, for each eval point)
-
-    @contextlib.contextmanager
-    def alone(self, sampler=None):
-        """An eval point: its sampler's graphs and cache and the trainer's replica freed after it."""
-        try:
-            yield
-        finally:
-            _after_eval(self.t, sampler)
-
-    def get(self, step: int):
-        started = time.perf_counter()
-        key = f"batch/{step}"
-        self.link.store.wait([key])
-        item = _unpack(self.link.store.get(key))
-        if self.link.store.add(f"read/{step}", 1) == self.link.trainers:  # the last trainer to read it
-            self.link.store.delete_key(key)
-        assert item.index == step, (item.index, step)
-        return _my_part(item.batch, self.G), {"queue/staleness": step - item.version,
-                                              "queue/wait_seconds": time.perf_counter() - started}
-
-    def after_update(self, version: int) -> None:
-        if version <= self.total - 1 - self.S:  # a later batch is sampled with it
-            _broadcast(self.link, self.t.model)
-
-
-def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict:
-    """A sampler process: its batches of the run (j mod samplers = its index; the others' prompts
-    skipped in the data order), batch j with version max(0, j − S), put in the store for the
-    trainer; every version's weights received in order (the broadcast is collective over all the
-    samplers: each joins it when it needs the version, or at the end). Returns its counts."""
-    _receive(link, t)
-    version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
-    cuda = next(t.model.parameters()).is_cuda
-    sent = 0.0  # seconds packing + storing the previous batch
-    for j in range(t.total_steps):
-        if j % link.samplers != link.index:
-            t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
-            continue
-        waiting = time.perf_counter()
-        while version < j - max_staleness:  # the versions in order, each broadcast once
-            _receive(link, t)
-            version += 1
-        t.rollout_model()  # the sampler's copy (rollout.sampler_copy) brought up to the version
-        if cuda:  # the weights are here before the clock starts: NCCL's receive only queues on the
-            torch.cuda.synchronize()  # stream, and would count the trainer's update as sampling time
-        started = time.perf_counter()
-        batch = produce(j, sampler)
-        seconds += time.perf_counter() - started
-        # the sampler's cycle, for the trainer's log: its wait for the weights, this batch's
-        # sampling + scoring, and the packing + storing of its previous batch (this one's is not
-        # known before it is packed)
-        batch.rollout.stats.update(weights_wait_s=started - waiting, produce_s=time.perf_counter() - started,
-                                   send_s=sent)
-        sending = time.perf_counter()
-        link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
-        sent = time.perf_counter() - sending
-        produced += 1
-    while version < last:  # the trainer broadcasts every version a batch needs: join the rest
-        _receive(link, t)
-        version += 1
-    return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
-
-
-def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, link: Optional[Link]):
+def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, link=None):
     """The source the loop takes its batches from, per cfg.queue (module doc). It also becomes the
     run's `save_extra`: what a source has in flight goes into each checkpoint (exact resume), for
     every trainer that samples through it."""
     q = cfg.queue
     if q.partial and not hasattr(produce, "state_dict"):  # a trainer whose rounds are not PartialRollouts
         raise ConfigError("config key 'queue.partial': this trainer does not sample partial rollouts")
-    if link is not None:
+    if link is not None:  # (online_disaggregated.Link)
+        from tether.trainers.online_disaggregated import Disaggregated  # (it builds on Source, here)
         source = Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
     elif q.placement == "interleaved" or q.max_staleness > 0:
         source = Interleaved(t, produce, make_sampler, q.max_staleness)
