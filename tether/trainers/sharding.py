@@ -51,13 +51,14 @@ def replication_hint(trainable_params: int, frozen_bytes: int, gpu_bytes: int) -
     two AdamW moments: 16 B a trained parameter, plus the frozen weights) would fill at most a
     quarter of one GPU. Replication (fsdp=false) is then faster: FSDP2's per-layer hooks make a
     small model's step CPU-bound (0.5B DPO on 2 H200s: 0.84 s a step sharded, 0.41-0.46 replicated;
-    docs/distributed.md, session 13). A quarter leaves room for activations and rollouts."""
+    docs/distributed.md, session 13; replicated and compiled, 1.84x one GPU's throughput on 2 and
+    3.32x on 4, session 18). A quarter leaves room for activations and rollouts."""
     need = 16 * trainable_params + frozen_bytes
     if need > gpu_bytes / 4:
         return None
     return (f"the models' training state ({need / 1e9:.1f} GB) fits one GPU ({gpu_bytes / 1e9:.0f} GB): "
-            f"fsdp=false (a whole copy per GPU, gradients all-reduced) is faster at this size than "
-            f"FSDP2 sharding (docs/distributed.md, 'Which one')")
+            f"fsdp=false (a whole copy per GPU, gradients all-reduced; with model.compile=true fewer "
+            f"kernel launches too) is faster at this size than FSDP2 sharding (docs/distributed.md, 'Which one')")
 
 
 def sharding_bf16(cfg, device) -> bool:
