@@ -129,11 +129,12 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     k_units = max(1, min(cfg.fsdp_unit_layers, shape.layers))  # layers per FSDP2 unit
     live = min(FSDP_LIVE_LAYERS * k_units, shape.layers)  # FSDP_LIVE_LAYERS units (measured at k = 1)
 
-    def gathered(m, trained: bool):
+    def gathered(m, trained: bool, head: int = 0):
         """(bytes, what): the model's gathered weights live at once. Trained without checkpointing,
         autograd keeps every layer's gathered weights for its backward (measured: all 25 units of
         the 0.5B shape live after the forward); with checkpointing, and in frozen forwards, the
-        root + FSDP_LIVE_LAYERS units of fsdp_unit_layers layers (measured with one layer a unit)."""
+        root + FSDP_LIVE_LAYERS units of fsdp_unit_layers layers (measured with one layer a unit),
+        less `head` (a trained untied LM head: its own phase, see below)."""
         whole = m.weights + m.adapters
         if not cfg.fsdp_reshard:
             k = NO_RESHARD_WHOLE_MODELS if trained else 1
@@ -141,25 +142,49 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         if trained and not cfg.gradient_checkpointing:
             return whole * c, "the whole model (saved for backward layer by layer; measured)"
         layer = unit + (lora_layer if m.adapters else 0)
-        root = max(0, whole - shape.layers * layer)
-        return (root + live * layer) * c, f"root + {live} decoder layers (all-gathers run ahead of the GPU)"
+        root = max(0, whole - shape.layers * layer - head)
+        return (root + live * layer) * c, (f"root{' without the LM head' if head else ''} + {live} decoder "
+                                           f"layers (all-gathers run ahead of the GPU)")
 
     for m in (m for m in models if m.layered):
-        g, what = gathered(m, bool(m.trainable))
         if not m.trainable:
+            g, what = gathered(m, False)
             add(f"{m.name} gathered layers", "frozen", g, note=f"during its forward: {what}, {cdt}")
             continue
-        add(f"{m.name} gathered layers", "gather", g, note=f"{what}, {cdt}")
         layer_tr = lora_layer if cfg.lora else unit
+        unit_grads = k_units * layer_tr * (c + r)  # one unit's gradients + its reduce-scatter input
+        units = f"one unit's ({k_units} layer{'s' if k_units > 1 else ''}) + its {'fp32' if r == 4 else cdt} reduce-scatter input"
+        # A trained untied LM head (not LoRA's frozen one) is an FSDP2 unit of its own
+        # (distributed.shard), differentiated first: its backward is a phase of its own — its
+        # gathered weight, its gradient and that gradient's reduce-scatter input at once, all the
+        # activations still saved — and it is resharded and reduced before the decoder layers'
+        # backward starts. The embeddings' gradient comes last in backward, once the activations
+        # and gathered layers are gone (not counted). Fitted on session 18's 7B DPO (33.47 GB; the
+        # model before counted head + embedding gradients through the whole backward beside root +
+        # 4 layers: 0.855) and checked on the 7B GRPO rows (0.956 -> 0.995).
+        head = shape.lm_head() if m.activations == "lm" and not cfg.lora else 0
+        ckpt_like = cfg.fsdp_reshard and cfg.gradient_checkpointing
+        g, what = gathered(m, True, head if ckpt_like else 0)
+        add(f"{m.name} gathered layers", "gather", g, note=f"{what}, {cdt}")
+        if head and ckpt_like:  # two phases: the head's, then the layers' (their gathered weights in g)
+            add(f"{m.name} unsharded gradients", "gather", unit_grads, note=f"backward: {units}")
+            layers_phase = live * unit * c + unit_grads
+            add(f"{m.name} LM head in backward", "gather", max(0, head * (2 * c + r) - layers_phase),
+                note=f"the untied head's phase (its gathered weight, gradient and reduce-scatter input: "
+                     f"{head * (2 * c + r) / 1e9:.2f} GB) beyond the layers' ({layers_phase / 1e9:.2f} GB)")
+            continue
+        if head:  # the whole model gathered already: the head's gradient or a unit's, the larger
+            add(f"{m.name} unsharded gradients", "gather", max(unit_grads, head * (c + r)),
+                note=f"backward: {units}, or the untied LM head's gradient + its reduce-scatter input "
+                     f"(the larger; the embeddings' come at the end)")
+            continue
         root_tr = max(0, m.trainable - shape.layers * layer_tr)
         # the root (embeddings, a tied head) is reduced last: its gradients accumulate unsharded
         # through the whole backward (c bytes each) and are cast for their reduce-scatter at the end,
         # once the activations and gathered layers are gone (so that copy is not counted); a layer's
-        # are reduced, in the reduce dtype, as its backward ends. An untied LM head is a unit of its
-        # own (distributed.shard), reduced first: its count stays with the root's (fitted, session 17).
-        add(f"{m.name} unsharded gradients", "gather", root_tr * c + k_units * layer_tr * (c + r),
-            note=f"backward: the root's {cdt} gradients and one unit's ({k_units} layer{'s' if k_units > 1 else ''}) "
-                 f"+ that unit's {'fp32' if r == 4 else cdt} reduce-scatter input")
+        # are reduced, in the reduce dtype, as its backward ends.
+        add(f"{m.name} unsharded gradients", "gather", root_tr * c + unit_grads,
+            note=f"backward: the root's {cdt} gradients and {units}")
 
     seqs, gen = _per_gpu_batch(cfg)
     ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
