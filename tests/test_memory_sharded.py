@@ -503,6 +503,32 @@ def test_fsdp_7b_dpo_within_ten_percent_of_measured(tmp_path):
     assert 0.9 <= 33.468 / est["totals_gb"]["peak"] <= 1.1
 
 
+def test_an_untied_trained_head_is_a_backward_phase_of_its_own(tmp_path):
+    """A trained untied LM head (its own FSDP2 unit, differentiated first): with checkpointing the
+    step holds the root without the head + the larger of the head's phase (its gathered weight,
+    gradient and reduce-scatter input: H (2c + r)) and the layers' (4 gathered layers + one
+    layer's gradient and reduce-scatter input); the embeddings' gradient (last in backward) is not
+    counted. Without checkpointing the unsharded gradients are the head's or a layer's, the larger."""
+    from transformers import Qwen2Config
+    Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False).save_pretrained(tmp_path)
+    kw = dict(algo="dpo", gpus=4, weight_dtype="fp32", batch_size=2, grad_accum=4, seq_len=1024, precompute_ref=True)
+    H, c = 152064 * 3584, 2
+    root_without_head = H + 3584  # the embeddings (vocab x hidden, as the head) + the final norm
+    for r, reduce in ((2, "bf16"), (4, "fp32")):
+        est = _est(str(tmp_path), gradient_checkpointing=True, fsdp_reduce=reduce, **kw)
+        layer = (est["params"] - root_without_head - H) // 28  # one decoder layer's parameters
+        rows = {x["component"]: x["bytes"] for x in est["components"]}
+        assert rows["policy gathered layers"] == (root_without_head + FSDP_LIVE_LAYERS * layer) * c
+        assert rows["policy unsharded gradients"] == layer * (c + r)  # no embeddings' gradient
+        gather = rows["policy gathered layers"] + rows["policy unsharded gradients"] + rows["policy LM head in backward"]
+        assert gather == root_without_head * c + max(H * (2 * c + r), FSDP_LIVE_LAYERS * layer * c + layer * (c + r))
+        whole = _est(str(tmp_path), gradient_checkpointing=False, fsdp_reduce=reduce, **kw)
+        rows = {x["component"]: x["bytes"] for x in whole["components"]}
+        assert "policy LM head in backward" not in rows
+        assert rows["policy unsharded gradients"] == max(layer * (c + r), H * (c + r)) == H * (c + r)
+
+
 def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf16(qwen05):
     """rollout.sampler_copy in one process (bench/scale.py's one-GPU GRPO since session 17): the
     policy once more in bf16, kept all run, and a bf16 KV cache (still inside the fp32 gradients)."""

@@ -262,7 +262,7 @@ def format_sharded(est: dict, head: list[str], row, tot, rule: str) -> list[str]
              *map(row, by["gradients"]), tot("= + gradients", t["with_gradients"]),
              *map(row, by["rollout"] + by["gather"] + by["training"]),
              tot("= training step", t["training_step"],
-                 "resident + gradients + gathered + unsharded gradients + activations"
+                 "resident + gradients + gathered + unsharded gradients (+ an untied head's phase) + activations"
                  + (" + replica + KV cache" if by["rollout"] and not est["config"]["release_replica"] else ""))]
     if by["rollout"]:
         lines += [*map(row, by["refresh"]), tot("= rollout generation", t["rollout"],
