@@ -51,6 +51,8 @@ from tether.constraints import NonNegativeInt, PositiveInt
 from tether.objectives import importance_weights, is_metrics
 from tether.rollout import graphs
 from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
+from tether.trainers.online_disaggregated import Disaggregated
+from tether.trainers.online_source import Source, after_eval
 
 
 @dataclass
@@ -132,38 +134,6 @@ def _restore(t, produce) -> list:
 
 def _state(produce):
     return produce.state_dict() if hasattr(produce, "state_dict") else None
-
-
-class Source:
-    """What a source does around the trainer's step when it has nothing to do there (module doc)."""
-    refreshes_replica = True  # the trainer's replica is brought up to date for each batch (gather_time)
-
-    def before_update(self, step: int) -> None:
-        pass
-
-    def after_update(self, version: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def trainer_turn(self):
-        """Around the trainer's GPU work (not its waits for the source): exclusive of the sampler
-        thread's CUDA graph captures where there is one (Interleaved)."""
-        return contextlib.nullcontext()
-
-    def alone(self, sampler=None):
-        """Around work on the GPU that no sampling may overlap at all (held-out evaluation with
-        `sampler`)."""
-        return contextlib.nullcontext()
-
-
-def _after_eval(t, sampler) -> None:
-    """An eval point's memory back: its sampler's graphs and cache, and the trainer's replica
-    (rollout_model() brings it back, refreshed, for the next one)."""
-    if sampler is not None:
-        sampler.release()
-    t.free_replica()
 
 
 class Synchronous(Source):
@@ -284,7 +254,7 @@ class Interleaved(Source):
             yield
         finally:
             try:
-                _after_eval(self.t, sampler)
+                after_eval(self.t, sampler)
             finally:
                 with self.cond:
                     self.paused = False
@@ -347,7 +317,6 @@ def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, lin
     if q.partial and not hasattr(produce, "state_dict"):  # a trainer whose rounds are not PartialRollouts
         raise ConfigError("config key 'queue.partial': this trainer does not sample partial rollouts")
     if link is not None:  # (online_disaggregated.Link)
-        from tether.trainers.online_disaggregated import Disaggregated  # (it builds on Source, here)
         source = Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
     elif q.placement == "interleaved" or q.max_staleness > 0:
         source = Interleaved(t, produce, make_sampler, q.max_staleness)

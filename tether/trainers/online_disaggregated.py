@@ -21,7 +21,7 @@ from tether import distributed
 from tether.config import ConfigError
 from tether.errors import UserError
 from tether.rollout.queue import Trajectories
-from tether.trainers.online_async import Source, _after_eval
+from tether.trainers.online_source import Source, after_eval
 
 @dataclass
 class Link:
@@ -194,7 +194,7 @@ class Disaggregated(Source):
         try:
             yield
         finally:
-            _after_eval(self.t, sampler)
+            after_eval(self.t, sampler)
 
     def get(self, step: int):
         started = time.perf_counter()
