@@ -23,6 +23,7 @@ from tether.errors import UserError
 from tether.rollout.queue import Trajectories
 from tether.trainers.online_source import Source, after_eval
 
+
 @dataclass
 class Link:
     """This process's side of the disaggregated placement."""
