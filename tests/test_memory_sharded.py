@@ -529,6 +529,18 @@ def test_an_untied_trained_head_is_a_backward_phase_of_its_own(tmp_path):
         assert rows["policy unsharded gradients"] == max(layer * (c + r), H * (c + r)) == H * (c + r)
 
 
+def test_a_scalar_head_models_embeddings_gradient_comes_last(qwen05):
+    """A value model (separate, scalar head: a unit of its own) gets its embeddings' gradient at the
+    end of backward, when activations and gathered layers are gone: its unsharded gradients are one
+    layer's (+ reduce-scatter input) and the root's rest (final norm + head), not the embeddings;
+    the tied policy's root (its embeddings are its head) is held through the whole backward."""
+    est = _est(qwen05, algo="ppo", gpus=4, weight_dtype="fp32", batch_size=4, rollout_batch=16, beta=0.05,
+               gradient_checkpointing=True)
+    c, r = 2, 4
+    assert _row(est, "value model unsharded gradients") == (896 + 896) * c + LAYER * (c + r)
+    assert _row(est, "policy unsharded gradients") == ROOT * c + LAYER * (c + r)
+
+
 def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf16(qwen05):
     """rollout.sampler_copy in one process (bench/scale.py's one-GPU GRPO since session 17): the
     policy once more in bf16, kept all run, and a bf16 KV cache (still inside the fp32 gradients)."""

@@ -182,7 +182,11 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         # the root (embeddings, a tied head) is reduced last: its gradients accumulate unsharded
         # through the whole backward (c bytes each) and are cast for their reduce-scatter at the end,
         # once the activations and gathered layers are gone (so that copy is not counted); a layer's
-        # are reduced, in the reduce dtype, as its backward ends.
+        # are reduced, in the reduce dtype, as its backward ends. Only a tied head makes the
+        # embeddings' gradient at the start of backward; otherwise (a reward or value model's
+        # scalar head, its own unit) it comes last, with nothing else live (not counted).
+        if not (m.activations == "lm" and shape.tied) and not cfg.lora:
+            root_tr = max(0, root_tr - shape.vocab * shape.hidden)
         add(f"{m.name} unsharded gradients", "gather", root_tr * c + unit_grads,
             note=f"backward: the root's {cdt} gradients and {units}")
 
