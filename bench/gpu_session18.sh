@@ -17,6 +17,8 @@
 #   grpo05   0.5B GRPO weak scaling 1/2/4 with the fair one-GPU baseline, and DPO 1/2/4 beside it
 #   mem7b    memory_check: 7B DPO on 4 (its training peak, setup apart) and 7B SFT on 4; after like7b
 #            or grpo7b on the same warm machine (it links their /tmp/m7 weights)
+# Session 18 ran them as two calls, callA (smokelora, like7b, like7bc) and callB (grpo7b released, mem7b,
+# grpo05); the async runs (its callC, never reached) are bench/gpu_session19.sh callC now.
 # and, through `bash bench/gpu_session16.sh MODE`: async5a (3 seeds; needs the SmolLM2 parts: join 0/1/2
 # first), async5b.
 set -uo pipefail
@@ -75,15 +77,6 @@ callB)  # second call: part 1, released 7B GRPO, 7B DPO training peak, 0.5B scal
         --run-timeout 60 --results "$OUT/grpo05.md" --json "$OUT/grpo05.json" 2>&1 | grep -E "^\| grpo"
     timeout 170 python3 bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo --steps 5 --warmup 3 --keep-model /tmp/m05 \
         --run-timeout 55 --set fsdp=false --set compile=true --results "$OUT/dpo05c.md" --json "$OUT/dpo05c.json" 2>&1 | grep -E "^\| dpo"
-    ;;
-callC)  # third call: part 2 (the SmolLM2 model), issue 19 section 1 (async5a) seed by seed until DEADLINE s
-    bash bench/gpu_session16.sh join 2
-    end=$((SECONDS + ${DEADLINE:-480}))
-    for s in 0 1 2; do
-        [ $((end - SECONDS)) -lt 200 ] && { echo "no time for seed $s"; break; }
-        SEEDS=$s timeout $((end - SECONDS)) bash bench/gpu_session16.sh async5a; echo "seed $s rc=$? at ${SECONDS}s"
-    done
-    (cd /tmp/rl && tar czf "$OUT/rl-async5a.tgz" --exclude='checkpoints' .)
     ;;
 *)
     echo "unknown mode $mode (smokelora, like7b, like7bc, grpo7b, grpo05, mem7b; async ones: bench/gpu_session16.sh)" >&2; exit 2

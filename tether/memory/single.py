@@ -279,14 +279,14 @@ def estimate(cfg: MemoryConfig) -> dict:
     if cfg.algo in ONLINE:
         # rollout.sampler_copy: the sampler reads a copy in the compute dtype (sharding.sampling_copy;
         # bf16 for fp32 weights under mixed precision), refreshed after each step, kept all run
-        kv = 2 if cfg.sampler_copy and d == 4 and cfg.mixed_precision != "no" else d
+        sd = 2 if cfg.sampler_copy and d == 4 and cfg.mixed_precision != "no" else d  # the sampler's dtype
         if cfg.sampler_copy:
             lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
-            rows.append(component("sampling copy", "resident", (n + lora) * kv, n + lora, kv,
+            rows.append(component("sampling copy", "resident", (n + lora) * sd, n + lora, sd,
                                   "rollout.sampler_copy: the policy in the compute dtype, for the sampler"))
         gen = cfg.rollout_batch * (cfg.num_generations if cfg.algo != "ppo" else 1)
-        rows.append(component("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(kv),
-                              note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(kv)} B/token"))
+        rows.append(component("KV cache (rollouts)", "rollout", gen * cfg.seq_len * shape.kv_bytes_per_token(sd),
+                              note=f"{gen} seq x {cfg.seq_len} tok x {shape.kv_bytes_per_token(sd)} B/token"))
 
     def total(*groups, device="gpu"):
         return sum(r["bytes"] for r in rows if r["group"] in groups and r["device"] == device)
