@@ -73,6 +73,12 @@ def jobs(root: Path, device: str) -> dict[str, dict]:
         # adapters off, which crashed the first backward until session 16 (models.lora.adapters_off)
         "grpo-lora": dict(online, num_generations=4, beta=0.04, lora_r=8, lr=1e-3),
         "dpo-lora": dict(data=root / "pairs.jsonl", batch_size=4, lora_r=8, lr=1e-3),
+        # the trajectory queue over NCCL: the last process samples from its bf16 copy and receives
+        # each next version while it produces a batch (online_disaggregated.Incoming): the row's
+        # "overlapped" counts those steps (4 of 6 at staleness 1: none before batch 1, none after
+        # the last version)
+        "grpo-disagg": dict(online, num_generations=4, placement="disaggregated", max_staleness=1,
+                            sampler_copy="true", max_steps=6),
     }, common
 
 
@@ -110,6 +116,9 @@ def main() -> None:
                "seconds": round(time.time() - t0, 1), "metric_rows": bool(last), "finite": finite,
                "checkpoint": any((root / "runs" / command).glob("checkpoints/*/config.json"))  # (LoRA: the adapters')
                or any((root / "runs" / command).glob("checkpoints/*/adapter_config.json"))}
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        if any("queue/weights_overlapped" in r for r in rows):
+            row["overlapped"] = sum(r.get("queue/weights_overlapped", 0) for r in rows)
         if rc != 0:
             row["stderr"] = err[-2500:]
         results.append(row)

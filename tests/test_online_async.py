@@ -118,7 +118,7 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
                 progress="false", seed=0, overwrite="true", placement="disaggregated",
                 reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", sampler_ranks=samplers, **kw)
     ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=1 + samplers, timeout=600))
-    rows = _rows(setup, "dis1", drop=("queue/dropped",))
+    rows = _rows(setup, "dis1", drop=("queue/dropped", "queue/weights_overlapped"))
     assert rows == _rows(setup, "inter1", drop=("queue/dropped",))
     # the sampler's wait for each batch's weights, kept out of rollout/seconds (a timing: volatile)
     import json
@@ -130,6 +130,10 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     assert (sends[0] == 0) if samplers == 1 else True
     assert all(x > 0 for x in sends[samplers:])
     assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]
+    # with a sampling copy (one sampler) versions 1 and 2 arrive while batches 1 and 2 are produced
+    # (Incoming.post): the same run as the interleaved one all the same (rows and weights above)
+    overlapped = [1.0, 1.0] if copy and samplers == 1 else [0.0, 0.0]
+    assert [r["queue/weights_overlapped"] for r in steps] == [0.0] + overlapped + [0.0]
     _same_weights(local, {"checkpoint": str(setup / "runs" / "dis1" / "checkpoints" / "step-4")})
 
 
@@ -153,7 +157,7 @@ def test_disaggregated_with_two_sharded_trainers(setup):
                 reward_funcs=f"[{setup / 'rewards.py'}:digit_frac]", **kw)
     ok(run_tether("grpo", [f"{k}={v}" for k, v in args.items()], nproc=3, timeout=600))
     runs = setup / "runs"
-    skip = TIMING | {"queue/dropped"}  # (interleaved only)
+    skip = TIMING | {"queue/dropped", "queue/weights_overlapped"}  # (interleaved / disaggregated only)
     one = [{k: v for k, v in r.items() if k not in skip} for r in _rows(setup, "inter1b")]
     three = [{k: v for k, v in r.items() if k not in skip} for r in _rows(setup, "dis21")]
     assert [r["queue/staleness"] for r in three] == [0, 1, 1, 1]
@@ -242,40 +246,61 @@ def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_poi
 def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
     """The disaggregated weight broadcast sends buckets of same-dtype tensors (online_disaggregated._broadcast);
     with buckets far smaller than the model (and a dtype change among the tensors) the receiver
-    ends with exactly the sender's weights and buffers, tied ones included. The process group is
-    faked in-process: what trainer rank 0 broadcasts, the sampler receives, in order."""
+    (Incoming: its tensors re-homed as views of one flat buffer a bucket, received in place) ends
+    with exactly the sender's weights and buffers, tied ones included. A posted version changes
+    nothing before wait() (where the sampling copy is marked stale). The process group is faked
+    in-process: what trainer rank 0 broadcasts, the sampler receives, in order, on wait()."""
+    from types import SimpleNamespace
     from tether.models.tiny import tiny_config
-    from tether.trainers import online_disaggregated
+    from tether.trainers import online_disaggregated as od
     from transformers import AutoModelForCausalLM
-    monkeypatch.setattr(online_disaggregated, "BROADCAST_BUCKET_BYTES", 20_000)
+    monkeypatch.setattr(od, "BROADCAST_BUCKET_BYTES", 20_000)
     sent = []
 
     class Work:
+        def __init__(self, fn=lambda: None):
+            self.fn = fn
+
         def wait(self):
-            pass
+            self.fn()
 
     class Sender:
         def broadcast(self, t, src):
             sent.append(t.clone())
             return Work()
 
-    class Receiver:
+    class Receiver:  # (the data lands at wait(), as a broadcast that is still in flight would)
         def broadcast(self, t, src):
-            t.copy_(sent.pop(0))
-            return Work()
-    cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+            return Work(lambda: t.copy_(sent.pop(0)))
+    cfg = tiny_config(40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)  # (tied)
     torch.manual_seed(0)
     a = AutoModelForCausalLM.from_config(cfg)
     a.register_buffer("counts", torch.arange(7, dtype=torch.int64))  # a second dtype in the state_dict
     torch.manual_seed(1)
     b = AutoModelForCausalLM.from_config(cfg)
     b.register_buffer("counts", torch.zeros(7, dtype=torch.int64))
+    assert b.lm_head.weight is b.model.embed_tokens.weight
     values = list(a.state_dict().values())
-    buckets = online_disaggregated._buckets(values)
+    buckets = od._buckets(values)
     assert len(buckets) > 3 and all(len({v.dtype for v in bk}) == 1 for bk in buckets)
     assert [v for bk in buckets for v in bk] == values  # order kept, nothing dropped
-    online_disaggregated._broadcast(online_disaggregated.Link(samples=False, store=None, weights=Sender(), timeout=1), a)
-    online_disaggregated._broadcast(online_disaggregated.Link(samples=True, store=None, weights=Receiver(), timeout=1), b)
-    assert not sent
+    t = SimpleNamespace(model=b, replica=object(), replica_stale=False,
+                        cfg=SimpleNamespace(rollout=SimpleNamespace(release_replica=False)))
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    incoming = od.Incoming(od.Link(samples=True, store=None, weights=Receiver(), timeout=1), t)
+    assert incoming.overlaps and len(incoming.flats) == len(buckets)
+    sb = b.state_dict()
+    assert all(torch.equal(sb[k], before[k]) for k in sb)  # re-homed, not changed
+    flat_of = {f.untyped_storage().data_ptr() for f in incoming.flats}
+    assert all(v.untyped_storage().data_ptr() in flat_of for v in sb.values())  # every tensor a view
+    od._broadcast(od.Link(samples=False, store=None, weights=Sender(), timeout=1), a)
+    incoming.post()
+    assert all(torch.equal(b.state_dict()[k], before[k]) for k in sb) and not t.replica_stale
+    incoming.wait()
+    assert not sent and incoming.pending is None and t.replica_stale
+    assert b.lm_head.weight is b.model.embed_tokens.weight  # still tied
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # a sampler without a copy to sample from reads the model itself: no receiving during a batch
+    t.replica = None
+    assert not od.Incoming(od.Link(samples=True, store=None, weights=Receiver(), timeout=1), t).overlaps

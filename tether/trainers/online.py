@@ -328,9 +328,12 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "rollout/seconds": rollout.stats.get("total_s", 0.0),
             # a sampler process: its wait for this batch's weights (the trainer's update and the
             # broadcast), kept out of rollout/seconds; its sampling + scoring of the batch; the
-            # packing + storing of its previous batch — together its cycle (online_disaggregated.serve)
+            # packing + storing of its previous batch — together its cycle (online_disaggregated.serve);
+            # 1 where the next version's weights arrived while this batch was produced (Incoming)
             **{f"queue/{k}_seconds": rollout.stats[f"{k}_s"] for k in ("weights_wait", "produce", "send")
-               if f"{k}_s" in rollout.stats}}
+               if f"{k}_s" in rollout.stats},
+            **({"queue/weights_overlapped": rollout.stats["weights_overlapped"]}
+               if "weights_overlapped" in rollout.stats else {})}
 
 
 def samples(batch: Batch, count: int, names: Sequence[str] = ()) -> list[dict]:

@@ -118,33 +118,61 @@ def _buckets(values: list) -> list[list]:
 
 
 def _broadcast(link: Link, model) -> None:
-    """The weights from trainer rank 0 to the sampler in state_dict order (the same names on both
-    sides: FSDP2 keeps them), a bucket of tensors a broadcast: one flat buffer each instead of one
-    collective per tensor (~270 for SmolLM2: their launch costs were most of the sampler's 15-20 ms
-    wait for the weights, session 16). On the trainers each sharded tensor is gathered first
-    (collective among them, every trainer rank in the same order)."""
-    values = list(model.state_dict().values())
-    for bucket in _buckets(values):
-        if not link.samples:
-            full = [distributed.full(v) for v in bucket]
-            if link.weights is not None:  # trainer rank 0
-                flat = torch.cat([f.detach().reshape(-1) for f in full])
-                link.weights.broadcast(flat, 0).wait()
-            continue
-        flat = torch.empty(sum(v.numel() for v in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-        link.weights.broadcast(flat, 0).wait()
-        offset = 0
+    """The trainers' side of the weight broadcast: from trainer rank 0 to the sampler(s) in
+    state_dict order (the same names on both sides: FSDP2 keeps them), a bucket of tensors a
+    broadcast: one flat buffer each instead of one collective per tensor (~270 for SmolLM2: their
+    launch costs were most of the sampler's 15-20 ms wait for the weights, session 16). Each sharded
+    tensor is gathered first (collective among the trainers, every rank in the same order). The
+    samplers' side is Incoming."""
+    for bucket in _buckets(list(model.state_dict().values())):
+        full = [distributed.full(v) for v in bucket]
+        if link.weights is not None:  # trainer rank 0
+            link.weights.broadcast(torch.cat([f.detach().reshape(-1) for f in full]), 0).wait()
+
+
+class Incoming:
+    """A sampler's side of the weight broadcast. Its model's parameters and buffers are re-homed,
+    once, as views of one flat buffer per bucket (_buckets' cut of the same state_dict as the
+    trainer's), so a bucket is received in place: no staging buffer, no copy, no memory beyond the
+    model's.
+
+    `post()` starts receiving the next version and returns at once (NCCL queues the broadcast on
+    its own stream; gloo runs it on a thread of its own); `wait()` completes it. In between the
+    sampler produces a batch, which takes the weights' transfer off its critical path — allowed
+    (`overlaps`) only where that batch never reads this model: it samples from a copy
+    (rollout.sampler_copy, kept all run), refreshed from the model after `wait()`."""
+
+    def __init__(self, link: Link, t):
+        self.link, self.t, self.flats, self.pending = link, t, [], None
         with torch.no_grad():
-            for v in bucket:
-                v.copy_(flat[offset:offset + v.numel()].view_as(v))
-                offset += v.numel()
+            for bucket in _buckets(list(t.model.state_dict(keep_vars=True).values())):  # the tensors themselves
+                flat = torch.empty(sum(v.numel() for v in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                offset = 0
+                for v in bucket:  # (a tied weight comes twice: both slots are received, the later one is used)
+                    flat[offset:offset + v.numel()].copy_(v.detach().reshape(-1))
+                    v.data = flat[offset:offset + v.numel()].view_as(v)
+                    offset += v.numel()
+                self.flats.append(flat)
+        # release_replica rebuilds the copy from the model inside a batch (ReMax's greedy pass), and
+        # with several samplers each version's broadcast waits for all of them, some mid-batch
+        self.overlaps = t.replica is not None and not t.cfg.rollout.release_replica and link.samplers == 1
 
+    def post(self) -> None:
+        assert self.pending is None, "one version in flight at a time"
+        self.pending = [self.link.weights.broadcast(flat, 0) for flat in self.flats]
 
-def _receive(link: Link, t) -> None:
-    """A sampler process takes the next version's weights into its policy (the trainer's dtype, as
-    sent); a sampling copy of it (rollout.sampler_copy) is refreshed from them before the next batch."""
-    _broadcast(link, t.model)
-    t.replica_stale = True
+    def wait(self) -> None:
+        """The posted version in place (on CUDA: ordered before what the current stream does next);
+        the sampling copy, if any, is refreshed from it before the next batch."""
+        for work in self.pending:
+            work.wait()
+        self.pending = None
+        self.t.replica_stale = True
+
+    def receive(self) -> None:
+        """The next version, now."""
+        self.post()
+        self.wait()
 
 
 def _my_part(collected, G: int):
@@ -217,8 +245,10 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     """A sampler process: its batches of the run (j mod samplers = its index; the others' prompts
     skipped in the data order), batch j with version max(0, j − S), put in the store for the
     trainer; every version's weights received in order (the broadcast is collective over all the
-    samplers: each joins it when it needs the version, or at the end). Returns its counts."""
-    _receive(link, t)
+    samplers: each joins it when it needs the version, or at the end). With a sampling copy
+    (Incoming.overlaps) the next version is received while a batch is produced. Returns its counts."""
+    incoming = Incoming(link, t)
+    incoming.receive()  # version 0
     version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
     cuda = next(t.model.parameters()).is_cuda
     sent = 0.0  # seconds packing + storing the previous batch
@@ -227,25 +257,38 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
             continue
         waiting = time.perf_counter()
+        if incoming.pending is not None:  # received during the previous batch
+            incoming.wait()
+            version += 1
         while version < j - max_staleness:  # the versions in order, each broadcast once
-            _receive(link, t)
+            incoming.receive()
             version += 1
         t.rollout_model()  # the sampler's copy (rollout.sampler_copy) brought up to the version
         if cuda:  # the weights are here before the clock starts: NCCL's receive only queues on the
-            torch.cuda.synchronize()  # stream, and would count the trainer's update as sampling time
+            torch.cuda.current_stream().synchronize()  # stream (not the device: a posted one may be pending)
         started = time.perf_counter()
+        # The next version, received while this batch is produced. The trainer makes it from batch
+        # `version`, which is already in the store (version < j), so its broadcast waits for
+        # nothing of this batch's: even a device-wide sync inside it (a graph capture) only waits
+        # for the trainer's step.
+        overlapped = incoming.overlaps and version < min(j, last)
+        if overlapped:
+            incoming.post()
         batch = produce(j, sampler)
         seconds += time.perf_counter() - started
         # the sampler's cycle, for the trainer's log: its wait for the weights, this batch's
         # sampling + scoring, and the packing + storing of its previous batch (this one's is not
         # known before it is packed)
         batch.rollout.stats.update(weights_wait_s=started - waiting, produce_s=time.perf_counter() - started,
-                                   send_s=sent)
+                                   send_s=sent, weights_overlapped=float(overlapped))
         sending = time.perf_counter()
         link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
         sent = time.perf_counter() - sending
         produced += 1
+    if incoming.pending is not None:
+        incoming.wait()
+        version += 1
     while version < last:  # the trainer broadcasts every version a batch needs: join the rest
-        _receive(link, t)
+        incoming.receive()
         version += 1
     return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
