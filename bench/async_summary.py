@@ -93,7 +93,9 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--note", default="")
     a = p.parse_args()
-    runs = {d.name: summarize(d) for d in a.runs if (d / "metrics.jsonl").exists()}
+    # (real_model_rl.py keeps the run itself in <out>/run)
+    runs = {d.name: summarize(d / "run" if (d / "run" / "metrics.jsonl").exists() else d) for d in a.runs
+            if (d / "metrics.jsonl").exists() or (d / "run" / "metrics.jsonl").exists()}
     print(table(runs))
     if a.json:
         a.json.write_text(json.dumps({"note": a.note, "runs": runs}, indent=1) + "\n")
