@@ -146,6 +146,37 @@ def test_compile_layers_wraps_every_decoder_layer(setup):
     assert getattr(m, "_compiled_call_impl", None) is None and getattr(m.lm_head, "_compiled_call_impl", None) is None
 
 
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_compiled_layers_take_a_new_sequence_length_without_recompiling(setup, dynamic):
+    """compile_layers compiles for dynamic shapes from the first call: batches of other lengths
+    (every GRPO step's longest completion differs) run the same graph. With torch.compile's default
+    (dynamic=None: static first, compiled again at the first new length) the same calls compile
+    again — session 19's 9-10 s GPU stalls. (Dynamo only: a backend that counts its graphs.)"""
+    import torch._dynamo
+    model, batch = setup
+    m = copy.deepcopy(model)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    try:
+        compile_layers(m, backend=counting, dynamic=dynamic)
+        cut, seen = batch["input_ids"].shape[1], []
+        with torch.no_grad():
+            for T in (cut, cut - 3, cut - 5):  # (none equal to another size of the tiny model)
+                common.completion_token_logps(m, {k: v[:, :T] for k, v in batch.items()}, 0.7, nullcontext())
+                seen.append(len(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert seen[0] >= 1
+    if dynamic:
+        assert seen == [seen[0]] * 3
+    else:
+        assert seen[1] > seen[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiling on CPU takes ~35 s)")
 def test_compiled_layers_same_logps_and_grads(setup, monkeypatch):

@@ -74,6 +74,28 @@ def _train_logps(model, ro):
     return b, token_logps(logits, b["input_ids"], ro.logprob_temperature)
 
 
+def test_training_batch_padded_to_a_multiple_is_the_same_batch(lm):
+    """training_batch(16) (GRPO's: few distinct widths on CUDA) pads on the right only: every tensor
+    of the unpadded batch is its first columns, the padding is masked everywhere, and a training
+    forward gives the same log-probs at every real position."""
+    model, tok = lm
+    ro = Sampler(model, tok).sample(PROMPTS, n=2, seed=0, max_new_tokens=13, temperature=1.0)
+    plain, padded = ro.training_batch(), ro.training_batch(16)
+    W = plain["input_ids"].shape[1]
+    assert W % 16 and padded["input_ids"].shape[1] == W + (-W % 16)
+    for k in plain:
+        assert torch.equal(padded[k][:, :W], plain[k]), k
+    assert not padded["attention_mask"][:, W:].any() and not padded["completion_mask"][:, W:].any()
+    assert (padded["logprobs"][:, W:] == 0).all() and (padded["input_ids"][:, W:] == ro.pad_token_id).all()
+    logps = []
+    for b in (plain, padded):
+        with torch.no_grad():
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                           position_ids=b["position_ids"]).logits
+        logps.append(token_logps(logits, b["input_ids"], 1.0)[:, :W] * plain["completion_mask"])
+    torch.testing.assert_close(logps[1], logps[0], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("family,backend", [("llama", "native"), ("llama", "hf"), ("qwen2", "native")])
 def test_greedy_equals_hf_generate_token_for_token(family, backend):
     model, tok = _tiny(family)

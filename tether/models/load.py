@@ -177,18 +177,25 @@ def save_model(model, tokenizer, out_dir: str | Path) -> None:
         tokenizer.save_pretrained(out_dir)
 
 
-def compile_layers(model) -> int:
-    """torch.compile every decoder layer of a HF causal LM in place; returns how many.
+def compile_layers(model, **options) -> int:
+    """torch.compile every decoder layer of a HF causal LM in place; returns how many. `options` go
+    to torch.compile (tests: backend="eager").
 
     Why layers and not the model: the training forward is launch-bound at these sizes (H100,
     Qwen2.5-0.5B, 16 × 384 tokens: 0.22 s of kernels in 0.53 s of forward+backward), and most
     launches are a layer's small elementwise ops (RMSNorm, RoPE, SiLU·up, residual adds), which
     Inductor fuses. The layers share one compiled graph (same code, parameters as inputs), so the
     compile cost does not grow with depth; the LM head stays ours (`_HeadLogps`), the sampler keeps
-    its own forward over the same parameters."""
+    its own forward over the same parameters.
+
+    dynamic=True: the sequence length changes from batch to batch (a GRPO step's longest
+    completion, a DPO batch's longest pair), and a graph compiled for the first length is compiled
+    again at the second (dynamic after that). On 2 H200s that recompilation stalled SmolLM2-135M's
+    GRPO steps for 9-10 s twice in 100 steps (synchronous; 3-4 s in the disaggregated trainer), at
+    the step where the longest completion first fell below max_new_tokens (session 19)."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        layer.compile(**{"dynamic": True, **options})
     return len(layers)
 
 

@@ -55,8 +55,9 @@ class Rollout:
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
 
-    def training_batch(self) -> dict[str, Tensor]:
-        """Prompt + completion as one left-padded batch for the trainer's forward pass.
+    def training_batch(self, multiple: int = 1) -> dict[str, Tensor]:
+        """Prompt + completion as one left-padded batch for the trainer's forward pass, its width
+        P + T padded on the right up to a multiple of `multiple` (padding: masked everywhere).
 
         ``input_ids``, ``attention_mask``, ``position_ids`` [N, P + T]: pass all three to the model
         (HF derives positions from the mask only inside ``generate``; without ``position_ids`` a
@@ -68,20 +69,24 @@ class Rollout:
         """
         N, T = self.completion_ids.shape
         P = max(map(len, self.prompt_ids))
+        extra = -(P + T) % multiple  # right padding: no real position attends to it (causal)
         prompt = torch.full((N, P), self.pad_token_id, dtype=torch.long)
         pmask = torch.zeros((N, P), dtype=torch.bool)
         for i, ids in enumerate(self.prompt_ids):
             prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
             pmask[i, P - len(ids):] = True
         dev = self.completion_ids.device
-        input_ids = torch.cat([prompt.to(dev), self.completion_ids], 1)
-        attention_mask = torch.cat([pmask.to(dev), self.completion_mask], 1)
+        pad = torch.nn.functional.pad
+        completion_ids = pad(self.completion_ids, (0, extra), value=self.pad_token_id)
+        completion_mask, logprobs = pad(self.completion_mask, (0, extra)), pad(self.logprobs, (0, extra))
+        input_ids = torch.cat([prompt.to(dev), completion_ids], 1)
+        attention_mask = torch.cat([pmask.to(dev), completion_mask], 1)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         zeros = torch.zeros((N, P), dtype=torch.bool, device=dev)
         return {"input_ids": input_ids, "attention_mask": attention_mask.long(),
                 "position_ids": position_ids,
-                "completion_mask": torch.cat([zeros, self.completion_mask], 1),
-                "logprobs": torch.cat([zeros.float(), self.logprobs], 1)}
+                "completion_mask": torch.cat([zeros, completion_mask], 1),
+                "logprobs": torch.cat([zeros.float(), logprobs], 1)}
 
 
 @torch.no_grad()
