@@ -10,7 +10,7 @@ consecutive steps; step_time, rollout and the sampler's cycle (weights wait / pr
 medians over steps 3..last; overlapped = the fraction of steps whose next version's weights arrived
 while the batch was produced (online_disaggregated.Incoming); rq = the mean training reward by
 quarter of the run; pass1 = held-out greedy pass@1 at each eval point. Runs are paired by the
-`-s<seed>` at the end of their names: a name with `sync` is the baseline of its seed.
+`-s<seed>` at the end of their names: `…sync-s<seed>` (c-sync-s0) is the baseline of its seed.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def table(runs: dict) -> str:
     for name, r in runs.items():
         m = re.search(r"-s(\d+)$", name)
         if m:
-            by_seed.setdefault(m.group(1), {})["sync" if "sync" in name else name] = r
+            by_seed.setdefault(m.group(1), {})["sync" if re.search(r"(^|-)sync-s\d+$", name) else name] = r
     ratios = []
     for seed, group in sorted(by_seed.items()):
         if "sync" not in group:

@@ -17,16 +17,7 @@ export PYTHONPATH=$PWD OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mode=$1; shift
 
-# capped SECONDS cmd...: run cmd in a process group of its own; past SECONDS the whole group is
-# killed (a plain `timeout` on torchrun left its ranks holding GPU memory in session 18)
-capped() {
-    local s=$1; shift
-    setsid "$@" & local pid=$!
-    ( sleep "$s"; kill -9 -- -"$pid" 2>/dev/null ) & local guard=$!
-    wait "$pid"; local rc=$?
-    kill "$guard" 2>/dev/null; kill -9 -- -"$pid" 2>/dev/null
-    return $rc
-}
+source bench/capped.sh  # capped SECONDS cmd...
 summary() {
     python3 bench/async_summary.py /tmp/rl/c-* --json "$OUT/async-summary.json" > "$OUT/async-summary.md" 2>&1
     cat "$OUT/async-summary.md"

@@ -1,0 +1,11 @@
+# Sourced by bench/gpu_session*.sh: capped SECONDS cmd... runs cmd in a process group of its own and
+# kills the whole group past SECONDS (a plain `timeout` on torchrun left its ranks holding 11-17 GB
+# on every GPU in session 18, which contaminated the runs after it).
+capped() {
+    local s=$1; shift
+    setsid "$@" & local pid=$!
+    ( sleep "$s"; kill -9 -- -"$pid" 2>/dev/null ) & local guard=$!
+    wait "$pid"; local rc=$?
+    kill "$guard" 2>/dev/null; kill -9 -- -"$pid" 2>/dev/null
+    return $rc
+}
