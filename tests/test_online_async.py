@@ -280,7 +280,8 @@ def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
     b = AutoModelForCausalLM.from_config(cfg)
     b.register_buffer("counts", torch.zeros(7, dtype=torch.int64))
     assert b.lm_head.weight is b.model.embed_tokens.weight
-    values = list(a.state_dict().values())
+    values = od._tensors(a)  # the tied weight once: one tensor fewer than the state_dict's names
+    assert len(values) == len(a.state_dict()) - 1
     buckets = od._buckets(values)
     assert len(buckets) > 3 and all(len({v.dtype for v in bk}) == 1 for bk in buckets)
     assert [v for bk in buckets for v in bk] == values  # order kept, nothing dropped
@@ -304,3 +305,56 @@ def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
     # a sampler without a copy to sample from reads the model itself: no receiving during a batch
     t.replica = None
     assert not od.Incoming(od.Link(samples=True, store=None, weights=Receiver(), timeout=1), t).overlaps
+
+
+@pytest.mark.parametrize("S", [0, 1, 2, 4])
+def test_sampler_process_schedule_with_weights_received_during_batches(S):
+    """online_disaggregated.serve with a fake link: batch j is sampled with version max(0, j − S)
+    exactly (the interleaved placement's schedule), whether or not the next version arrives during
+    a batch; a version is received only once the batch the trainer makes it from is stored, every
+    version the trainer broadcasts (1 .. total − 1 − S) is received once, and each is received
+    during a batch wherever the schedule allows (the batch before the one that needs it)."""
+    from types import SimpleNamespace
+    from tether.trainers import online_disaggregated as od
+    total, log = 8, []
+    stored = {}
+
+    class Store:
+        def set(self, key, raw):
+            stored[key] = od._unpack(raw)
+            log.append(("stored", int(key.split("/")[1])))
+
+    class Work:
+        def __init__(self, v):
+            self.v = v
+
+        def wait(self):
+            log.append(("arrived", self.v))
+
+    class Weights:
+        posted = 0
+
+        def broadcast(self, flat, src):
+            self.posted += 1
+            log.append(("posted", self.posted))
+            return Work(self.posted)
+    model = torch.nn.Linear(2, 2)
+    t = SimpleNamespace(model=model, replica=object(), replica_stale=False, total_steps=total,
+                        cfg=SimpleNamespace(rollout=SimpleNamespace(release_replica=False)),
+                        order=SimpleNamespace(next=lambda: None), rollout_model=lambda: None)
+
+    def produce(j, sampler):
+        log.append(("produce", j))
+        return SimpleNamespace(rollout=SimpleNamespace(stats={}))
+    link = od.Link(samples=True, store=Store(), weights=Weights(), timeout=1)
+    counts = od.serve(t, link, produce, None, S)
+    last = max(0, total - 1 - S)
+    assert counts == {"batches": total, "sampling_seconds": counts["sampling_seconds"], "last_version": last}
+    assert [stored[f"batch/{j}"].version for j in range(total)] == [max(0, j - S) for j in range(total)]
+    posts = [e[1] - 1 for e in log if e[0] == "posted"]  # version 0 is the first broadcast
+    assert posts == list(range(last + 1))
+    for v in range(1, last + 1):  # version v is made from batch v - 1: posted only after it is stored
+        assert log.index(("stored", v - 1)) < log.index(("posted", v + 1))
+    overlapped = [stored[f"batch/{j}"].batch.rollout.stats["weights_overlapped"] for j in range(total)]
+    # batch j needs version j − S: received during batch j − 1 when S >= 1 (none at S = 0)
+    assert overlapped == [float(S >= 1 and 1 <= j + 1 - S <= last) for j in range(total)]

@@ -47,6 +47,27 @@ def _logps(model, rollout):
     return lp[:, -rollout.completion_ids.shape[1]:]
 
 
+def test_partial_metrics_read_the_completion_columns_of_a_padded_batch():
+    """partial_metrics finds the completion columns after the prompts, also when GRPO pads the
+    training batch's width (training_batch(16)): the same numbers as from the unpadded batch."""
+    from types import SimpleNamespace
+    from tether.rollout import Rollout
+    from tether.trainers.online_partial import partial_metrics
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    versions = torch.tensor([[3, 4, 4, -1], [2, 2, 3, 4], [4, -1, -1, -1]])
+    ro = Rollout(prompt_ids=[[1, 5, 6], [1, 7], [1, 8, 9, 10]], completion_ids=torch.full((3, 4), 11),
+                 completion_mask=mask, logprobs=torch.zeros(3, 4), texts=[""] * 3, finish_reasons=["eos"] * 3,
+                 group=torch.tensor([0, 0, 1]), logprob_temperature=1.0, versions=versions)
+    got = [partial_metrics(SimpleNamespace(collected=SimpleNamespace(rollout=ro),
+                                           mask=ro.training_batch(m)["completion_mask"]), step=5)
+           for m in (1, 16)]
+    assert ro.training_batch(16)["completion_mask"].shape[1] == 16
+    # lags 2,1,1 / 3,3,2,1 / 1: mean 14/8, max 3; rows 0 and 1 span two or more versions, row 2 one
+    assert got[0] == got[1]
+    assert got[0] == pytest.approx({"partial/token_staleness/mean": 14 / 8, "partial/token_staleness/max": 3.0,
+                                    "partial/spanning_completions": 2 / 3})
+
+
 def test_a_completion_started_at_v_and_finished_at_v_plus_1_is_split_by_construction(setup):
     """Hand case: two prompts, 2 samples each, 4 tokens a round, 8 at most. A's samples end in round
     0 (each at an end token chosen from its own first tokens), B's run on; the weights change (version

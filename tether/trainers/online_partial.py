@@ -205,7 +205,9 @@ def partial_metrics(batch, step: int) -> dict:
     # a batch that came through a pickle (the disaggregated sampler, a resumed checkpoint's
     # batches in flight) holds its rollout on the CPU; the mask is on the trainer's device
     v = v.to(batch.mask.device)
-    mask = batch.mask[:, batch.mask.shape[1] - v.shape[1]:]  # the completion columns (training_batch)
+    # the completion columns of training_batch: after the prompts' P, before any width padding
+    P = max(map(len, batch.collected.rollout.prompt_ids), default=0)
+    mask = batch.mask[:, P:P + v.shape[1]]
     lag = (step - v)[mask].float()
     rows = mask.any(1)
     lo = torch.where(mask, v, torch.iinfo(v.dtype).max).amin(1)
