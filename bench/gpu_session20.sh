@@ -25,10 +25,10 @@ callA)
     bash bench/gpu_session16.sh join 0
     CUDA_VISIBLE_DEVICES=0 capped 330 python3 bench/dpo_step.py --device cuda --compile both --trl-precompute --trl-compile \
         --packing off --chunked-head on --results "$OUT/dpo.md" --json "$OUT/dpo.json" 2>&1 | grep -E "^(ours|trl)|Error" | cut -c1-300
-    for q in "auto 0" "interleaved 1"; do  # (the synchronous loop: placement auto at staleness 0)
+    for q in "auto 0" "interleaved 1"; do  # (synchronous: auto at staleness 0; scale.py samples from the bf16 copy on 1 GPU)
         set -- $q
         CUDA_VISIBLE_DEVICES=0 capped 110 python3 bench/scale.py --shape qwen0.5b --gpus 1 --algos grpo --steps 10 --warmup 3 \
-            --keep-model /tmp/m05 --run-timeout 100 --set compile=true --set rollout.sampler_copy=true \
+            --keep-model /tmp/m05 --run-timeout 100 --set compile=true \
             --set queue.placement=$1 --set queue.max_staleness=$2 \
             --results "$OUT/inter05.md" --json "$OUT/inter05-$1.json" 2>&1 | grep -E "^\| grpo|rror"
     done
