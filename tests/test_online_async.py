@@ -97,13 +97,14 @@ def test_refusals(setup):
 
 
 @pytest.mark.slow  # two or three torchrun processes: ~90 s on the 2 shared cores
-@pytest.mark.parametrize("samplers,copy", [(1, False), (2, False), (1, True)])
-def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, samplers, copy):
+@pytest.mark.parametrize("samplers,copy,S", [(1, False, 1), (2, False, 1), (1, True, 1), (1, True, 2)])
+def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, samplers, copy, S):
     """torchrun (gloo): one process trains, one or two sample (batches through the store, weights
-    broadcast back; with two, batch j is sampler j mod 2's). At staleness 1 every batch is sampled
+    broadcast back; with two, batch j is sampler j mod 2's). At staleness S every batch is sampled
     with the same weights as the interleaved placement's, so the run is the same: every metric and
     the final weights. copy: both sample from rollout.sampler_copy's copy (on CPU of the same dtype),
-    which the sampler process refreshes from each received version."""
+    which the sampler process refreshes from each received version — received while the batch
+    before is produced (at S = 2 an early receive once sampled fresher weights: reviewer, session 19)."""
     import sys
     if sys.platform != "linux":
         pytest.skip("torchrun + gloo on Linux")
@@ -111,7 +112,7 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     (setup / "rewards.py").write_text(
         "def digit_frac(prompts, completions, completion_ids, **_):\n"
         "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
-    kw = dict(max_staleness=1, is_correction="tis", is_cap=1.05, sampler_copy=copy)
+    kw = dict(max_staleness=S, is_correction="tis", is_cap=1.05, sampler_copy=copy)
     local = train_grpo(_cfg(setup, "inter1", placement="interleaved", max_steps=4, **kw), reward_funcs=[digit_frac])
     args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="dis1",
                 batch_size=2, num_generations=4, max_new_tokens=8, max_steps=4, lr=1e-2, device="cpu",
@@ -129,11 +130,11 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     sends = [r["queue/send_seconds"] for r in steps]
     assert (sends[0] == 0) if samplers == 1 else True
     assert all(x > 0 for x in sends[samplers:])
-    assert [r["queue/staleness"] for r in rows] == [0, 1, 1, 1]
-    # with a sampling copy (one sampler) versions 1 and 2 arrive while batches 1 and 2 are produced
-    # (Incoming.post): the same run as the interleaved one all the same (rows and weights above)
-    overlapped = [1.0, 1.0] if copy and samplers == 1 else [0.0, 0.0]
-    assert [r["queue/weights_overlapped"] for r in steps] == [0.0] + overlapped + [0.0]
+    assert [r["queue/staleness"] for r in rows] == [min(j, S) for j in range(4)]
+    # with a sampling copy (one sampler) version v arrives while batch v + S − 1 is produced
+    # (Incoming.post; versions 1 .. 3 − S): the same run as the interleaved one all the same
+    overlapped = [float(copy and samplers == 1 and 1 <= j + 1 - S <= 3 - S) for j in range(4)]
+    assert [r["queue/weights_overlapped"] for r in steps] == overlapped
     _same_weights(local, {"checkpoint": str(setup / "runs" / "dis1" / "checkpoints" / "step-4")})
 
 
