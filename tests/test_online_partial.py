@@ -268,10 +268,12 @@ def test_resume_under_the_queue_is_exact(setup, extra):
 
 
 @pytest.mark.slow  # two torchrun processes: ~60-90 s on the 2 shared cores
-def test_disaggregated_partial_rollouts_match_the_interleaved_run(setup):
+@pytest.mark.parametrize("copy", [False, True])
+def test_disaggregated_partial_rollouts_match_the_interleaved_run(setup, copy):
     """torchrun (gloo): one trainer + one sampler process with partial rollouts at staleness 1 run
     the interleaved placement's schedule: every metric (the per-token versions' included) and the
-    final weights are the one-process run's."""
+    final weights are the one-process run's. copy: both sample from rollout.sampler_copy's copy, the
+    sampler receiving each next version while it produces a batch (online_disaggregated.Incoming)."""
     import sys
     if sys.platform != "linux":
         pytest.skip("torchrun + gloo on Linux")
@@ -279,7 +281,7 @@ def test_disaggregated_partial_rollouts_match_the_interleaved_run(setup):
     (setup / "rewards.py").write_text(
         "def digit_frac(prompts, completions, completion_ids, **_):\n"
         "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
-    kw = dict(max_staleness=1, partial=True, partial_tokens=3, max_steps=4)
+    kw = dict(max_staleness=1, partial=True, partial_tokens=3, max_steps=4, sampler_copy=copy)
     local = train_grpo(_cfg(setup, "pinter", placement="interleaved", **kw), reward_funcs=[digit_frac])
     args = dict(model=setup / "model", data=setup / "prompts.jsonl", runs_dir=setup / "runs", name="pdis",
                 batch_size=2, num_generations=4, max_new_tokens=8, lr=1e-2, device="cpu", progress="false",
@@ -289,6 +291,8 @@ def test_disaggregated_partial_rollouts_match_the_interleaved_run(setup):
     rows = _rows(setup, "pdis", drop=("queue/dropped", "queue/weights_overlapped"))
     assert rows == _rows(setup, "pinter", drop=("queue/dropped",))
     assert max(r["partial/token_staleness/max"] for r in rows) >= 2
+    overlapped = [r["queue/weights_overlapped"] for r in _rows(setup, "pdis")]
+    assert overlapped == ([0.0, 1.0, 1.0, 0.0] if copy else [0.0] * 4)
     wa = load_file(f"{local['checkpoint']}/model.safetensors")
     wb = load_file(str(setup / "runs" / "pdis" / "checkpoints" / "step-4" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
