@@ -11,6 +11,10 @@
 #          the correction close staleness 1's held-out pass@1 gap (session 16: lower on every seed)?
 # Every call ends with bench/async_summary.py over the runs so far ($OUT/async-summary.md/.json).
 # (Session 18's plan for this file, issue 16's 7B follow-ups on 4 GPUs, is in git history: 4542bdf.)
+# As run in session 19: lease 1 = callA, then only `bash bench/gpu_session16.sh join 1` (the GPU
+# tests did not fit the device time), callC, callD (commit c98c855); lease 2 (after e88c4d1) =
+# `join 0`, `join 1`, `TORCH_LOGS=recompiles DEADLINE=560 callC`, then `SEEDS=2 bash
+# bench/gpu_session16.sh async5a` — RESULTS.md "Session 19".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD OMP_NUM_THREADS=4
