@@ -308,7 +308,7 @@ def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
     assert not od.Incoming(od.Link(samples=True, store=None, weights=Receiver(), timeout=1), t).overlaps
 
 
-@pytest.mark.parametrize("S", [0, 1, 2, 4])
+@pytest.mark.parametrize("S", [0, 1, 2, 4, 7])  # (7: no version after the first)
 def test_sampler_process_schedule_with_weights_received_during_batches(S):
     """online_disaggregated.serve with a fake link: batch j is sampled with version max(0, j − S)
     exactly (the interleaved placement's schedule), whether or not the next version arrives during
