@@ -37,7 +37,7 @@ class ModelSection:
     gradient_checkpointing: bool = False
     "recompute activations in backward to save memory"
     compile: bool = False
-    "torch.compile each decoder layer of the trained and frozen models (H100, Qwen2.5-0.5B shape: forward+backward -30 %; the first step pays 5-15 s of compilation)"
+    "torch.compile each decoder layer of the trained and frozen models, for dynamic shapes (H100, Qwen2.5-0.5B shape: forward+backward -30 %; the first step pays 5-15 s of compilation, a new sequence length none)"
     lora_r: NonNegativeInt = 0
     "LoRA rank (0 = full fine-tuning); checkpoints then hold the adapter only, and the reference is the base with adapters disabled (no copy)"
     lora_alpha: PositiveInt = 16
