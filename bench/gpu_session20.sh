@@ -8,9 +8,9 @@
 #   - §1 partial rollouts on a GPU, on a batch with a long tail of lengths (measured on CPU only,
 #     where the tail is cheap): SmolLM2 with 384 new tokens, partial 96 vs not, sync and 1 + 1.
 # Modes (the GGUF fixture travels in three parts, one a call: bench/gguf_to_gpu.sh):
-#   callA  GGUF part 0 + TRL wheels (carry wheels/ too): dpo_step compiled (ours and TRL's), then
-#          0.5B GRPO on one GPU, synchronous vs interleaved staleness 1, compiled
-#   callB  GGUF part 1: the GPU tests
+#   callA  GGUF part 0 + TRL wheels (carry wheels/ and the gguf wheel too): dpo_step compiled, ours
+#          and TRL's (session 14 gave it 520 s)
+#   callB  GGUF part 1: 0.5B GRPO on one GPU, synchronous vs interleaved staleness 1, compiled
 #   callC  GGUF part 2: partial rollouts, seed 0 (sync, sync + partial, 1 + 1, 1 + 1 + partial)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,19 +23,18 @@ source bench/capped.sh  # capped SECONDS cmd...
 case "$mode" in
 callA)
     bash bench/gpu_session16.sh join 0
-    CUDA_VISIBLE_DEVICES=0 capped 330 python3 bench/dpo_step.py --device cuda --compile both --trl-precompute --trl-compile \
+    CUDA_VISIBLE_DEVICES=0 capped 540 python3 bench/dpo_step.py --device cuda --compile both --trl-precompute --trl-compile \
         --packing off --chunked-head on --results "$OUT/dpo.md" --json "$OUT/dpo.json" 2>&1 | grep -E "^(ours|trl)|Error" | cut -c1-300
-    for q in "auto 0" "interleaved 1"; do  # (synchronous: auto at staleness 0; scale.py samples from the bf16 copy on 1 GPU)
-        set -- $q
-        CUDA_VISIBLE_DEVICES=0 capped 110 python3 bench/scale.py --shape qwen0.5b --gpus 1 --algos grpo --steps 10 --warmup 3 \
-            --keep-model /tmp/m05 --run-timeout 100 --set compile=true \
-            --set queue.placement=$1 --set queue.max_staleness=$2 \
-            --results "$OUT/inter05.md" --json "$OUT/inter05-$1.json" 2>&1 | grep -E "^\| grpo|rror"
-    done
     ;;
 callB)
     bash bench/gpu_session16.sh join 1
-    capped 300 python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_online_gpu.py -p no:cacheprovider 2>&1 | tail -6
+    for q in "auto 0" "interleaved 1"; do  # (synchronous: auto at staleness 0; scale.py samples from the bf16 copy on 1 GPU)
+        set -- $q
+        CUDA_VISIBLE_DEVICES=0 capped 200 python3 bench/scale.py --shape qwen0.5b --gpus 1 --algos grpo --steps 10 --warmup 3 \
+            --keep-model /tmp/m05 --run-timeout 190 --set compile=true \
+            --set queue.placement=$1 --set queue.max_staleness=$2 \
+            --results "$OUT/inter05.md" --json "$OUT/inter05-$1.json" 2>&1 | grep -E "^\| grpo|rror"
+    done
     ;;
 callC)
     bash bench/gpu_session16.sh join 2
