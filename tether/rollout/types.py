@@ -52,6 +52,11 @@ class Rollout:
         return [[t for t, keep in zip(row, m) if keep] for row, m in zip(ids, mask)]
 
     @property
+    def prompt_width(self) -> int:
+        """P: the columns training_batch gives the (left-padded) prompts; the completions follow."""
+        return max(map(len, self.prompt_ids), default=0)
+
+    @property
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
 
@@ -68,7 +73,7 @@ class Rollout:
         ``logprobs`` up to the training–inference mismatch.
         """
         N, T = self.completion_ids.shape
-        P = max(map(len, self.prompt_ids))
+        P = self.prompt_width
         extra = -(P + T) % multiple  # right padding: no real position attends to it (causal)
         prompt = torch.full((N, P), self.pad_token_id, dtype=torch.long)
         pmask = torch.zeros((N, P), dtype=torch.bool)

@@ -134,7 +134,7 @@ def _broadcast(link: Link, model) -> None:
     for bucket in _buckets(_tensors(model)):
         full = [distributed.full(v.detach()) for v in bucket]
         if link.weights is not None:  # trainer rank 0
-            link.weights.broadcast(torch.cat([f.detach().reshape(-1) for f in full]), 0).wait()
+            link.weights.broadcast(torch.cat([f.reshape(-1) for f in full]), 0).wait()
 
 
 class Incoming:
@@ -151,6 +151,7 @@ class Incoming:
 
     def __init__(self, link: Link, t):
         self.link, self.t, self.flats, self.pending = link, t, [], None
+        self.version = -1  # the version in place (posted ones count once complete)
         with torch.no_grad():
             for bucket in _buckets(_tensors(t.model)):
                 flat = torch.empty(sum(v.numel() for v in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
@@ -173,13 +174,16 @@ class Incoming:
         the sampling copy, if any, is refreshed from it before the next batch."""
         for work in self.pending:
             work.wait()
-        self.pending = None
+        self.pending, self.version = None, self.version + 1
         self.t.replica_stale = True
 
-    def receive(self) -> None:
-        """The next version, now."""
-        self.post()
-        self.wait()
+    def up_to(self, version: int) -> None:
+        """A posted version completed, then the versions in order, now, until `version` is in place."""
+        if self.pending is not None:
+            self.wait()
+        while self.version < version:
+            self.post()
+            self.wait()
 
 
 def _my_part(collected, G: int):
@@ -255,8 +259,8 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
     samplers: each joins it when it needs the version, or at the end). With a sampling copy
     (Incoming.overlaps) the next version is received while a batch is produced. Returns its counts."""
     incoming = Incoming(link, t)
-    incoming.receive()  # version 0
-    version, produced, seconds, last = 0, 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
+    incoming.up_to(0)
+    produced, seconds, last = 0, 0.0, max(0, t.total_steps - 1 - max_staleness)
     cuda = next(t.model.parameters()).is_cuda
     sent = 0.0  # seconds packing + storing the previous batch
     for j in range(t.total_steps):
@@ -264,12 +268,8 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
             t.order.next()  # another sampler's batch (no dynamic sampling: one batch of prompts)
             continue
         waiting = time.perf_counter()
-        if incoming.pending is not None:  # received during the previous batch
-            incoming.wait()
-            version += 1
-        while version < j - max_staleness:  # the versions in order, each broadcast once
-            incoming.receive()
-            version += 1
+        incoming.up_to(j - max_staleness)  # (first the one received during the previous batch, if any)
+        version = incoming.version
         t.rollout_model()  # the sampler's copy (rollout.sampler_copy) brought up to the version
         if cuda:  # the weights are here before the clock starts: NCCL's receive only queues on the
             torch.cuda.current_stream().synchronize()  # stream (not the device: a posted one may be pending)
@@ -293,10 +293,5 @@ def serve(t, link: Link, produce: Callable, sampler, max_staleness: int) -> dict
         link.store.set(f"batch/{j}", _pack(Trajectories(batch, version, j)))
         sent = time.perf_counter() - sending
         produced += 1
-    if incoming.pending is not None:
-        incoming.wait()
-        version += 1
-    while version < last:  # the trainer broadcasts every version a batch needs: join the rest
-        incoming.receive()
-        version += 1
-    return {"batches": produced, "sampling_seconds": seconds, "last_version": version}
+    incoming.up_to(last)  # the trainer broadcasts every version a batch needs: join the rest
+    return {"batches": produced, "sampling_seconds": seconds, "last_version": incoming.version}

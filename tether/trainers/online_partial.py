@@ -205,8 +205,7 @@ def partial_metrics(batch, step: int) -> dict:
     # a batch that came through a pickle (the disaggregated sampler, a resumed checkpoint's
     # batches in flight) holds its rollout on the CPU; the mask is on the trainer's device
     v = v.to(batch.mask.device)
-    # the completion columns of training_batch: after the prompts' P, before any width padding
-    P = max(map(len, batch.collected.rollout.prompt_ids), default=0)
+    P = batch.collected.rollout.prompt_width  # the completion columns: after the prompts, before any padding
     mask = batch.mask[:, P:P + v.shape[1]]
     lag = (step - v)[mask].float()
     rows = mask.any(1)
