@@ -295,8 +295,10 @@ def main(argv=None):
     ap.add_argument("--chunked-head", choices=["on", "off", "both"], default="both",
                     help="ours: the chunked LM head (off: the HF forward's full logits)")
     ap.add_argument("--full-logits", action="store_true", help="same as --chunked-head both (kept for old commands)")
-    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
-                    help="ours: model.compile=true (torch.compile per decoder layer, tether.models.load.compile_layers)")
+    ap.add_argument("--compile", default="off",
+                    help="ours: off | on | both (= off,on) | static, or a comma list: on = model.compile=true "
+                         "(torch.compile per decoder layer, dynamic shapes: tether.models.load.compile_layers); "
+                         "static = the same compiled for the first shape only (dynamic=False), an A/B")
     ap.add_argument("--trl-compile", action="store_true",
                     help="also run TRL (precomputed ref if --trl-precompute) with torch_compile=True (the whole model)")
     ap.add_argument("--trace", default=None,
@@ -343,7 +345,9 @@ def main(argv=None):
     from tether.models import logprobs as common
     chunked = ["on", "off"] if args.full_logits or args.chunked_head == "both" else [args.chunked_head]
     packed = ["off", "on"] if args.packing == "both" else [args.packing]
-    compiled = ["off", "on"] if args.compile == "both" else [args.compile]
+    compiled = ["off", "on"] if args.compile == "both" else args.compile.split(",")
+    if set(compiled) - {"off", "on", "static"}:
+        ap.error(f"--compile {args.compile}: off, on, both, static or a comma list of them")
     trace = (lambda name: None) if not args.trace else \
         (lambda name: str(Path(args.trace) / (name.replace(", ", "-").replace(" ", "_").replace("(", "").replace(")", "")
                                               + ".json.gz")))
@@ -352,15 +356,16 @@ def main(argv=None):
     results, flops = {}, None
     for head, pack, comp in [(h, p, c) for h in chunked for p in packed for c in compiled]:
         name = "ours" + "".join(f", {w}" for w, on in (("packed", pack == "on"), ("full logits", head == "off"),
-                                                        ("compiled", comp == "on")) if on)
+                                                        ("compiled", comp == "on"),
+                                                        ("compiled static", comp == "static")) if on)
         split = common._split_head
         if head == "off":  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
             common._split_head = lambda m: None
         model = build_model(kind, dev, tok)
         flops = flops or model_flops(model, examples)
-        if comp == "on":
+        if comp != "off":
             from tether.models.load import compile_layers
-            compile_layers(model)
+            compile_layers(model, **({"dynamic": False} if comp == "static" else {}))
         try:
             results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro,
                                        trace(name))
