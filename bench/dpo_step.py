@@ -299,6 +299,9 @@ def main(argv=None):
                     help="ours: off | on | both (= off,on) | static, or a comma list: on = model.compile=true "
                          "(torch.compile per decoder layer, dynamic shapes: tether.models.load.compile_layers); "
                          "static = the same compiled for the first shape only (dynamic=False), an A/B")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="ours keeps cuDNN's attention backend, which tether's trainers turn off on CUDA "
+                         "(tether.models.load.guard_attention_backward: its backward's NaN); an A/B")
     ap.add_argument("--trl-compile", action="store_true",
                     help="also run TRL (precomputed ref if --trl-precompute) with torch_compile=True (the whole model)")
     ap.add_argument("--trace", default=None,
@@ -366,13 +369,16 @@ def main(argv=None):
         if comp != "off":
             from tether.models.load import compile_layers
             compile_layers(model, **({"dynamic": False} if comp == "static" else {}))
-        try:
+        from tether.models.load import guard_attention_backward
+        restore = (lambda: None) if args.cudnn_attention else guard_attention_backward(torch.device(dev))
+        try:  # (as `tether dpo` runs: setup_training guards the attention backward)
             results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro,
                                        trace(name))
         except torch.OutOfMemoryError:  # a row of the table, not the end of the run
             results[name] = {"oom": True}
         finally:
             common._split_head = split
+            restore()
         print(f"{name}:", json.dumps(results[name]), flush=True)
         del model
         free(dev)
@@ -404,7 +410,7 @@ def main(argv=None):
             continue
         r["tokens_per_s"] = tokens / r["step_s"]
         r["mfu"] = flops / r["step_s"] / peak_fl if peak_fl else None
-    section = render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops)
+    section = render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops, args.cudnn_attention)
     print(section)
     if args.results and args.results != "/dev/null":
         with open(args.results, "a") as f:
@@ -413,7 +419,7 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops) -> str:
+def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops, cudnn=False) -> str:
     cmd = ("python bench/dpo_step.py " + " ".join(sys.argv[1:])).strip()
     prec = "fp32 weights + bf16 autocast" if dev == "cuda" else "fp32"
     lines = [f"## dpo_step: ours vs TRL DPOTrainer — {kind}, {shape}",
@@ -446,7 +452,9 @@ def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, 
              f"- MFU: {flops / 1e12:.3f} model TFLOP per step (PaLM's count, real tokens "
              "only, LM head on completion tokens) over the step time and "
              + (f"a peak of {peak_fl / 1e12:g} TFLOP/s." if peak_fl else "no known peak (pass --peak-tflops): —."),
-             "- tokens through the model: ours, the micro-batches' input_ids elements (padded rows, or packed rows)."]
+             "- tokens through the model: ours, the micro-batches' input_ids elements (padded rows, or packed rows).",
+             "- ours: cuDNN's attention backend " + ("kept (--cudnn-attention)." if cudnn else
+                                                    "off on CUDA, as tether's trainers run (guard_attention_backward).")]
     one_chunk = [n for n, r in results.items() if n.startswith("ours") and "full logits" not in n
                  and not r.get("oom") and not r["head_chunked"]]
     if one_chunk:

@@ -37,7 +37,7 @@ callB)
     done
     ;;
 callC)
-    bash bench/gpu_session16.sh join 2
+    [ -f /tmp/smollm2/config.json ] || bash bench/gpu_session16.sh join 2  # (session 21's callD: joined already)
     [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith; mkdir -p /tmp/rl
     long=(--recipe lr1e5_g16 --data /tmp/arith --budget 100000 --seed 0 --eval-every 30 --set optim.max_steps=60
           --set rollout.max_new_tokens=384 --set rollout.sampler_copy=true --set model.compile=true)

@@ -13,7 +13,8 @@ The order is part of the contract:
 Before any of it, the cheap refusals: another run holding the directory, a previous run there
 (without resume or overwrite), a resume whose config differs from the checkpointed run's in a
 field its section does not declare RESUMABLE. Every trainer thereby gets LoRA, compile, gradient
-checkpointing, exact resume, TensorBoard, samples, plots and the non-finite guard from this one place.
+checkpointing, exact resume, TensorBoard, samples, plots, the non-finite guard and (on CUDA)
+the attention-backward guard from this one place.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tether import distributed
 from tether.config import ConfigError
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
-from tether.models.load import DTYPES, compile_layers, hf_progress, stored_dtype
+from tether.models.load import DTYPES, compile_layers, guard_attention_backward, hf_progress, stored_dtype
 from tether.models import logprobs
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import adapters_off, apply_lora
@@ -143,6 +144,8 @@ class Training:
     "run.keep_best's race: the best eval value so far and its step (held_out.Best); checkpointed"
     eval_shown: dict = field(default_factory=dict)
     "the last eval point's headline number, for the progress bar's postfix"
+    restore_attention: Callable[[], None] = lambda: None
+    "puts back the attention backends guard_attention_backward changed for this run (finish() calls it)"
 
     def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss, gradient norm and the updated weights are finite (else the
@@ -307,6 +310,7 @@ class Training:
             summary["warnings"] = list(self.warnings.values())
         self.run.write_summary(summary)
         logprobs.HEAD_DTYPE = None  # this run's head_fp32 does not outlive it (tether eval, library use)
+        self.restore_attention()  # nor its attention backends
         if self.run.is_main:
             plot_metrics(self.run.path)
         self.run.close()
@@ -410,15 +414,17 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     trainable.train()
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with,
                  overwrite=cfg.run.overwrite or cfg.run.resume)
+    restore_attention = guard_attention_backward(device)  # before the first forward (compile traces it)
     try:
         t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
                    rows_per_step, updates_per_step)
-        t.replica = replica
+        t.replica, t.restore_attention = replica, restore_attention
         if hint:
             t.warn("fsdp_small_model", hint)
         return t
     except BaseException:
         run.close()  # the lock goes with a start that failed
+        restore_attention()
         raise
 
 
