@@ -36,6 +36,48 @@ def test_ppo_advantages_hand_built_trajectory():
     assert (white[~mask] == 0).all()
 
 
+def test_ppo_advantages_ignore_right_padding_columns():
+    """PPO's training batch is padded on the right to a multiple of 16 (training_batch(SEQ_MULTIPLE)):
+    whatever the padding columns hold (the critic's values, log-probs there), the rewards, the GAE
+    advantages (whitened too) and the returns at the real columns are those of the unpadded batch,
+    and 0 on the padding."""
+    torch.manual_seed(0)
+    B, W, extra = 3, 7, 5
+    mask = torch.zeros(B, W, dtype=torch.bool)
+    mask[0, 2:7], mask[1, 2:5], mask[2, 3:6] = True, True, True
+    old, ref, values = torch.randn(B, W), torch.randn(B, W), torch.randn(B, W)
+    scores, dense = torch.tensor([1.0, -0.5, 2.0]), torch.randn(B, W)
+
+    def pad(x, fill):
+        return torch.cat([x, fill(B, extra)], 1)
+    plain = ppo_advantages(scores, old, ref, values, mask, 0.1, "k3", gamma=0.9, lam=0.8, whiten=True, dense=dense)
+    padded = ppo_advantages(scores, pad(old, torch.randn), pad(ref, torch.randn), pad(values, torch.randn),
+                            pad(mask, lambda *s: torch.zeros(*s, dtype=torch.bool)), 0.1, "k3", gamma=0.9, lam=0.8,
+                            whiten=True, dense=pad(dense, torch.randn))
+    for a, b in zip(plain, padded):
+        torch.testing.assert_close(b[:, :W], a)
+        assert not b[:, W:].any()
+
+
+def test_ppo_trains_the_same_on_a_width_padded_batch(tmp_path, monkeypatch):
+    """Two PPO steps with the training batch padded to a multiple of 16 and unpadded: the same
+    metrics and the same weights (to float rounding: the forwards' shapes differ)."""
+    data = _setup(tmp_path)
+    runs = {}
+    for multiple in (1, 16):
+        monkeypatch.setattr(ppo_mod, "SEQ_MULTIPLE", multiple)
+        train_ppo(_cfg(tmp_path, data, f"m{multiple}", max_steps=2), reward_funcs=[count_x])
+        runs[multiple] = tmp_path / "runs" / f"m{multiple}"
+    rows = {m: read_jsonl(r / "metrics.jsonl") for m, r in runs.items()}
+    for a, b in zip(rows[1], rows[16]):
+        for key in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
+    from safetensors.torch import load_file
+    w1, w16 = (load_file(next(runs[m].glob("checkpoints/*/model.safetensors"))) for m in (1, 16))
+    for name in w1:
+        torch.testing.assert_close(w16[name], w1[name], atol=1e-5, rtol=1e-4)
+
+
 def test_values_read_one_position_early():
     # V_t must describe the state that chose token t, i.e. the head output at t − 1.
     class Const(torch.nn.Module):

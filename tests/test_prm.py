@@ -216,6 +216,10 @@ def test_ppo_dense_rewards_at_each_steps_last_token(tiny, tmp_path):
     want = torch.zeros(2, T + 4)
     want[0, 4 + 3], want[0, 4 + len(ids[0]) - 1], want[1, 4 + len(ids[1]) - 1] = 0.5 * p[0][0], 0.5 * p[0][1], 0.5 * p[1][0]
     assert torch.allclose(dense, want)
+    # PPO's training batch is width-padded on the right (training_batch(SEQ_MULTIPLE)): the same
+    # columns, then zeros
+    padded = dense_process_rewards(prm, 0.5, rows, rollout, T + 4 + 5, tok, prompt_width=4)
+    assert torch.allclose(padded[:, :T + 4], want) and not padded[:, T + 4:].any()
     # in PPO's per-token reward (β = 0): the dense rewards plus the other rewards' score at the end
     mask = torch.zeros(2, T + 4, dtype=torch.bool)
     mask[0, 4:4 + len(ids[0])], mask[1, 4:4 + len(ids[1])] = True, True

@@ -47,6 +47,7 @@ from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, S
 from tether.objectives.policy import kl_penalized_rewards
 from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
 from tether.rollout import Sampler
+from tether.rollout.types import SEQ_MULTIPLE
 from tether.trainers.common import lend_gradients
 from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
 from tether.trainers.online_async import QueueSection, batch_source, check_queue, correct_off_policy
@@ -209,14 +210,6 @@ def reward_functions(cfg: GRPOConfig, funcs: Optional[Sequence], weights: Option
     if len(weights) != len(funcs):
         raise UserError(f"{cfg.run.name}: {len(weights)} reward_weights for {len(funcs)} reward functions")
     return funcs, weights, [fn_name(f) for f in funcs] + (["overlong_penalty"] if cfg.grpo.overlong_buffer else [])
-
-
-# The training batch's width (prompt + completion) rounded up to a multiple of this. Each step's
-# longest completion differs, and on CUDA every new width costs the step once more (session 19,
-# SmolLM2-135M on an H200, compiled layers: ~0.15 s on the first step of each new width — 0.27 s
-# instead of 0.12 — on about half the steps): 16 leaves a run a handful of widths for < 16 padded
-# tokens a row.
-SEQ_MULTIPLE = 16
 
 
 def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:

@@ -46,7 +46,7 @@ def _trained_rows(adv: torch.Tensor, mask: torch.Tensor, skip_zero: bool, quantu
     thirds of the batch in the quickstart's RL stage) and any completion scored exactly its group's
     mean. The loss weights still count it. The count is rounded up to a multiple of `quantum` with
     skipped rows (compiled layers: whole micro-batches keep the shapes few; a new batch size cost
-    +0.2-0.3 s a step on an H100, as a new sequence width did on an H200 — online.SEQ_MULTIPLE)."""
+    +0.2-0.3 s a step on an H100, as a new sequence width did on an H200 — rollout.types.SEQ_MULTIPLE)."""
     n = mask.shape[0]
     if not skip_zero:
         return torch.arange(n, device=mask.device)

@@ -50,6 +50,7 @@ from tether.rewards.learned import LearnedReward
 from tether.rewards.scoring import fn_name, resolve_reward_funcs
 from tether.rewards.scoring import score as score_completions
 from tether.rollout import Sampler, logprob_mismatch
+from tether.rollout.types import SEQ_MULTIPLE
 from tether.trainers.common import lend_gradients
 from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, generation_metrics
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
@@ -329,13 +330,14 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         sampling_seconds = time.perf_counter() - started
         rows = [prompts[shares.prompts[i // generations]] for i in range(len(rollout))]
         scored = rewards.score(rows, rollout, spec.length_penalty)
-        batch = {k: v.to(t.device) for k, v in rollout.training_batch().items()}
+        batch = {k: v.to(t.device) for k, v in rollout.training_batch(SEQ_MULTIPLE).items()}
         mask, temperature = batch["completion_mask"], rollout.logprob_temperature
         dense, scores = None, scored["scores"]
         if prm_at is not None:  # the PRM's reward moves from the last token to every step's end
             w = rewards.weights[prm_at]
             scores = scores - w * torch.nan_to_num(scored["per_function"][:, prm_at])
-            dense = dense_process_rewards(rewards.funcs[prm_at], w, rows, rollout, mask.shape[1], t.tokenizer)
+            dense = dense_process_rewards(rewards.funcs[prm_at], w, rows, rollout, mask.shape[1], t.tokenizer,
+                                          rollout.prompt_width)
 
         # 2. storage: log π_old, log π_ref, V_old (no grad), then GAE
         with torch.no_grad():

@@ -14,6 +14,8 @@ back over the tokens that wrote it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from tether.errors import UserError
@@ -45,10 +47,11 @@ def step_end_tokens(tokenizer, ids: list[int], steps: list[str], separator: str)
 
 
 def dense_process_rewards(prm: ProcessReward, weight: float, rows: list[dict], rollout, width: int,
-                          tokenizer) -> torch.Tensor:
-    """[N, width] per-token PRM rewards aligned with rollout.training_batch()'s input_ids (width
-    columns: prompt padding on the left, completion tokens at the right end). `tokenizer`: the
-    policy's, which wrote the completion ids."""
+                          tokenizer, prompt_width: Optional[int] = None) -> torch.Tensor:
+    """[N, width] per-token PRM rewards aligned with rollout.training_batch(multiple)'s input_ids:
+    `prompt_width` prompt columns (left-padded prompts; default width − T, an unpadded batch), the T
+    completion columns, then the right padding up to `width`. `tokenizer`: the policy's, which
+    wrote the completion ids."""
     from tether.data.steps import split_steps
 
     probs = prm.step_probabilities([r["prompt"] for r in rows], rollout.texts)
@@ -61,4 +64,5 @@ def dense_process_rewards(prm: ProcessReward, weight: float, rows: list[dict], r
         ends = step_end_tokens(tokenizer, own, split_steps(text, prm.separator)[:len(p)], prm.separator)
         for t, value in zip(ends, p.tolist()):
             dense[b, t] += weight * value
-    return torch.cat([torch.zeros(len(rows), width - ids.shape[1]), dense], 1)
+    P = width - ids.shape[1] if prompt_width is None else prompt_width
+    return torch.cat([torch.zeros(len(rows), P), dense, torch.zeros(len(rows), width - P - ids.shape[1])], 1)
