@@ -43,6 +43,7 @@ callB)
     ;;
 callC)
     bash bench/gpu_session16.sh join 2
+    CUDA_VISIBLE_DEVICES=0 capped 60 python3 -m pytest -q -s -m gpu tests/test_attention_guard.py -p no:cacheprovider 2>&1 | grep -E "guard|passed|failed|rror"
     CUDA_VISIBLE_DEVICES=0 capped 200 python3 bench/nan_replay.py --model /tmp/smollm2 --batch bench/nan_batches/batch1.pt \
         --json "$OUT/replay.json" 2>&1 | grep -E '^\{|Error' | cut -c1-300
     [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith > /dev/null

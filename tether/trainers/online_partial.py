@@ -119,8 +119,10 @@ class PartialRollouts:
                                     seed=seed + rounds * (1 << 32) + salt * (1 << 31),
                                     max_new_tokens=self.budget)
                 stats.append(ro.stats)
+                # to the host once per call (not three transfers per row: 640 rows a round at a long tail)
+                ids, logps, lengths = ro.completion_ids.tolist(), ro.logprobs.tolist(), ro.completion_mask.sum(1).tolist()
                 for i, (g, k) in enumerate(part):
-                    generated += self._extend(g, k, ro, i, version)
+                    generated += self._extend(g, k, ids[i][:lengths[i]], logps[i], ro.finish_reasons[i], version)
             rounds += 1
             if any(g.done for g in self.pool):
                 break
@@ -145,19 +147,20 @@ class PartialRollouts:
             g.stops = StopChecker(sampler.tokenizer, self.stop, self.G) if self.stop else None
             self.pool.append(g)
 
-    def _extend(self, g: Group, k: int, ro: Rollout, i: int, version: int) -> int:
-        """Append row i of `ro` (this round's tokens of g's sequence k, cut at what it has left of
-        max_new_tokens); decide whether it ended. Returns the tokens kept."""
-        n = int(ro.completion_mask[i].sum())
+    def _extend(self, g: Group, k: int, tokens: list, logps: list, finished: str, version: int) -> int:
+        """Append this round's `tokens` of g's sequence k (their log-probs `logps`, the call's finish
+        reason `finished`), cut at what it has left of max_new_tokens; decide whether it ended.
+        Returns the tokens kept."""
+        n = len(tokens)
         room = self.max_new - len(g.ids[k])
-        new = ro.completion_ids[i, :min(n, room)].tolist()
-        reason = ro.finish_reasons[i] if n <= room else "length"  # the call's own 'length' is the budget's
+        new = tokens[:min(n, room)]
+        reason = finished if n <= room else "length"  # the call's own 'length' is the budget's
         if g.stops is not None:
             end = g.stops.update(k, new)  # the completion's length at the first stop string, or None
             if end is not None:
                 new, reason = new[:end - len(g.ids[k])], "stop"
         g.ids[k] += new
-        g.logps[k] += ro.logprobs[i, :len(new)].tolist()
+        g.logps[k] += logps[:len(new)]
         g.versions[k] += [version] * len(new)
         if reason in ("eos", "stop") or len(g.ids[k]) >= self.max_new:
             g.reasons[k] = reason if reason in ("eos", "stop") else "length"
