@@ -99,7 +99,10 @@ def test_left_padded_batch_448_wide_has_a_finite_gradient_under_the_guard(cudnn_
         lp, _ = completion_token_logps(model, batch, 1.0, amp)
         (lp * comp).sum().backward()
         return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    print("without the guard, finite:", grads_finite())
+    try:  # a build may raise on this shape rather than write NaN: either way, not the guard's test
+        print("without the guard, finite:", grads_finite())
+    except RuntimeError as e:
+        print("without the guard:", type(e).__name__, str(e)[:200])
     restore = guard_attention_backward(torch.device("cuda"))
     try:
         assert grads_finite()

@@ -188,6 +188,39 @@ def test_prm_reward_scores_each_step_at_its_separator(tiny, tmp_path):
 
 # -- dense per-step rewards for PPO ----------------------------------------------------------------
 
+def test_ppo_process_rewards_land_on_completion_tokens_of_the_padded_batch(tiny, tmp_path, monkeypatch):
+    """In a PPO run with process_reward=true the PRM's dense rewards reach GAE inside the completion
+    mask of the (width-padded) training batch, one on each completion's last token — a reward
+    placed on prompt or padding columns would be dropped by the mask without a sound."""
+    from tether.trainers import ppo as ppo_mod
+
+    torch.manual_seed(2)
+    tok = load_tokenizer(tiny)
+    prm_model = ScalarHeadModel.from_pretrained(tiny)
+    prm_model.save_pretrained(tmp_path / "prm", tok)
+    (tmp_path / "prm" / "prm.json").write_text(json.dumps({"separator": "="}))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} + 1?"}) + "\n" for a in range(8)))
+    seen = []
+    real = ppo_mod.ppo_advantages
+
+    def spy(*a, **k):
+        dense = k.get("dense", a[10] if len(a) > 10 else None)
+        seen.append((a[4].clone(), None if dense is None else dense.clone()))
+        return real(*a, **k)
+    monkeypatch.setattr(ppo_mod, "ppo_advantages", spy)
+    ppo_mod.train_ppo(ppo_mod.PPOConfig(model=tiny, data=str(tmp_path / "p.jsonl"), runs_dir=str(tmp_path / "runs"),
+                                        name="prm", batch_size=8, num_generations=1, max_new_tokens=12, max_steps=1,
+                                        device="cpu", progress=False, seed=0, value_model="policy",
+                                        process_reward=True, kl_coef=0.0),
+                      reward_funcs=[f"prm:{tmp_path / 'prm'}?device=cpu"])
+    (mask, dense), = seen
+    assert dense is not None and mask.shape[1] % 16 == 0  # the padded width
+    assert not dense[~mask.bool()].any()  # nothing outside the completions
+    rows = mask.any(1)
+    last = mask.shape[1] - 1 - mask.flip(1).float().argmax(1)
+    assert (dense[torch.arange(len(mask)), last][rows] > 0).all()  # the last step ends on the last token
+
+
 def test_ppo_dense_rewards_at_each_steps_last_token(tiny, tmp_path):
     from types import SimpleNamespace
 
@@ -207,7 +240,7 @@ def test_ppo_dense_rewards_at_each_steps_last_token(tiny, tmp_path):
     T = max(map(len, ids))
     # " 5 =" ends at character 4: token 3 (the '='); the last step at the last token
     assert step_end_tokens(tok, ids[0], [" 5 ", " 4\n#### 4"], "=") == [3, len(ids[0]) - 1]
-    rollout = SimpleNamespace(texts=texts,
+    rollout = SimpleNamespace(texts=texts, prompt_width=4,
                               completion_ids=torch.tensor([i + [0] * (T - len(i)) for i in ids]),
                               completion_mask=torch.tensor([[1] * len(i) + [0] * (T - len(i)) for i in ids]).bool())
     rows = [{"prompt": "What is 2 + 3?"}, {"prompt": "What is 3 + 4?"}]
@@ -218,7 +251,7 @@ def test_ppo_dense_rewards_at_each_steps_last_token(tiny, tmp_path):
     assert torch.allclose(dense, want)
     # PPO's training batch is width-padded on the right (training_batch(SEQ_MULTIPLE)): the same
     # columns, then zeros
-    padded = dense_process_rewards(prm, 0.5, rows, rollout, T + 4 + 5, tok, prompt_width=4)
+    padded = dense_process_rewards(prm, 0.5, rows, rollout, T + 4 + 5, tok)
     assert torch.allclose(padded[:, :T + 4], want) and not padded[:, T + 4:].any()
     # in PPO's per-token reward (β = 0): the dense rewards plus the other rewards' score at the end
     mask = torch.zeros(2, T + 4, dtype=torch.bool)

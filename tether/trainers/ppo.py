@@ -336,8 +336,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         if prm_at is not None:  # the PRM's reward moves from the last token to every step's end
             w = rewards.weights[prm_at]
             scores = scores - w * torch.nan_to_num(scored["per_function"][:, prm_at])
-            dense = dense_process_rewards(rewards.funcs[prm_at], w, rows, rollout, mask.shape[1], t.tokenizer,
-                                          rollout.prompt_width)
+            dense = dense_process_rewards(rewards.funcs[prm_at], w, rows, rollout, mask.shape[1], t.tokenizer)
 
         # 2. storage: log π_old, log π_ref, V_old (no grad), then GAE
         with torch.no_grad():

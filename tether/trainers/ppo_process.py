@@ -14,8 +14,6 @@ back over the tokens that wrote it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from tether.errors import UserError
@@ -47,11 +45,10 @@ def step_end_tokens(tokenizer, ids: list[int], steps: list[str], separator: str)
 
 
 def dense_process_rewards(prm: ProcessReward, weight: float, rows: list[dict], rollout, width: int,
-                          tokenizer, prompt_width: Optional[int] = None) -> torch.Tensor:
+                          tokenizer) -> torch.Tensor:
     """[N, width] per-token PRM rewards aligned with rollout.training_batch(multiple)'s input_ids:
-    `prompt_width` prompt columns (left-padded prompts; default width − T, an unpadded batch), the T
-    completion columns, then the right padding up to `width`. `tokenizer`: the policy's, which
-    wrote the completion ids."""
+    the rollout's `prompt_width` prompt columns (left-padded prompts), its T completion columns,
+    then the right padding up to `width`. `tokenizer`: the policy's, which wrote the completion ids."""
     from tether.data.steps import split_steps
 
     probs = prm.step_probabilities([r["prompt"] for r in rows], rollout.texts)
@@ -64,5 +61,5 @@ def dense_process_rewards(prm: ProcessReward, weight: float, rows: list[dict], r
         ends = step_end_tokens(tokenizer, own, split_steps(text, prm.separator)[:len(p)], prm.separator)
         for t, value in zip(ends, p.tolist()):
             dense[b, t] += weight * value
-    P = width - ids.shape[1] if prompt_width is None else prompt_width
+    P = rollout.prompt_width
     return torch.cat([torch.zeros(len(rows), P), dense, torch.zeros(len(rows), width - P - ids.shape[1])], 1)

@@ -301,16 +301,18 @@ class Training:
     def finish(self, summary: dict) -> dict:
         """Final checkpoint, summary.json (steps, skipped steps and checkpoint added), plots."""
         self.bar.close()
-        path = self.checkpoint()
-        summary = {"steps": self.step, "skipped_steps": self.skipped, **summary,
-                   "checkpoint": str(path)}
-        if self.best is not None:
-            summary["best"] = self.best.summary(self.run.path)
-        if self.warnings:
-            summary["warnings"] = list(self.warnings.values())
-        self.run.write_summary(summary)
-        logprobs.HEAD_DTYPE = None  # this run's head_fp32 does not outlive it (tether eval, library use)
-        self.restore_attention()  # nor its attention backends
+        try:
+            path = self.checkpoint()
+            summary = {"steps": self.step, "skipped_steps": self.skipped, **summary,
+                       "checkpoint": str(path)}
+            if self.best is not None:
+                summary["best"] = self.best.summary(self.run.path)
+            if self.warnings:
+                summary["warnings"] = list(self.warnings.values())
+            self.run.write_summary(summary)
+        finally:  # also when the last checkpoint fails:
+            logprobs.HEAD_DTYPE = None  # this run's head_fp32 does not outlive it (tether eval, library use)
+            self.restore_attention()  # nor its attention backends
         if self.run.is_main:
             plot_metrics(self.run.path)
         self.run.close()
