@@ -19,13 +19,8 @@
 #   callC  GGUF part 2 + bench/nan_batches: the NaN replay, then a 3-step real run at 384 tokens
 #   callD  (2 GPUs, after callC: the model in /tmp) partial rollouts with a long tail, seed 0:
 #          sync, sync + partial 96, 1 + 1, 1 + 1 + partial (session 20's callC again)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/capped.sh"  # capped SECONDS cmd...; strict mode, cd to the root, PYTHONPATH, $OUT
 mode=$1; shift
-
-source bench/capped.sh  # capped SECONDS cmd...
 
 case "$mode" in
 callA)
