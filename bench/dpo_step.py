@@ -296,9 +296,10 @@ def main(argv=None):
                     help="ours: the chunked LM head (off: the HF forward's full logits)")
     ap.add_argument("--full-logits", action="store_true", help="same as --chunked-head both (kept for old commands)")
     ap.add_argument("--compile", default="off",
-                    help="ours: off | on | both (= off,on) | static, or a comma list: on = model.compile=true "
-                         "(torch.compile per decoder layer, dynamic shapes: tether.models.load.compile_layers); "
-                         "static = the same compiled for the first shape only (dynamic=False), an A/B")
+                    help="ours: off | on | both (= off,on) | static | sequence, or a comma list: on = "
+                         "model.compile=true (torch.compile per decoder layer, dynamic shapes: "
+                         "tether.models.load.compile_layers); static = compiled for the first shape only "
+                         "(dynamic=False); sequence = only the length symbolic (dynamic='sequence'): A/Bs")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="ours keeps cuDNN's attention backend, which tether's trainers turn off on CUDA "
                          "(tether.models.load.guard_attention_backward: its backward's NaN); an A/B")
@@ -349,8 +350,8 @@ def main(argv=None):
     chunked = ["on", "off"] if args.full_logits or args.chunked_head == "both" else [args.chunked_head]
     packed = ["off", "on"] if args.packing == "both" else [args.packing]
     compiled = ["off", "on"] if args.compile == "both" else args.compile.split(",")
-    if set(compiled) - {"off", "on", "static"}:
-        ap.error(f"--compile {args.compile}: off, on, both, static or a comma list of them")
+    if set(compiled) - {"off", "on", "static", "sequence"}:
+        ap.error(f"--compile {args.compile}: off, on, both, static, sequence or a comma list of them")
     trace = (lambda name: None) if not args.trace else \
         (lambda name: str(Path(args.trace) / (name.replace(", ", "-").replace(" ", "_").replace("(", "").replace(")", "")
                                               + ".json.gz")))
@@ -360,7 +361,8 @@ def main(argv=None):
     for head, pack, comp in [(h, p, c) for h in chunked for p in packed for c in compiled]:
         name = "ours" + "".join(f", {w}" for w, on in (("packed", pack == "on"), ("full logits", head == "off"),
                                                         ("compiled", comp == "on"),
-                                                        ("compiled static", comp == "static")) if on)
+                                                        ("compiled static", comp == "static"),
+                                                        ("compiled sequence", comp == "sequence")) if on)
         split = common._split_head
         if head == "off":  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
             common._split_head = lambda m: None
@@ -368,7 +370,7 @@ def main(argv=None):
         flops = flops or model_flops(model, examples)
         if comp != "off":
             from tether.models.load import compile_layers
-            compile_layers(model, **({"dynamic": False} if comp == "static" else {}))
+            compile_layers(model, **{"on": {}, "static": {"dynamic": False}, "sequence": {"dynamic": "sequence"}}[comp])
         from tether.models.load import guard_attention_backward
         restore = (lambda: None) if args.cudnn_attention else guard_attention_backward(torch.device(dev))
         try:  # (as `tether dpo` runs: setup_training guards the attention backward)

@@ -13,7 +13,8 @@
 #     uncompiled moved too, 0.111 -> 0.134 s, on another host), current and realistic configs.
 # Modes (the GGUF fixture travels in three parts, one a call: bench/gguf_to_gpu.sh):
 #   callA  GGUF part 0 + TRL wheels (carry wheels/ and the gguf wheel): dpo_step current config,
-#          ours off / compiled (dynamic) / compiled static, TRL precomputed ref; then ours compiled
+#          ours off / compiled (dynamic) / compiled static / only the length dynamic, TRL precomputed
+#          ref; then ours compiled
 #          with cuDNN attention kept (--cudnn-attention: what the guard costs or saves)
 #   callB  GGUF part 1 + bench/gguf_parts/smol_tok: the same on the realistic config (HH lengths, packed)
 #   callC  GGUF part 2 + bench/nan_batches: the NaN replay, then a 3-step real run at 384 tokens
@@ -25,15 +26,15 @@ mode=$1; shift
 case "$mode" in
 callA)
     bash bench/gpu_session16.sh join 0
-    CUDA_VISIBLE_DEVICES=0 capped 400 python3 bench/dpo_step.py --device cuda --compile off,on,static --trl-precompute \
+    CUDA_VISIBLE_DEVICES=0 capped 400 python3 bench/dpo_step.py --device cuda --compile off,on,static,sequence --trl-precompute \
         --packing off --chunked-head on --results "$OUT/dpo.md" --json "$OUT/dpo.json" 2>&1 | grep -E "^(ours|trl)|Error" | cut -c1-300
-    CUDA_VISIBLE_DEVICES=0 capped 150 python3 bench/dpo_step.py --device cuda --compile off,on --skip-trl --cudnn-attention \
+    CUDA_VISIBLE_DEVICES=0 capped 150 python3 bench/dpo_step.py --device cuda --compile on --skip-trl --cudnn-attention \
         --packing off --chunked-head on --results "$OUT/dpo-cudnn.md" --json "$OUT/dpo-cudnn.json" 2>&1 | grep -E "^(ours|trl)|Error" | cut -c1-300
     ;;
 callB)
     bash bench/gpu_session16.sh join 1
     CUDA_VISIBLE_DEVICES=0 capped 500 python3 bench/dpo_step.py --device cuda --config realistic \
-        --length-tokenizer bench/gguf_parts/smol_tok --compile off,on,static --trl-precompute --packing on \
+        --length-tokenizer bench/gguf_parts/smol_tok --compile off,on,static,sequence --trl-precompute --packing on \
         --chunked-head on --results "$OUT/dpo-realistic.md" --json "$OUT/dpo-realistic.json" 2>&1 | grep -E "^(ours|trl)|Error" | cut -c1-300
     ;;
 callC)

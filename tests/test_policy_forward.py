@@ -146,12 +146,13 @@ def test_compile_layers_wraps_every_decoder_layer(setup):
     assert getattr(m, "_compiled_call_impl", None) is None and getattr(m.lm_head, "_compiled_call_impl", None) is None
 
 
-@pytest.mark.parametrize("dynamic", [True, None])
+@pytest.mark.parametrize("dynamic", [True, "sequence", None])
 def test_compiled_layers_take_a_new_sequence_length_without_recompiling(setup, dynamic):
     """compile_layers compiles for dynamic shapes from the first call: batches of other lengths
-    (every GRPO step's longest completion differs) run the same graph. With torch.compile's default
-    (dynamic=None: static first, compiled again at the first new length) the same calls compile
-    again — session 19's 9-10 s GPU stalls. (Dynamo only: a backend that counts its graphs.)"""
+    (every GRPO step's longest completion differs) run the same graph — also with only the length
+    symbolic ("sequence"). With torch.compile's default (dynamic=None: static first, compiled again
+    at the first new length) the same calls compile again — session 19's 9-10 s GPU stalls.
+    (Dynamo only: a backend that counts its graphs.)"""
     import torch._dynamo
     model, batch = setup
     m = copy.deepcopy(model)
@@ -179,7 +180,8 @@ def test_compiled_layers_take_a_new_sequence_length_without_recompiling(setup, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiling on CPU takes ~35 s)")
-def test_compiled_layers_same_logps_and_grads(setup, monkeypatch):
+@pytest.mark.parametrize("dynamic", [True, "sequence"])
+def test_compiled_layers_same_logps_and_grads(setup, monkeypatch, dynamic):
     model, batch = setup
     batch = {k: v.cuda() for k, v in batch.items()}
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -189,13 +191,40 @@ def test_compiled_layers_same_logps_and_grads(setup, monkeypatch):
         m.gradient_checkpointing_enable()
         m.train()
         if comp:
-            compile_layers(m)
+            compile_layers(m, dynamic=dynamic)
         lp, ent = common.completion_token_logps(m, batch, 0.7, nullcontext(), True, True)
         ((lp * torch.linspace(0.5, 1.5, lp.shape[1], device="cuda")).sum() + ent).backward()
         out.append((lp.detach(), {n: p.grad for n, p in m.named_parameters()}))
     torch.testing.assert_close(out[1][0], out[0][0], atol=1e-5, rtol=0)
     for n in out[0][1]:
         torch.testing.assert_close(out[1][1][n], out[0][1][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_sequence_dynamic_layers_give_the_same_logps_and_grads(setup):
+    """compile_layers(dynamic="sequence") (the marks in a pre-hook, the forward compiled): the same
+    log-probs and gradients as the plain model under gradient checkpointing, at two lengths.
+    (Dynamo with the eager backend: Inductor on this CPU takes ~35 s.)"""
+    import torch._dynamo
+    model, batch = setup
+    torch._dynamo.reset()
+    try:
+        for T in (batch["input_ids"].shape[1], batch["input_ids"].shape[1] - 4):
+            out = []
+            part = {k: v[:, :T] for k, v in batch.items()}
+            for comp in (False, True):
+                m = copy.deepcopy(model)
+                m.gradient_checkpointing_enable()
+                m.train()
+                if comp:
+                    compile_layers(m, backend="eager", dynamic="sequence")
+                lp, ent = common.completion_token_logps(m, part, 0.7, nullcontext(), True, True)
+                ((lp * torch.linspace(0.5, 1.5, lp.shape[1])).sum() + ent).backward()
+                out.append((lp.detach(), {n: p.grad for n, p in m.named_parameters()}))
+            torch.testing.assert_close(out[1][0], out[0][0], atol=1e-6, rtol=0)
+            for n in out[0][1]:
+                torch.testing.assert_close(out[1][1][n], out[0][1][n], atol=1e-6, rtol=1e-5, msg=n)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_head_fp32_under_bf16_autocast_gives_the_float32_logits(setup, monkeypatch):

@@ -192,11 +192,44 @@ def compile_layers(model, **options) -> int:
     completion, a DPO batch's longest pair), and a graph compiled for the first length is compiled
     again at the second (dynamic after that). On 2 H200s that recompilation stalled SmolLM2-135M's
     GRPO steps for 9-10 s twice in 100 steps (synchronous; 3-4 s in the disaggregated trainer), at
-    the step where the longest completion first fell below max_new_tokens (session 19)."""
+    the step where the longest completion first fell below max_new_tokens (session 19).
+
+    dynamic="sequence" (an A/B, not the default: unmeasured on a GPU): only the sequence length is
+    symbolic, from the first call (marked on every layer input before the compiled forward runs);
+    batch and the other sizes stay static, as torch.compile's own second compilation would make
+    them. dynamic=True makes every size symbolic, which may cost each layer call host time: a
+    24-layer tiny model's forward + backward on the 2-core dev CPU (3 runs each, session 20) took
+    18.8–19.3 ms static, 18.1–20.2 length-only, 20.4–21.5 dynamic at the first length; at a
+    second length 22.7–23.4 (static, compiled again), 23.3–25.6, 24.2–25.9. A GPU step's host time
+    is what bench/dpo_step.py --compile on,static,sequence compares."""
     layers = decoder_layers(model)
+    sequence = options.get("dynamic") == "sequence"
     for layer in layers:
-        layer.compile(**{"dynamic": True, **options})
+        if sequence:  # the hook runs outside the compiled forward, so its marks reach the first trace
+            layer.forward = torch.compile(layer.forward, **{**options, "dynamic": None})
+            layer.register_forward_pre_hook(_mark_sequence_dynamic, with_kwargs=True)
+        else:
+            layer.compile(**{"dynamic": True, **options})
     return len(layers)
+
+
+def _mark_sequence_dynamic(module, args, kwargs):
+    """A decoder layer's inputs with the sequence length marked dynamic: hidden states [B, T, H],
+    RoPE's (cos, sin) [B, T, D], a 4D mask [B, 1, T, T], position ids [B, T], cache positions [T]."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if torch.is_tensor(hidden):
+        mark(hidden, 1)
+    for t in kwargs.get("position_embeddings") or ():
+        if torch.is_tensor(t) and t.dim() == 3:
+            mark(t, 1)
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 4:
+        mark(mask, [2, 3])
+    for name, dim in (("position_ids", 1), ("cache_position", 0)):
+        t = kwargs.get(name)
+        if torch.is_tensor(t) and t.dim() > dim:
+            mark(t, dim)
 
 
 def guard_attention_backward(device: torch.device) -> Callable[[], None]:
