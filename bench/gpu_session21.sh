@@ -11,6 +11,10 @@
 #   - §2: the DPO step under dynamic vs static compilation (session 20: ours compiled 0.085 s, 1.44×
 #     TRL precomputed-ref, vs 0.076 s / 1.70× in session 14 with static compilation — but ours
 #     uncompiled moved too, 0.111 -> 0.134 s, on another host), current and realistic configs.
+# Ask for kind nvidia-h200-x2 from the first call (callD needs two GPUs; a new kind is a new machine).
+# carry: callA wheels, bench/gguf_parts/smollm2.gguf.part-00, bench/gguf_parts/gguf-0.19.0-py3-none-any.whl;
+# callB bench/gguf_parts/smollm2.gguf.part-01, bench/gguf_parts/smol_tok; callC
+# bench/gguf_parts/smollm2.gguf.part-02, bench/nan_batches; callD nothing.
 # Modes (the GGUF fixture travels in three parts, one a call: bench/gguf_to_gpu.sh):
 #   callA  GGUF part 0 + TRL wheels (carry wheels/ and the gguf wheel): dpo_step current config,
 #          ours off / compiled (dynamic) / compiled static / only the length dynamic, TRL precomputed
