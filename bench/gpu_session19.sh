@@ -15,13 +15,8 @@
 # tests did not fit the device time), callC, callD (commit c98c855); lease 2 (after e88c4d1) =
 # `join 0`, `join 1`, `TORCH_LOGS=recompiles DEADLINE=560 callC`, then `SEEDS=2 bash
 # bench/gpu_session16.sh async5a` — RESULTS.md "Session 19".
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/capped.sh"  # capped SECONDS cmd...; strict mode, cd to the root, PYTHONPATH, $OUT
 mode=$1; shift
-
-source bench/capped.sh  # capped SECONDS cmd...
 summary() {
     python3 bench/async_summary.py /tmp/rl/c-* --json "$OUT/async-summary.json" > "$OUT/async-summary.md" 2>&1
     cat "$OUT/async-summary.md"

@@ -12,13 +12,8 @@
 #          and TRL's (session 14 gave it 520 s)
 #   callB  GGUF part 1: 0.5B GRPO on one GPU, synchronous vs interleaved staleness 1, compiled
 #   callC  GGUF part 2: partial rollouts, seed 0 (sync, sync + partial, 1 + 1, 1 + 1 + partial)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/capped.sh"  # capped SECONDS cmd...; strict mode, cd to the root, PYTHONPATH, $OUT
 mode=$1; shift
-
-source bench/capped.sh  # capped SECONDS cmd...
 
 case "$mode" in
 callA)

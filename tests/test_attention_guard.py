@@ -34,41 +34,42 @@ def test_the_guard_turns_cudnn_attention_off_on_cuda_only_and_puts_it_back(cudnn
     assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
-def test_a_run_trains_without_cudnn_attention_and_puts_it_back_at_its_end(tmp_path, monkeypatch, cudnn_on):
-    """The skeleton turns it off before the first forward and back at finish(). (On this CPU the run
-    is made to take its device for CUDA's: the guard is what the test follows.)"""
+@pytest.fixture
+def sft_run(tmp_path, monkeypatch, cudnn_on):
+    """An SFT run on this CPU made to take its device for CUDA's (the guard is what the tests follow):
+    returns run(max_steps)."""
     import tether.trainers.setup as setup
     import tether.trainers.sft as sft
 
     make_tiny_model(tmp_path / "model")
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": "a", "completion": "b"}) + "\n" for _ in range(4)))
     monkeypatch.setattr(setup, "guard_attention_backward", lambda device: guard_attention_backward(torch.device("cuda")))
+    return lambda max_steps: sft.train_sft(sft.SFTConfig(
+        model=str(tmp_path / "model"), data=str(tmp_path / "d.jsonl"), runs_dir=str(tmp_path / "runs"),
+        max_steps=max_steps, batch_size=2, device="cpu", progress=False))
+
+
+def test_a_run_trains_without_cudnn_attention_and_puts_it_back_at_its_end(sft_run, monkeypatch):
+    """The skeleton turns it off before the first forward and back at finish()."""
+    import tether.trainers.sft as sft
+
     seen = []
     real = sft.forward_inputs  # every SFT forward's inputs pass through it
     monkeypatch.setattr(sft, "forward_inputs",
                         lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or real(*a, **k))
-    sft.train_sft(sft.SFTConfig(model=str(tmp_path / "model"), data=str(tmp_path / "d.jsonl"),
-                                runs_dir=str(tmp_path / "runs"), max_steps=2, batch_size=2, device="cpu",
-                                progress=False))
+    sft_run(2)
     assert seen and not any(seen)  # every training forward ran with it off
     assert torch.backends.cuda.cudnn_sdp_enabled()  # and the run's end put it back
 
 
-def test_a_run_that_fails_to_start_puts_it_back(tmp_path, monkeypatch, cudnn_on):
+def test_a_run_that_fails_to_start_puts_it_back(sft_run, monkeypatch):
     import tether.trainers.setup as setup
-    import tether.trainers.sft as sft
-
-    make_tiny_model(tmp_path / "model")
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": "a", "completion": "b"}) + "\n" for _ in range(4)))
-    monkeypatch.setattr(setup, "guard_attention_backward", lambda device: guard_attention_backward(torch.device("cuda")))
 
     def broken(*a, **k):
         raise RuntimeError("optimizer")
     monkeypatch.setattr(setup, "make_optimizer", broken)
     with pytest.raises(RuntimeError, match="optimizer"):
-        sft.train_sft(sft.SFTConfig(model=str(tmp_path / "model"), data=str(tmp_path / "d.jsonl"),
-                                    runs_dir=str(tmp_path / "runs"), max_steps=1, batch_size=2, device="cpu",
-                                    progress=False))
+        sft_run(1)
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
