@@ -300,9 +300,9 @@ def main(argv=None):
                          "model.compile=true (torch.compile per decoder layer, dynamic shapes: "
                          "tether.models.load.compile_layers); static = compiled for the first shape only "
                          "(dynamic=False); sequence = only the length symbolic (dynamic='sequence'): A/Bs")
-    ap.add_argument("--cudnn-attention", action="store_true",
-                    help="ours keeps cuDNN's attention backend, which tether's trainers turn off on CUDA "
-                         "(tether.models.load.guard_attention_backward: its backward's NaN); an A/B")
+    ap.add_argument("--no-cudnn-attention", action="store_true",
+                    help="ours without cuDNN's attention backend, as session 20's trainers ran (its backward's "
+                         "NaN; since session 21 they pad the keys instead: tether.models.attention); an A/B")
     ap.add_argument("--trl-compile", action="store_true",
                     help="also run TRL (precomputed ref if --trl-precompute) with torch_compile=True (the whole model)")
     ap.add_argument("--trace", default=None,
@@ -371,9 +371,11 @@ def main(argv=None):
         if comp != "off":
             from tether.models.load import compile_layers
             compile_layers(model, **{"on": {}, "static": {"dynamic": False}, "sequence": {"dynamic": "sequence"}}[comp])
-        from tether.models.load import guard_attention_backward
-        restore = (lambda: None) if args.cudnn_attention else guard_attention_backward(torch.device(dev))
-        try:  # (as `tether dpo` runs: setup_training guards the attention backward)
+        from tether.models.attention import guard_attention_backward
+        restore = guard_attention_backward(torch.device(dev))  # as `tether dpo` runs (setup_training)
+        if args.no_cudnn_attention and dev == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
             results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro,
                                        trace(name))
         except torch.OutOfMemoryError:  # a row of the table, not the end of the run
@@ -381,6 +383,8 @@ def main(argv=None):
         finally:
             common._split_head = split
             restore()
+            if args.no_cudnn_attention and dev == "cuda":
+                torch.backends.cuda.enable_cudnn_sdp(True)
         print(f"{name}:", json.dumps(results[name]), flush=True)
         del model
         free(dev)
@@ -412,7 +416,7 @@ def main(argv=None):
             continue
         r["tokens_per_s"] = tokens / r["step_s"]
         r["mfu"] = flops / r["step_s"] / peak_fl if peak_fl else None
-    section = render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops, args.cudnn_attention)
+    section = render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops, args.no_cudnn_attention)
     print(section)
     if args.results and args.results != "/dev/null":
         with open(args.results, "a") as f:
@@ -421,7 +425,7 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops, cudnn=False) -> str:
+def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, flops, no_cudnn=False) -> str:
     cmd = ("python bench/dpo_step.py " + " ".join(sys.argv[1:])).strip()
     prec = "fp32 weights + bf16 autocast" if dev == "cuda" else "fp32"
     lines = [f"## dpo_step: ours vs TRL DPOTrainer — {kind}, {shape}",
@@ -455,8 +459,9 @@ def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, 
              "only, LM head on completion tokens) over the step time and "
              + (f"a peak of {peak_fl / 1e12:g} TFLOP/s." if peak_fl else "no known peak (pass --peak-tflops): —."),
              "- tokens through the model: ours, the micro-batches' input_ids elements (padded rows, or packed rows).",
-             "- ours: cuDNN's attention backend " + ("kept (--cudnn-attention)." if cudnn else
-                                                    "off on CUDA, as tether's trainers run (guard_attention_backward).")]
+             "- ours: " + ("cuDNN's attention backend off (--no-cudnn-attention, session 20's guard)." if no_cudnn else
+                           "SDPA's default backends, keys padded at lengths ≡ 64 (mod 128) as tether's trainers "
+                           "run (tether.models.attention; session 20's rows ran without cuDNN).")]
     one_chunk = [n for n, r in results.items() if n.startswith("ours") and "full logits" not in n
                  and not r.get("oom") and not r["head_chunked"]]
     if one_chunk:

@@ -90,6 +90,7 @@ def main():
     ap.add_argument("--json", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", type=int, default=0, help="only the first N rows (a CPU smoke run)")
+    ap.add_argument("--quick", action="store_true", help="only as trained and under the guard (session 22)")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
     from torch.nn.attention import SDPBackend
@@ -116,6 +117,16 @@ def main():
 
     model = load("sdpa")
     record("sdpa bf16 (as trained)", **case(model, tensors, mask, adv, every, bf16))
+    from tether.models.attention import guard_attention_backward  # session 21's fix: 16 masked keys more
+    restore = guard_attention_backward(dev)
+    try:
+        record("sdpa bf16 guarded", **case(model, tensors, mask, adv, every, bf16))
+        record("sdpa bf16 guarded, only cudnn",
+               **case(model, tensors, mask, adv, every, bf16, backends=[SDPBackend.CUDNN_ATTENTION]))
+    finally:
+        restore()
+    if a.quick:
+        return
     record("sdpa fp32", **case(model, tensors, mask, adv, every, fp32))
     for name, b in [("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH),
                     ("cudnn", SDPBackend.CUDNN_ATTENTION)]:

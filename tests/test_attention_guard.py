@@ -1,41 +1,124 @@
-"""Training runs without cuDNN's attention backend on CUDA (tether.models.load.guard_attention_backward):
-its backward writes NaN into the query gradient at sequence lengths 64 more than a multiple of 128
-with a mask and a row whose log-sum-exp is below -88.7 (session 20: every GRPO step of SmolLM2 at
-384 new tokens on an H200)."""
+"""While a run trains on CUDA, transformers' "sdpa" attention gets 16 masked keys more at key lengths
+≡ 64 (mod 128) (tether.models.attention): cuDNN's backward writes NaN into the query gradient
+there with a mask and a row whose log-sum-exp is below -88.7 (session 20: every GRPO step of
+SmolLM2 at 384 new tokens on an H200; session 21: the saved batch NaN with cuDNN only)."""
 
+import contextlib
 import json
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
 
+import tether.models.attention as attention
 from tether.models import make_tiny_model
-from tether.models.load import guard_attention_backward
+from tether.models.attention import guard_attention_backward, needs_extra_keys, with_extra_keys
+
+SDPA = AttentionInterface._global_mapping["sdpa"]
 
 
-@pytest.fixture
-def cudnn_on():
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    yield
-    torch.backends.cuda.enable_cudnn_sdp(before)
+def test_the_bad_case_is_cuda_a_mask_gradients_and_a_key_length_64_more_than_a_multiple_of_128():
+    cuda_q = types.SimpleNamespace(is_cuda=True)
+    keys = lambda n: torch.empty(1, 1, n, 8)  # noqa: E731
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    assert [n for n in range(16, 1200, 16) if needs_extra_keys(cuda_q, keys(n), mask)] == \
+        [64, 192, 320, 448, 576, 704, 832, 960, 1088]
+    assert not needs_extra_keys(cuda_q, keys(448), None)  # no mask: is_causal=True, clean
+    assert not needs_extra_keys(torch.empty(1), keys(448), mask)  # not CUDA
+    with torch.no_grad():  # sampling, reference log-probs, eval: the forward is right
+        assert not needs_extra_keys(cuda_q, keys(448), mask)
+    assert (448 + attention.EXTRA_KEYS) % 128 != 64
 
 
-def test_the_guard_turns_cudnn_attention_off_on_cuda_only_and_puts_it_back(cudnn_on):
-    restore = guard_attention_backward(torch.device("cpu"))
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # nothing to guard off CUDA
-    restore()
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_extra_masked_keys_change_no_output_and_no_gradient(float_mask):
+    """Through transformers' own sdpa_attention_forward, grouped-query heads, right-padded rows."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D = 3, 4, 2, 448, 16
+    module = types.SimpleNamespace(num_key_value_groups=Hq // Hkv, is_causal=True)
+    q0, k0, v0 = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 400:], keep[2, 300:] = False, False  # shorter rows
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    if float_mask:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+    def run(pad):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        kk, vv, m = with_extra_keys(k, v, mask) if pad else (k, v, mask)
+        out, _ = sdpa_attention_forward(module, q, kk, vv, m)
+        out.backward(torch.ones_like(out) * torch.arange(T)[None, :, None, None])
+        return out, q.grad, k.grad, v.grad
+    padded, plain = run(True), run(False)
+    assert padded[0].shape == plain[0].shape == (B, T, Hq, D)
+    assert with_extra_keys(k0, v0, mask)[0].shape[-2] == T + 16
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # what the padding must be: visible extra keys (mask True / 0.0) change the output
+    wrong = F.pad(mask, (0, 16), value=True if not float_mask else 0.0)
+    out, _ = sdpa_attention_forward(module, q0, F.pad(k0, (0, 0, 0, 16)), F.pad(v0, (0, 0, 0, 16)), wrong)
+    assert not torch.allclose(out, plain[0], atol=1e-3)
+
+
+def test_guard_routes_sdpa_on_cuda_only_once_and_puts_it_back():
+    assert AttentionInterface._global_mapping["sdpa"] is SDPA
+    guard_attention_backward(torch.device("cpu"))()
+    assert AttentionInterface._global_mapping["sdpa"] is SDPA  # nothing to guard off CUDA
     restore = guard_attention_backward(torch.device("cuda", 0))
-    assert not torch.backends.cuda.cudnn_sdp_enabled()
-    restore()
-    assert torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)  # put back as it was, not switched on
-    guard_attention_backward(torch.device("cuda"))()
-    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        wrapped = AttentionInterface._global_mapping["sdpa"]
+        assert wrapped.tether_inner is SDPA
+        guard_attention_backward(torch.device("cuda"))()  # a guard inside a guard: the outer restores
+        assert AttentionInterface._global_mapping["sdpa"] is wrapped
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # the fast backend stays on
+    finally:
+        restore()
+    assert AttentionInterface._global_mapping["sdpa"] is SDPA
+
+
+def test_a_tiny_model_left_padded_gives_the_same_logps_and_gradients_with_the_extra_keys(monkeypatch):
+    """The guard in a real forward + backward (a Llama, left-padded rows: fully masked query rows),
+    made to pad on this CPU."""
+    from tether.models.logprobs import completion_token_logps
+
+    model, _ = make_tiny_model(None, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                               intermediate_size=128)
+    torch.manual_seed(0)
+    N, W = 4, 192
+    ids = torch.randint(3, model.config.vocab_size, (N, W))
+    attn = torch.ones(N, W, dtype=torch.long)
+    attn[::2, :5] = 0
+    comp = torch.zeros(N, W, dtype=torch.bool)
+    comp[:, 64:] = True
+    batch = {"input_ids": ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+             "completion_mask": comp}
+
+    def logps_and_grads():
+        model.zero_grad(set_to_none=True)
+        lp, _ = completion_token_logps(model, batch, 1.0, contextlib.nullcontext())
+        (lp * comp).sum().backward()
+        return [lp.detach()] + [p.grad.clone() for p in model.parameters()]
+    plain = logps_and_grads()
+    calls = []
+    def pad_here(q, k, m):  # this CPU's stand-in for CUDA's bad case: every masked forward with gradients
+        calls.append((k.shape[-2], m is not None and torch.is_grad_enabled()))
+        return calls[-1][1]
+    monkeypatch.setattr(attention, "needs_extra_keys", pad_here)
+    restore = guard_attention_backward(torch.device("cuda"))
+    try:
+        padded = logps_and_grads()
+    finally:
+        restore()
+    assert calls == [(W, True), (W, True)]  # both layers' attention padded, from the batch's width
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture
-def sft_run(tmp_path, monkeypatch, cudnn_on):
+def sft_run(tmp_path, monkeypatch):
     """An SFT run on this CPU made to take its device for CUDA's (the guard is what the tests follow):
     returns run(max_steps)."""
     import tether.trainers.setup as setup
@@ -49,20 +132,20 @@ def sft_run(tmp_path, monkeypatch, cudnn_on):
         max_steps=max_steps, batch_size=2, device="cpu", progress=False))
 
 
-def test_a_run_trains_without_cudnn_attention_and_puts_it_back_at_its_end(sft_run, monkeypatch):
-    """The skeleton turns it off before the first forward and back at finish()."""
+def test_a_run_trains_through_the_guard_and_puts_sdpa_back_at_its_end(sft_run, monkeypatch):
+    """The skeleton installs it before the first forward and takes it out at finish()."""
     import tether.trainers.sft as sft
 
     seen = []
     real = sft.forward_inputs  # every SFT forward's inputs pass through it
-    monkeypatch.setattr(sft, "forward_inputs",
-                        lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or real(*a, **k))
+    monkeypatch.setattr(sft, "forward_inputs", lambda *a, **k: seen.append(
+        getattr(AttentionInterface._global_mapping["sdpa"], "tether_inner", None) is SDPA) or real(*a, **k))
     sft_run(2)
-    assert seen and not any(seen)  # every training forward ran with it off
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # and the run's end put it back
+    assert seen and all(seen)  # every training forward ran guarded
+    assert AttentionInterface._global_mapping["sdpa"] is SDPA  # and the run's end put it back
 
 
-def test_a_run_that_fails_to_start_puts_it_back(sft_run, monkeypatch):
+def test_a_run_that_fails_to_start_puts_sdpa_back(sft_run, monkeypatch):
     import tether.trainers.setup as setup
 
     def broken(*a, **k):
@@ -70,20 +153,21 @@ def test_a_run_that_fails_to_start_puts_it_back(sft_run, monkeypatch):
     monkeypatch.setattr(setup, "make_optimizer", broken)
     with pytest.raises(RuntimeError, match="optimizer"):
         sft_run(1)
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert AttentionInterface._global_mapping["sdpa"] is SDPA
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_left_padded_batch_448_wide_has_a_finite_gradient_under_the_guard(cudnn_on):
+def test_left_padded_batch_448_wide_has_a_finite_gradient_under_the_guard():
     """The shape of session 20's NaN: a Llama in bf16 autocast, rows left-padded (fully masked query
-    rows: log-sum-exp -inf), 448 = 3·128 + 64 wide. Under the guard every gradient is finite.
-    Without it, whether cuDNN's kernel fails depends on the torch/cuDNN build: printed, not asserted."""
+    rows: log-sum-exp -inf), 448 = 3·128 + 64 wide, cuDNN attention on. Under the guard every
+    gradient is finite. Without it, whether cuDNN's kernel fails depends on the torch/cuDNN build
+    (session 21's H200, torch 2.11: it did): printed, not asserted."""
     from tether.models.logprobs import completion_token_logps
 
     torch.manual_seed(0)
     model, _ = make_tiny_model(None, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                            intermediate_size=256)
+                               intermediate_size=256)
     model = model.cuda()
     N, W = 8, 448
     ids = torch.randint(3, model.config.vocab_size, (N, W), device="cuda")
@@ -100,12 +184,17 @@ def test_left_padded_batch_448_wide_has_a_finite_gradient_under_the_guard(cudnn_
         lp, _ = completion_token_logps(model, batch, 1.0, amp)
         (lp * comp).sum().backward()
         return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    try:  # a build may raise on this shape rather than write NaN: either way, not the guard's test
-        print("without the guard, finite:", grads_finite())
-    except RuntimeError as e:
-        print("without the guard:", type(e).__name__, str(e)[:200])
-    restore = guard_attention_backward(torch.device("cuda"))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        assert grads_finite()
+        try:  # a build may raise on this shape rather than write NaN: either way, not the guard's test
+            print("without the guard, finite:", grads_finite())
+        except RuntimeError as e:
+            print("without the guard:", type(e).__name__, str(e)[:200])
+        restore = guard_attention_backward(torch.device("cuda"))
+        try:
+            assert grads_finite()
+        finally:
+            restore()
     finally:
-        restore()
+        torch.backends.cuda.enable_cudnn_sdp(before)

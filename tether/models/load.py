@@ -232,29 +232,6 @@ def _mark_sequence_dynamic(module, args, kwargs):
             mark(t, dim)
 
 
-def guard_attention_backward(device: torch.device) -> Callable[[], None]:
-    """Turn PyTorch's cuDNN attention backend off for a training run on CUDA; returns the call that
-    puts it back as it was (nothing happens on other devices).
-
-    Why: cuDNN's SDPA backward (the default for a masked bf16 attention on H100/H200 since torch
-    2.11) writes NaN into the query gradient when the sequence length is 64 more than a multiple
-    of 128, a mask tensor is passed, and some query row's log-sum-exp is below ln(float32 max)
-    ≈ -88.7 — a fully masked row (a left-padded prompt's pad positions: its log-sum-exp is -inf)
-    or a "massive activation" head (pytorch#196678; TRL's DPO on Qwen2.5, trl#7181). The forward
-    is right. Session 20: SmolLM2's GRPO at 384 new tokens had every step's gradient NaN on an
-    H200 (the non-finite guard refused them all): those batches were 448 = 3·128 + 64 wide with
-    left-padded rows; at 96 new tokens (widths ≤ 160) never; not on CPU, not at 432 wide (the
-    cause by these three conditions; bench/nan_replay.py confirms it by backend on a GPU, not yet
-    run). Without cuDNN, SDPA takes the memory-efficient kernel for a masked attention. A training
-    run turns it off from setup to finish (its sampling too); `tether eval` and sampling outside a
-    run keep it: forwards are right."""
-    if device.type != "cuda":
-        return lambda: None
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    return lambda: torch.backends.cuda.enable_cudnn_sdp(before)
-
-
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layers of a HF causal LM (under LoRA, a reward head or a critic too): the first
     ModuleList of `*DecoderLayer` modules; [] when there is none."""

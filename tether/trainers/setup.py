@@ -34,7 +34,8 @@ from tether import distributed
 from tether.config import ConfigError
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
-from tether.models.load import DTYPES, compile_layers, guard_attention_backward, hf_progress, stored_dtype
+from tether.models.attention import guard_attention_backward
+from tether.models.load import DTYPES, compile_layers, hf_progress, stored_dtype
 from tether.models import logprobs
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import adapters_off, apply_lora
@@ -145,7 +146,7 @@ class Training:
     eval_shown: dict = field(default_factory=dict)
     "the last eval point's headline number, for the progress bar's postfix"
     restore_attention: Callable[[], None] = lambda: None
-    "puts back the attention backends guard_attention_backward changed for this run (finish() calls it)"
+    "puts back the attention guard_attention_backward installed for this run (finish() calls it)"
 
     def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss, gradient norm and the updated weights are finite (else the
