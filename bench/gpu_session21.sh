@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU calls planned after session 20 (1 GPU is enough; idle release is 30 s: chain the calls). What
+# GPU calls planned after session 20 (ran in session 21: callB cut to --compile static, callD inlined
+# with 100 s caps and 40 steps — benchmarks/RESULTS.md "Session 21"; 1 GPU is enough; idle release is 30 s: chain the calls). What
 # issue 19 still needs a GPU for:
 #   - session 20's NaN: SmolLM2 GRPO at rollout.max_new_tokens=384 had a non-finite gradient on every
 #     step on the H200 (compiled or not, sampling copy or not; never at 96; not on CPU, not with
