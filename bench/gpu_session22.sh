@@ -5,6 +5,7 @@
 #     ≡ 64 (mod 128) (tether/models/attention.py). Tested on CPU only: callA's GPU test and callC's
 #     replay (as trained / guarded / guarded with only cuDNN) must show finite gradients.
 #   - §2 with cuDNN back on: the DPO step compiled dynamic (the default) and static, both configs.
+#   - partial rollouts: where a round's sampling time goes (bench/partial_profile.py, per sampler call).
 # carry: callA wheels, bench/gguf_parts/smollm2.gguf.part-00, bench/gguf_parts/gguf-0.19.0-py3-none-any.whl;
 # callB bench/gguf_parts/smollm2.gguf.part-01, bench/gguf_parts/smol_tok; callC
 # bench/gguf_parts/smollm2.gguf.part-02, bench/nan_batches (git-ignored: saved in session 20 by
@@ -32,6 +33,9 @@ callC)
     CUDA_VISIBLE_DEVICES=0 capped 120 python3 bench/nan_replay.py --quick --model /tmp/smollm2 --batch bench/nan_batches/batch1.pt \
         --json "$OUT/replay.json" 2>&1 | grep -E '^\{|Error' | cut -c1-300
     [ -f /tmp/arith/train.jsonl ] || python3 bench/real_model_data.py --out /tmp/arith > /dev/null
+    # where a partial round's 1.0-1.3 s of sampling goes (session 21): per sampler call, constant weights
+    CUDA_VISIBLE_DEVICES=0 capped 120 python3 bench/partial_profile.py --model /tmp/smollm2 --data /tmp/arith \
+        --device cuda --steps 12 --json "$OUT/partial-profile.json" 2>&1 | grep -E "step (0|1|5|11):|==|Error" | cut -c1-600
     mkdir -p /tmp/rl  # session 21's synchronous 384-token run again (there without cuDNN): rollout and step seconds
     CUDA_VISIBLE_DEVICES=0 capped 110 python3 bench/real_model_rl.py tether --model /tmp/smollm2 --out /tmp/rl/p-sync-s0 \
         --recipe lr1e5_g16 --data /tmp/arith --budget 100000 --seed 0 --eval-every 1000 --set optim.max_steps=40 \
