@@ -372,9 +372,12 @@ def main(argv=None):
             from tether.models.load import compile_layers
             compile_layers(model, **{"on": {}, "static": {"dynamic": False}, "sequence": {"dynamic": "sequence"}}[comp])
         from tether.models.attention import guard_attention_backward
-        restore = guard_attention_backward(torch.device(dev))  # as `tether dpo` runs (setup_training)
-        if args.no_cudnn_attention and dev == "cuda":
-            torch.backends.cuda.enable_cudnn_sdp(False)
+        cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+        if args.no_cudnn_attention:  # session 20's guard instead of session 21's
+            restore = lambda: torch.backends.cuda.enable_cudnn_sdp(cudnn)  # noqa: E731
+            torch.backends.cuda.enable_cudnn_sdp(dev != "cuda" and cudnn)
+        else:
+            restore = guard_attention_backward(torch.device(dev))  # as `tether dpo` runs (setup_training)
         try:
             results[name] = bench_ours(model, tok, examples, dev, warmup, steps, pack == "on", micro,
                                        trace(name))
@@ -383,8 +386,6 @@ def main(argv=None):
         finally:
             common._split_head = split
             restore()
-            if args.no_cudnn_attention and dev == "cuda":
-                torch.backends.cuda.enable_cudnn_sdp(True)
         print(f"{name}:", json.dumps(results[name]), flush=True)
         del model
         free(dev)

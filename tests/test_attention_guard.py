@@ -42,6 +42,7 @@ def test_extra_masked_keys_change_no_output_and_no_gradient(float_mask):
     q0, k0, v0 = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     keep = torch.ones(B, T, dtype=torch.bool)
     keep[1, 400:], keep[2, 300:] = False, False  # shorter rows
+    keep[0, :5] = False  # and a left-padded one: its first 5 query rows see no key at all
     mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
     if float_mask:
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -56,11 +57,26 @@ def test_extra_masked_keys_change_no_output_and_no_gradient(float_mask):
     assert padded[0].shape == plain[0].shape == (B, T, Hq, D)
     assert with_extra_keys(k0, v0, mask)[0].shape[-2] == T + 16
     for a, b in zip(padded, plain):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
     # what the padding must be: visible extra keys (mask True / 0.0) change the output
     wrong = F.pad(mask, (0, 16), value=True if not float_mask else 0.0)
     out, _ = sdpa_attention_forward(module, q0, F.pad(k0, (0, 0, 0, 16)), F.pad(v0, (0, 0, 0, 16)), wrong)
     assert not torch.allclose(out, plain[0], atol=1e-3)
+
+
+def test_a_position_bias_gets_the_extra_keys_too(monkeypatch):
+    """T5-style models add a [B, H, Q, K] bias to the mask: padded with the keys (else a crash at
+    the first batch of a bad length)."""
+    torch.manual_seed(1)
+    B, H, T, D = 2, 2, 64, 8
+    module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T)
+    bias = torch.randn(B, H, T, T)
+    plain, _ = sdpa_attention_forward(module, q, k, v, mask, position_bias=bias)
+    monkeypatch.setattr(attention, "needs_extra_keys", lambda q, k, m: True)
+    padded, _ = attention._safe(sdpa_attention_forward)(module, q, k, v, mask, position_bias=bias)
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_guard_routes_sdpa_on_cuda_only_once_and_puts_it_back():
@@ -77,6 +93,14 @@ def test_guard_routes_sdpa_on_cuda_only_once_and_puts_it_back():
     finally:
         restore()
     assert AttentionInterface._global_mapping["sdpa"] is SDPA
+    restore = guard_attention_backward(torch.device("cuda"))
+    theirs = lambda *a, **k: None  # noqa: E731  (registered by someone else during the run)
+    AttentionInterface.register("sdpa", theirs)
+    try:
+        restore()
+        assert AttentionInterface._global_mapping["sdpa"] is theirs  # left as they set it
+    finally:
+        AttentionInterface.register("sdpa", SDPA)
 
 
 def test_a_tiny_model_left_padded_gives_the_same_logps_and_gradients_with_the_extra_keys(monkeypatch):
@@ -127,9 +151,9 @@ def sft_run(tmp_path, monkeypatch):
     make_tiny_model(tmp_path / "model")
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": "a", "completion": "b"}) + "\n" for _ in range(4)))
     monkeypatch.setattr(setup, "guard_attention_backward", lambda device: guard_attention_backward(torch.device("cuda")))
-    return lambda max_steps: sft.train_sft(sft.SFTConfig(
+    return lambda max_steps, **kw: sft.train_sft(sft.SFTConfig(
         model=str(tmp_path / "model"), data=str(tmp_path / "d.jsonl"), runs_dir=str(tmp_path / "runs"),
-        max_steps=max_steps, batch_size=2, device="cpu", progress=False))
+        max_steps=max_steps, batch_size=2, device="cpu", progress=False, **kw))
 
 
 def test_a_run_trains_through_the_guard_and_puts_sdpa_back_at_its_end(sft_run, monkeypatch):
@@ -143,6 +167,28 @@ def test_a_run_trains_through_the_guard_and_puts_sdpa_back_at_its_end(sft_run, m
     sft_run(2)
     assert seen and all(seen)  # every training forward ran guarded
     assert AttentionInterface._global_mapping["sdpa"] is SDPA  # and the run's end put it back
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_run_stopped_mid_training_puts_sdpa_and_the_head_dtype_back(sft_run, monkeypatch, error):
+    """An error or Ctrl-C after some steps (finish() never runs): the entry point releases the run."""
+    import tether.trainers.setup as setup
+    from tether.models import logprobs
+
+    real, calls = setup.Training.optimizer_step, []
+
+    def step_then_fail(self, loss):
+        calls.append(logprobs.HEAD_DTYPE)
+        if len(calls) == 2:
+            raise error("mid-run")
+        return real(self, loss)
+    monkeypatch.setattr(setup.Training, "optimizer_step", step_then_fail)
+    with pytest.raises(error, match="mid-run"):
+        sft_run(4, head_fp32=True)
+    assert calls == [torch.float32, torch.float32]  # the run's head dtype while it trained...
+    assert AttentionInterface._global_mapping["sdpa"] is SDPA
+    assert logprobs.HEAD_DTYPE is None  # ...put back
+    assert setup._OPEN == []
 
 
 def test_a_run_that_fails_to_start_puts_sdpa_back(sft_run, monkeypatch):
@@ -198,3 +244,41 @@ def test_left_padded_batch_448_wide_has_a_finite_gradient_under_the_guard():
             restore()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("L", [64, 192, 448, 704, 1088])
+def test_cudnn_backward_through_the_guard_is_finite_at_the_bad_lengths(L):
+    """pytorch#196678's inputs (every logit about -120: each row's log-sum-exp below -88.7), cuDNN
+    forced: through the guard's attention every gradient is finite and matches the memory-efficient
+    kernel's. Unguarded, the build decides (printed). If cuDNN refuses the padded shape, this fails
+    with "no available kernel": then the guard would leave cuDNN there (a speed question)."""
+    import math
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    D = 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q0, k0 = (0.1 * torch.randn(1, 1, L, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v0 = torch.randn(1, 1, L, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    q0[..., 0], k0[..., 0] = 1.0, -120 * math.sqrt(D)
+    mask = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()[None, None]
+    dout = torch.randn(1, L, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+
+    def grads(fn, backend):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        with sdpa_kernel([backend]):
+            out, _ = fn(module, q, k, v, mask)
+            out.backward(dout)
+        return [t.float() for t in (out, q.grad, k.grad, v.grad)]
+    try:
+        plain = grads(sdpa_attention_forward, SDPBackend.CUDNN_ATTENTION)
+        print(f"L={L} unguarded cuDNN, gradients finite:", all(torch.isfinite(t).all().item() for t in plain))
+    except RuntimeError as e:
+        print(f"L={L} unguarded cuDNN:", str(e)[:120])
+    guarded = grads(attention._safe(sdpa_attention_forward), SDPBackend.CUDNN_ATTENTION)
+    reference = grads(sdpa_attention_forward, SDPBackend.EFFICIENT_ATTENTION)
+    for a, b in zip(guarded, reference):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -12,12 +12,15 @@ Session 20: every GRPO step of SmolLM2 at 384 new tokens on an H200 had a NaN gr
 448 = 3·128 + 64, left-padded rows); session 21 replayed the saved batch: NaN with cuDNN only,
 finite with the memory-efficient kernel, eager, or the padded rows removed.
 
-Turning cuDNN attention off for the whole run (session 20's fix) cost the compiled DPO step 22 %
-on an H200 (0.0955 s vs 0.0745 s). Instead, while a run trains, transformers' "sdpa" attention
+Turning cuDNN attention off for the whole run (session 20's fix) made the compiled DPO step 28 %
+slower on an H200 (0.0955 s vs 0.0745 s, two processes, a config without masks). Instead, while a run trains, transformers' "sdpa" attention
 gets 16 masked keys more whenever the key length is ≡ 64 (mod 128) and a mask is passed with
 gradients on: the result is the same (a masked key has weight exactly 0) and the length is out of
 the kernel's bad case; every other shape runs on the fastest kernel as before. Forwards without
-gradients (sampling, reference log-probs, `tether eval`) never pad: the forward is right."""
+gradients (sampling, reference log-probs, `tether eval`) never pad: the forward is right.
+Under compile_layers the length test is a guard: the first batch of a bad length compiles the
+layer graph once more (then both stay cached). Confirmed on a GPU: not yet (session 21 had no
+device time left; bench/gpu_session22.sh runs the GPU tests and the saved batch's replay first)."""
 
 from __future__ import annotations
 
@@ -39,9 +42,10 @@ def needs_extra_keys(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
 
 
 def with_extra_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, n: int = EXTRA_KEYS):
-    """key, value [B, H, T, D] and mask [B|1, H|1, Q, T] with `n` more keys that no query may see:
-    zero keys and values, mask False (bool) or the dtype's lowest value (additive float mask)."""
-    fill = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+    """key, value [B, H, T, D] and mask [..., Q, T] with `n` more keys that no query may see: zero
+    keys and values, mask False (bool) or -inf (additive float mask: not the dtype's lowest value,
+    which would give a fully masked query row's uniform weights to the new keys too)."""
+    fill = False if mask.dtype == torch.bool else float("-inf")
     return (F.pad(key, (0, 0, 0, n)), F.pad(value, (0, 0, 0, n)), F.pad(mask, (0, n), value=fill))
 
 
@@ -49,6 +53,8 @@ def _safe(inner: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         if needs_extra_keys(query, key, attention_mask):
             key, value, attention_mask = with_extra_keys(key, value, attention_mask)
+            if kwargs.get("position_bias") is not None:  # (T5-style biases, added to the mask)
+                kwargs["position_bias"] = F.pad(kwargs["position_bias"], (0, EXTRA_KEYS))
         return inner(module, query, key, value, attention_mask, *args, **kwargs)
     attention.tether_inner = inner
     return attention
@@ -64,5 +70,10 @@ def guard_attention_backward(device: torch.device) -> Callable[[], None]:
     current = AttentionInterface._global_mapping.get("sdpa")
     if device.type != "cuda" or current is None or hasattr(current, "tether_inner"):
         return lambda: None
-    AttentionInterface.register("sdpa", _safe(current))
-    return lambda: AttentionInterface.register("sdpa", current)
+    mine = _safe(current)
+    AttentionInterface.register("sdpa", mine)
+
+    def restore():  # unless something else registered an "sdpa" since: then it stays
+        if AttentionInterface._global_mapping.get("sdpa") is mine:
+            AttentionInterface.register("sdpa", current)
+    return restore

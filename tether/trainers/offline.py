@@ -43,7 +43,7 @@ from tether.trainers.offline_objective import (DRIFT_WARNING, PAIR_OBJECTIVES, R
                                                _concat, detached, gather_rows, objective, on_cpu, split_rows)
 from tether.trainers.offline_reference import completion_logps, get_reference, training_forwards
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training
+from tether.trainers.setup import Data, setup_training, releases_process_state
 
 
 @dataclass
@@ -243,6 +243,7 @@ def distinct_prompts(examples: list[dict], count: int) -> list[list[int]]:
 
 # ---- the run -------------------------------------------------------------------------------------
 
+@releases_process_state
 def train_offline(cfg: OfflineConfig) -> dict:
     """Run DPO / KTO / SimPO / ORPO per `cfg`; returns the summary (also written to summary.json),
     whose `model` is the final checkpoint's path (the adapter's under LoRA)."""

@@ -58,7 +58,7 @@ from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.online_update import _slices, update_policy
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                       RolloutSection, RunSection)
-from tether.trainers.setup import load_prompt_data, setup_training
+from tether.trainers.setup import load_prompt_data, setup_training, releases_process_state
 
 # The choices are the registries' names, written once there (config checks and --help read these).
 Advantage = Literal[tuple(ADVANTAGE_ESTIMATORS)]
@@ -359,6 +359,7 @@ def samples(batch: Batch, count: int, names: Sequence[str] = ()) -> list[dict]:
             for i in range(n)]
 
 
+@releases_process_state
 def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                reward_weights: Optional[Sequence[float]] = None) -> dict:
     """Run GRPO-family RL per `cfg`; returns the summary dict (also written to summary.json).

@@ -96,7 +96,7 @@ def finish_sampler(t, counts: dict) -> dict:
     import shutil
     t.bar.close()
     t.run.close()
-    t.restore_attention()  # what Training.finish() puts back, for a process that goes on
+    t.release()  # what Training.finish() puts back, for a process that goes on
     shutil.rmtree(t.cfg.run.runs_dir, ignore_errors=True)
     return counts
 

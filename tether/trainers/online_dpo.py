@@ -50,7 +50,7 @@ from tether.trainers.online_async import QueueSection, batch_source
 from tether.trainers.online_sampling import StepBatch, collect
 from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection, RolloutSection,
                                       RunSection)
-from tether.trainers.setup import load_prompt_data, setup_training
+from tether.trainers.setup import load_prompt_data, setup_training, releases_process_state
 
 SELF = "self"  # the reward spec that makes the policy its own judge
 
@@ -254,6 +254,7 @@ def pool_kl(t, collected: StepBatch, temperature: float) -> float:
     return float(torch.where(mask, batch["logprobs"].float() - ref, 0.0).sum(1).mean())
 
 
+@releases_process_state
 def train_odpo(cfg: ODPOConfig) -> dict:
     """Run online / iterative DPO per `cfg`; returns the summary (also written to summary.json)."""
     # WORLD_SIZE, not distributed.active(): the process group is joined only inside setup_training

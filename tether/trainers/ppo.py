@@ -59,7 +59,7 @@ from tether.trainers.ppo_process import dense_process_rewards, process_reward_in
 from tether.trainers.ppo_update import Shares, ppo_epochs
 from tether.trainers.ppo_update import whiten as globally_whitened
 from tether.trainers.ppo_update import values_of as _values
-from tether.trainers.setup import load_policy, load_prompt_data, setup_training
+from tether.trainers.setup import load_policy, load_prompt_data, setup_training, releases_process_state
 from tether.trainers.sharding import shard_model
 
 
@@ -280,6 +280,7 @@ def step_metrics(t, seen: dict, rewards: Rewards, mismatch: dict, beta: float, u
     return metrics
 
 
+@releases_process_state
 def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
               reward_weights: Optional[Sequence[float]] = None,
               eval_reward_funcs: Optional[Sequence] = None) -> dict:

@@ -41,7 +41,7 @@ from tether.rewards.process import PRM_CONFIG, step_logits
 from tether.trainers.common import StepClock
 from tether.trainers.held_out import check_keep_best
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training
+from tether.trainers.setup import Data, setup_training, releases_process_state
 
 IGNORE = -100  # a position that carries no step label
 
@@ -196,6 +196,7 @@ def load_prm(cfg: PRMConfig, ckpt) -> ScalarHeadModel:
                                            attn_implementation=cfg.model.attn_implementation)
 
 
+@releases_process_state
 def train_prm(cfg: PRMConfig) -> dict:
     """Train a process reward model per `cfg`; returns the summary (also summary.json)."""
     if distributed.world_size() > 1:

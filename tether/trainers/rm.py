@@ -41,7 +41,7 @@ from tether.rewards.learned import encode_scored
 from tether.trainers.common import StepClock
 from tether.trainers.held_out import check_keep_best
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training
+from tether.trainers.setup import Data, setup_training, releases_process_state
 
 
 @dataclass
@@ -265,6 +265,7 @@ def load_reward_model(cfg: RMConfig, ckpt) -> ScalarHeadModel:
                                            attn_implementation=cfg.model.attn_implementation)
 
 
+@releases_process_state
 def train_rm(cfg: RMConfig) -> dict:
     """Train a Bradley–Terry reward model per `cfg`; returns the summary (also summary.json)."""
     check_keep_best(cfg, [f"eval/{k}" for k in EVAL_METRICS],

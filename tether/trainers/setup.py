@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -146,7 +147,7 @@ class Training:
     eval_shown: dict = field(default_factory=dict)
     "the last eval point's headline number, for the progress bar's postfix"
     restore_attention: Callable[[], None] = lambda: None
-    "puts back the attention guard_attention_backward installed for this run (finish() calls it)"
+    "takes out the attention guard guard_attention_backward installed for this run (release() calls it)"
 
     def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss, gradient norm and the updated weights are finite (else the
@@ -299,6 +300,16 @@ class Training:
         with adapters_off(self.model):  # LoRA: the base under the adapters is the reference
             return completion_token_logps(self.model, batch, temperature, self.amp)[0]
 
+    def release(self) -> None:
+        """Put back the process-wide settings this run changed (once; later calls do nothing): its
+        head_fp32 (logprobs.HEAD_DTYPE) and attention guard do not outlive it (`tether eval`, the next
+        run in a notebook, library use). finish() calls it, and so does every train_* entry point
+        when its run ends another way (`releases_process_state`: an error, Ctrl-C)."""
+        logprobs.HEAD_DTYPE = None
+        restore, self.restore_attention = self.restore_attention, lambda: None
+        restore()
+        _OPEN[:] = [t for t in _OPEN if t is not self]
+
     def finish(self, summary: dict) -> dict:
         """Final checkpoint, summary.json (steps, skipped steps and checkpoint added), plots."""
         self.bar.close()
@@ -311,13 +322,30 @@ class Training:
             if self.warnings:
                 summary["warnings"] = list(self.warnings.values())
             self.run.write_summary(summary)
-        finally:  # also when the last checkpoint fails:
-            logprobs.HEAD_DTYPE = None  # this run's head_fp32 does not outlive it (tether eval, library use)
-            self.restore_attention()  # nor its attention backends
+        finally:  # also when the last checkpoint fails
+            self.release()
         if self.run.is_main:
             plot_metrics(self.run.path)
         self.run.close()
         return summary
+
+
+_OPEN: list = []  # runs set up in this process and not yet released (Training.release)
+
+
+def releases_process_state(train: Callable) -> Callable:
+    """Decorator of every train_* entry point: however it ends, the runs it set up are released
+    (Training.release: head dtype, attention guard) — finish() does it for a run that completes;
+    this covers a run stopped by an error (TrainingDiverged, out of memory) or Ctrl-C."""
+    @functools.wraps(train)
+    def entry(*args, **kwargs):
+        depth = len(_OPEN)
+        try:
+            return train(*args, **kwargs)
+        finally:
+            while len(_OPEN) > depth:
+                _OPEN[-1].release()
+    return entry
 
 
 def setup_training(cfg, load_data: Callable[[Any], Data], *, build: Optional[Callable] = None,
@@ -422,6 +450,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
                    rows_per_step, updates_per_step)
         t.replica, t.restore_attention = replica, restore_attention
+        _OPEN.append(t)  # released by finish(), or by its entry point's releases_process_state
         if hint:
             t.warn("fsdp_small_model", hint)
         return t

@@ -28,7 +28,7 @@ from tether.objectives import sft_loss
 from tether.trainers.common import StepClock
 from tether.trainers.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
 from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training
+from tether.trainers.setup import Data, setup_training, releases_process_state
 from tether.trainers.sft_data import load_sft_split
 
 
@@ -98,6 +98,7 @@ def evaluate_loss(model, examples: list[dict], batch_size: int, pad_id: int, dev
     return total / max(count, 1)
 
 
+@releases_process_state
 def train_sft(cfg: SFTConfig, *, eval_hook: Optional[Callable] = None,
               held_out: Optional[HeldOut] = None) -> dict:
     """Run SFT per `cfg`; returns the summary dict (also written to summary.json).
