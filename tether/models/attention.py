@@ -15,9 +15,10 @@ finite with the memory-efficient kernel, eager, or the padded rows removed.
 Turning cuDNN attention off for the whole run (session 20's fix) made the compiled DPO step 28 %
 slower on an H200 (0.0955 s vs 0.0745 s, two processes, a config without masks). Instead, while a
 run trains, transformers' "sdpa" attention gets 16 masked keys more whenever the key length is
-≡ 64 (mod 128) and a mask is passed with gradients on: the result is the same (a masked key has weight exactly 0) and the length is out of
-the kernel's bad case; every other shape runs on the fastest kernel as before. Forwards without
-gradients (sampling, reference log-probs, `tether eval`) never pad: the forward is right.
+≡ 64 (mod 128) and a mask is passed with gradients on: the result is the same (a masked key has
+weight exactly 0) and the length is out of the kernel's bad case; every other shape runs on the
+fastest kernel as before. Forwards without gradients (sampling, reference log-probs, `tether
+eval`) never pad: the forward is right.
 Under compile_layers the length test is a guard: the first batch of a bad length compiles the
 layer graph once more (then both stay cached). Confirmed on a GPU: not yet (session 21 had no
 device time left; bench/gpu_session22.sh runs the GPU tests and the saved batch's replay first)."""
