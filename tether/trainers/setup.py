@@ -146,8 +146,8 @@ class Training:
     "run.keep_best's race: the best eval value so far and its step (held_out.Best); checkpointed"
     eval_shown: dict = field(default_factory=dict)
     "the last eval point's headline number, for the progress bar's postfix"
-    restore_attention: Callable[[], None] = lambda: None
-    "takes out the attention guard guard_attention_backward installed for this run (release() calls it)"
+    restore_process_state: Callable[[], None] = lambda: None
+    "puts back what _set_process_state changed for this run: head dtype, attention guard (release() calls it)"
 
     def guarded_step(self, loss_value: float, keep_grads: bool = False) -> float:
         """Clip and step when loss, gradient norm and the updated weights are finite (else the
@@ -305,8 +305,7 @@ class Training:
         head_fp32 (logprobs.HEAD_DTYPE) and attention guard do not outlive it (`tether eval`, the next
         run in a notebook, library use). finish() calls it, and so does every train_* entry point
         when its run ends another way (`releases_process_state`: an error, Ctrl-C)."""
-        logprobs.HEAD_DTYPE = None
-        restore, self.restore_attention = self.restore_attention, lambda: None
+        restore, self.restore_process_state = self.restore_process_state, lambda: None
         restore()
         _OPEN[:] = [t for t in _OPEN if t is not self]
 
@@ -376,12 +375,10 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     if not cfg.data.path:
         raise UserError(f"{command}: `data` is required (a file, a saved dataset directory, or a hub name)")
     distributed.init()  # under torchrun: join the process group (nothing otherwise)
-    # every run sets it (a process may run several; finish() resets it): the head's dtype under
-    # mixed precision. Under torchrun FSDP2 gathers bf16 weights: not the master weights it promises
+    # Under torchrun FSDP2 gathers bf16 weights: not the master weights head_fp32 promises
     head_fp32 = getattr(cfg.model, "head_fp32", False)
     if head_fp32 and distributed.world_size() > 1:
         raise ConfigError("config key 'model.head_fp32' runs in one process (FSDP2 gathers bf16 weights)")
-    logprobs.HEAD_DTYPE = torch.float32 if head_fp32 else None
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
 
@@ -445,19 +442,27 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     trainable.train()
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with,
                  overwrite=cfg.run.overwrite or cfg.run.resume)
-    restore_attention = guard_attention_backward(device)  # before the first forward (compile traces it)
+    restore = _set_process_state(head_fp32, device)  # before the first forward (compile traces it)
     try:
         t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
                    rows_per_step, updates_per_step)
-        t.replica, t.restore_attention = replica, restore_attention
+        t.replica, t.restore_process_state = replica, restore
         _OPEN.append(t)  # released by finish(), or by its entry point's releases_process_state
         if hint:
             t.warn("fsdp_small_model", hint)
         return t
     except BaseException:
         run.close()  # the lock goes with a start that failed
-        restore_attention()
+        restore()
         raise
+
+
+def _set_process_state(head_fp32: bool, device: torch.device) -> Callable[[], None]:
+    """What a run changes for the whole process until its release: the LM head's dtype under mixed
+    precision (logprobs.HEAD_DTYPE), on CUDA the attention guard. Returns the call undoing both."""
+    logprobs.HEAD_DTYPE = torch.float32 if head_fp32 else None
+    restore_attention = guard_attention_backward(device)
+    return lambda: (setattr(logprobs, "HEAD_DTYPE", None), restore_attention())
 
 
 def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_per_step,
