@@ -72,8 +72,8 @@ for command, args in json.loads(sys.argv[1]):
     module, config, train = COMMANDS[command][:3]
     module = importlib.import_module(module)
     getattr(module, train)(load_config(getattr(module, config), None, args))
-import torch.distributed
-torch.distributed.destroy_process_group()
+from tether import distributed
+distributed.leave()
 """
 # job -> overrides; a job is named <command>[-<variant>]
 # kto and orpo reduce their gradients once a step (model.fsdp_defer_sync; a no-op in one process):

@@ -159,15 +159,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leave_process_group() -> None:
-    """Leave torch.distributed's process group if a command joined one (torchrun). Every rank
-    meets at a barrier first: a rank whose peer already tore its gloo pair down can abort in its
-    own teardown ("terminate called without an active exception", SIGABRT), and so can a process
-    that exits without destroying the group. Only after a success: when a rank failed, a barrier
-    or a destroy would wait for peers that are gone, and torchrun stops the job anyway."""
+    """Leave torch.distributed's process group if a command joined one (torchrun): see
+    distributed.leave (a barrier, then the group destroyed; without them a rank can abort at exit).
+    Only after a success: when a rank failed, a barrier or a destroy would wait for peers that are
+    gone, and torchrun stops the job anyway. Imported lazily: plain commands never load torch here."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        from tether import distributed
+        distributed.leave()
 
 
 def _main(argv: list[str]) -> int:
