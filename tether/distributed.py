@@ -162,7 +162,7 @@ def leave() -> None:
     collective after the waiting caller has already gone on; if that is the last reference, the
     worker frees the collective's tensors, which needs the GIL, and a thread asking for the GIL
     while the interpreter finalizes kills the process ("terminate called without an active
-    exception", SIGABRT at exit: ~7 % of 2-process gloo runs on a 2-core box; pytorch#190489). A
+    exception", SIGABRT at exit: 3 of 38 2-process gloo runs on a 2-core box; pytorch#190489). A
     gloo barrier holds (weakly) the collectives still in flight when it was issued; kept alive here,
     it and they are freed by the main thread, which holds the GIL. Only the default group's
     collectives are covered: with NCCL the barrier is NCCL's and gloo's CPU-side work is not held."""
