@@ -163,8 +163,7 @@ def _leave_process_group() -> None:
     distributed.leave (a barrier, then the group destroyed; without them a rank can abort at exit).
     Only after a success: when a rank failed, a barrier or a destroy would wait for peers that are
     gone, and torchrun stops the job anyway. Imported lazily: plain commands never load torch here."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if "torch.distributed" in sys.modules:  # else no group was joined (and torch stays unloaded)
         from tether import distributed
         distributed.leave()
 

@@ -447,9 +447,9 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
                    rows_per_step, updates_per_step)
         t.replica, t.restore_process_state = replica, restore
-        _OPEN.append(t)  # released by finish(), or by its entry point's releases_process_state
         if hint:
             t.warn("fsdp_small_model", hint)
+        _OPEN.append(t)  # released by finish(), or by its entry point's releases_process_state
         return t
     except BaseException:
         run.close()  # the lock goes with a start that failed
@@ -459,10 +459,12 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
 
 def _set_process_state(head_fp32: bool, device: torch.device) -> Callable[[], None]:
     """What a run changes for the whole process until its release: the LM head's dtype under mixed
-    precision (logprobs.HEAD_DTYPE), on CUDA the attention guard. Returns the call undoing both."""
+    precision (logprobs.HEAD_DTYPE), on CUDA the attention guard. Returns the call undoing both
+    (the head dtype back to what it was: a run inside a run's process leaves the outer one's)."""
+    previous = logprobs.HEAD_DTYPE
     logprobs.HEAD_DTYPE = torch.float32 if head_fp32 else None
     restore_attention = guard_attention_backward(device)
-    return lambda: (setattr(logprobs, "HEAD_DTYPE", None), restore_attention())
+    return lambda: (setattr(logprobs, "HEAD_DTYPE", previous), restore_attention())
 
 
 def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_per_step,
