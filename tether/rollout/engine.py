@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tether.data.tokenize import bos_ids
 
-from .finish import StopChecker, assemble
+from .finish import StopChecker, assemble, assemble_episodes
 from .graphs import State, bucket, capture, give_stream, round_up, take_stream
 from .native import HFBackend, NativeBackend, native_support, unwrap
 from .sampling import SamplingConfig, draw_seed, sample_tokens, sequence_keys, uniforms
@@ -61,6 +61,7 @@ class Sampler:
         self._give_side = None  # hands it back (graphs.give_stream) on release or when collected
         self._fingerprint = None
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
+        self._episodes = None  # the wave's turn bookkeeping while a multi-turn call decodes (_Turns)
         # A flat tensor the KV cache may live in (native backend; when large enough and of the
         # model's dtype): the RL trainers lend their gradient buffer, idle while sampling. Its
         # contents are overwritten by every call; the lender must not need them meanwhile.
@@ -79,16 +80,27 @@ class Sampler:
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
-    def sample(self, prompts, n: int = 1, seed: int | None = None, only=None, **overrides) -> Rollout:
+    def sample(self, prompts, n: int = 1, seed: int | None = None, only=None, episodes=None,
+               **overrides) -> Rollout:
         """Sample ``n`` completions per prompt. ``prompts``: strings (BOS prepended, see
         ``add_bos``) or token-id lists; ``overrides``: any :class:`SamplingConfig` field.
         ``only``: indices of the prompts to sample (default all). The others still count toward a
         prompt's occurrence number in the random streams' keys, so a process sampling its share of
         a batch (a torchrun rank) draws what sampling the whole batch draws for those prompts,
-        repeated prompts included; the rollout holds only the chosen prompts, in ``only``'s order."""
+        repeated prompts included; the rollout holds only the chosen prompts, in ``only``'s order.
+
+        ``episodes``: multi-turn sampling (:class:`Episodes`). A sequence's turn ends at an end
+        token; ``episodes.turn_ended(i, ids)`` gets the turn's sampled ids and returns the
+        environment's reply as token ids, which are fed to the model (teacher-forced, one per decode
+        step, in the same KV cache) before it samples its next turn — or None to end the episode.
+        ``max_new_tokens`` then bounds the whole episode (the model's and the environment's tokens).
+        The rollout's ``completion_mask`` holds the model's tokens only; ``observation_mask`` the
+        environment's."""
         cfg = _replace(self.config, overrides) if overrides else self.config
         if cfg.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if episodes is not None and (cfg.stop or cfg.ignore_eos):
+            raise ValueError("multi-turn episodes end a turn at an end token: no stop strings, no ignore_eos")
         self.eos = sorted(self.model_eos | set(cfg.stop_token_ids))
         seqs, group = [], []
         for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts):
@@ -108,11 +120,18 @@ class Sampler:
             stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0}
             t0 = time.perf_counter()
             wave = cfg.max_batch_size or len(seqs)
-            parts = [self._wave(seqs[i:i + wave], keys[i:i + wave], cfg, stats)
-                     for i in range(0, len(seqs), wave)]
-            out = assemble(seqs, group, parts, cfg, self.eos, self.pad, self.tokenizer, self._device())
+            parts = []
+            for i in range(0, len(seqs), wave):
+                self._episodes = None if episodes is None else _Turns(episodes, i, seqs[i:i + wave])
+                parts.append(self._wave(seqs[i:i + wave], keys[i:i + wave], cfg, stats))
+            if episodes is None:
+                out = assemble(seqs, group, parts, cfg, self.eos, self.pad, self.tokenizer, self._device())
+            else:
+                out = assemble_episodes(seqs, group, parts, cfg, self.pad, self.tokenizer, self._device(),
+                                        episodes)
             stats["total_s"] = time.perf_counter() - t0
         finally:
+            self._episodes = None
             self.model.train(was_training)
         tokens = int(out.completion_mask.sum())
         gen_s = stats["prefill_s"] + stats["decode_s"]
@@ -203,11 +222,18 @@ class Sampler:
         flat = st.row_id[r0:r1] * (st.steps + 1) + st.step
         y, lp = sample_tokens(logits, st.u.view(-1)[flat], cfg)
         fin = st.finished[r0:r1]
+        forced = st.force_on.view(-1)[flat] if self._episodes is not None else None
+        if forced is not None:  # the environment's tokens: fed as they are, no log-prob, no end
+            y = torch.where(forced, st.force_tok.view(-1)[flat], y)
+            lp = lp.masked_fill(forced, 0.0)
+            kind = torch.where(fin, 0, torch.where(forced, 2, 1)).to(torch.int8)
+            st.out_kind.view(-1).index_copy_(0, flat, kind)
         y = torch.where(fin, self.pad, y)
         st.out_tok.view(-1).index_copy_(0, flat, y)
         st.out_logp.view(-1).index_copy_(0, flat, lp.masked_fill(fin, 0.0))
         if self.eos and not cfg.ignore_eos:
-            fin |= (y[:, None] == self._eos_t).any(-1)
+            end = (y[:, None] == self._eos_t).any(-1)
+            fin |= end if forced is None else end & ~forced
         st.tokens[r0:r1] = y
 
     def _step(self, b: int, kv_len: int, cfg: SamplingConfig) -> None:
@@ -227,7 +253,7 @@ class Sampler:
         graph (cached per settings; :func:`graphs.capture` leaves the rows being decoded as they
         were, so capturing mid-run is safe). ``_emulate_graphs`` (CPU tests) runs the same
         bookkeeping and replays the step eagerly with the graph's shapes."""
-        key = (b, kv, cfg.graph_key(), tuple(self.eos))
+        key = (b, kv, cfg.graph_key(), tuple(self.eos), self._episodes is not None)
         g = self.graphs.get(key)
         if g is not None:
             return g
@@ -279,13 +305,20 @@ class Sampler:
         st.finished[:b] = rows >= N
         if not cfg.greedy:
             st.u[:N, :T] = uniforms(keys, T).to(dev)
+        if self._episodes is not None:
+            st.force_on.zero_()
+            st.out_kind.zero_()
+            self._episodes.width = P
         if use_graphs:  # capture the first step's graph before timing (and before prefill writes)
             self._graph(b, self._kv(P + 1), cfg, stats)
 
         with torch.inference_mode():  # less per-op overhead than no_grad
             t, stop_end = self._decode_wave(seqs, ids, attn, b, cfg, stats, use_graphs)
         # copied out of inference mode, so the trainer gets ordinary tensors
-        return st.out_tok[:N, :t].to("cpu", copy=True), st.out_logp[:N, :t].to("cpu", copy=True), stop_end
+        out = (st.out_tok[:N, :t].to("cpu", copy=True), st.out_logp[:N, :t].to("cpu", copy=True), stop_end)
+        if self._episodes is not None:
+            out += (st.out_kind[:N, :t].to("cpu", copy=True),)
+        return out
 
     def _decode_wave(self, seqs, ids, attn, b, cfg, stats, use_graphs):
         st, be, dev = self.state, self.backend, self._device()
@@ -361,6 +394,8 @@ class Sampler:
                 if hits:
                     hit = torch.tensor(hits, device=st.row_id.device)
                     st.finished[:b] |= torch.isin(st.row_id[:b], hit)
+        if self._episodes is not None:
+            self._turn_boundaries(b, t)
         fin = st.finished[:b]
         row_id = st.row_id[:b].tolist()
         running = (~fin).nonzero().squeeze(1)
@@ -378,6 +413,76 @@ class Sampler:
             self.backend.select(idx)
             b = new_b
         return b, True
+
+    def _turn_boundaries(self, b: int, t: int) -> None:
+        """Host side of a multi-turn call, at a check after step t-1: every row whose turn ended
+        (finished, episode not over) gets the environment's reply scheduled as forced tokens and
+        runs again. The cache continues: the reply's tokens go into the next slots, the slots the
+        row spent waiting for this check are masked out, and its position counts its real tokens
+        only — so the transcript's keys, values and positions are those of one contiguous sequence."""
+        st, ep = self.state, self._episodes
+        fin, rid = st.finished[:b].tolist(), st.row_id[:b].tolist()
+        ended = [(i, r) for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in ep.over]
+        if not ended:
+            return
+        rows = torch.tensor([r for _, r in ended], device=st.out_tok.device)
+        toks, kinds = st.out_tok[rows, :t].tolist(), st.out_kind[rows, :t].tolist()
+        P, T = ep.width, st.steps
+        for (i, r), tk, kd in zip(ended, toks, kinds):
+            start = ep.turn_start.get(r, 0)
+            e = max(s for s in range(start, t) if kd[s] == 1)  # the step of the turn's end token
+            reply = ep.episodes.turn_ended(ep.offset + r, [y for y, k in zip(tk[start:e + 1], kd[start:e + 1]) if k == 1])
+            if not reply:
+                ep.over.add(r)
+                continue
+            # The end token was fed to the cache at step e+1 unless e is the last step (then it is
+            # fed next). Waiting steps e+1..t-1 wrote slots P+e+1..P+t-2; their last output (step
+            # t-1) is replaced by the reply's first token, which step t feeds.
+            waited = e < t - 1
+            if (t - 1 if waited else t) + len(reply) >= T:  # no step left for the model to answer
+                ep.episodes.truncated(ep.offset + r)
+                ep.over.add(r)
+                continue
+            n_real = sum(1 for k in kd[:t - 1] if k)
+            forced = reply
+            if waited:
+                st.out_tok[r, t - 1], st.out_kind[r, t - 1] = reply[0], 2
+                st.tokens[i] = reply[0]
+                st.bias[i, P + e + 1:P + t - 1] = float("-inf")
+                forced = reply[1:]
+            if forced:
+                st.force_tok[r, t:t + len(forced)] = torch.tensor(forced, device=st.force_tok.device)
+                st.force_on[r, t:t + len(forced)] = True
+            st.pos[i] = ep.prompt_len[r] + n_real
+            st.finished[i] = False
+            ep.turn_start[r] = t + len(forced)
+
+
+class Episodes:
+    """What a multi-turn :meth:`Sampler.sample` asks of its caller (the episode loop,
+    ``tether.trajectories.episodes``), indexed by sequence (prompt-major, after ``only``)."""
+
+    def turn_ended(self, seq: int, ids: list[int]) -> list[int] | None:
+        """Sequence ``seq``'s model turn ended with these sampled ids (its end token included):
+        the environment's reply as token ids (with the chat template's markup up to the next
+        assistant turn's generation prompt), or None when the episode is over."""
+        raise NotImplementedError
+
+    def truncated(self, seq: int) -> None:
+        """The reply to ``seq``'s last turn did not fit in ``max_new_tokens``: the episode ends there."""
+
+
+class _Turns:
+    """One wave's turn bookkeeping (host side): rows whose episode is over, the step each row's
+    current turn started at, the prompts' lengths and the wave's prompt width."""
+
+    def __init__(self, episodes: Episodes, offset: int, seqs: list[list[int]]):
+        self.episodes, self.offset = episodes, offset
+        self.prompt_len = [len(s) for s in seqs]
+        self.over: set[int] = set()
+        self.turn_start: dict[int, int] = {}
+        self.width = max(self.prompt_len)
+
 
 def _replace(cfg: SamplingConfig, overrides: dict) -> SamplingConfig:
     import dataclasses

@@ -68,3 +68,38 @@ def assemble(seqs, group, parts, cfg: SamplingConfig, eos: list[int], pad: int, 
                    group=torch.tensor(group, device=device),
                    logprob_temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
                    pad_token_id=pad)
+
+
+def assemble_episodes(seqs, group, parts, cfg: SamplingConfig, pad: int, tokenizer, device, episodes) -> Rollout:
+    """One :class:`Rollout` of multi-turn episodes from the waves' ``parts`` (tokens, log-probs,
+    stop ends, step kinds): each row's completion is the steps that produced a token (kind 1: the
+    model's, kind 2: the environment's), in order, with the waiting steps between turns left out.
+    ``completion_mask`` marks the model's tokens, ``observation_mask`` the environment's; texts
+    decode the whole completion. Finish reasons come from ``episodes.finish_reason(i)`` where it
+    has one (default: 'length' for an episode the step budget cut, else 'eos')."""
+    rows = []
+    for tok, lp, _, kind in parts:
+        for r in range(tok.shape[0]):
+            keep = kind[r] > 0
+            rows.append((tok[r][keep], lp[r][keep], kind[r][keep]))
+    N = len(rows)
+    width = max((len(r[0]) for r in rows), default=0)
+    toks = torch.full((N, width), pad, dtype=torch.long)
+    lps = torch.zeros((N, width))
+    model = torch.zeros((N, width), dtype=torch.bool)
+    env = torch.zeros((N, width), dtype=torch.bool)
+    for i, (t, lp, k) in enumerate(rows):
+        L = len(t)
+        toks[i, :L], lps[i, :L] = t, lp
+        model[i, :L], env[i, :L] = k == 1, k == 2
+    lps = lps.masked_fill(~model, 0.0)
+    texts = [""] * N
+    if tokenizer is not None:
+        texts = tokenizer.batch_decode([t.tolist() for t, _, _ in rows], skip_special_tokens=True)
+    reason = getattr(episodes, "finish_reason", None)
+    reasons = [(reason(i) if reason else None) or "length" for i in range(N)]
+    return Rollout(prompt_ids=seqs, completion_ids=toks.to(device), completion_mask=model.to(device),
+                   logprobs=lps.to(device), texts=texts, finish_reasons=reasons,
+                   group=torch.tensor(group, device=device),
+                   logprob_temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
+                   pad_token_id=pad, observation_mask=env.to(device))

@@ -16,8 +16,9 @@ from torch import Tensor
 
 # Held by every CUDA graph capture, and by a trainer thread around its GPU work while a sampler
 # thread of the same process may capture (online_async.Interleaved): a capture that overlapped the
-# other thread's GPU work failed ("operation failed due to a previous error during capture", H200,
-# session 15; then both threads also captured on torch's one default capture stream, see capture).
+# other thread's GPU work fails ("operation failed due to a previous error during capture", H200,
+# with both threads capturing on torch's one default capture stream; capture says why each Sampler
+# has its own).
 CAPTURE_LOCK = threading.RLock()
 
 
@@ -80,6 +81,12 @@ class State:
         self.u = torch.zeros(rows + 1, steps + 1, **z)
         self.out_tok = torch.zeros(rows + 1, steps + 1, dtype=torch.long, **z)
         self.out_logp = torch.zeros(rows + 1, steps + 1, **z)
+        # multi-turn episodes (engine.Episodes): tokens the environment forces at a step instead of
+        # a sampled one, and what each step's output is: 0 nothing (the row was finished or
+        # waiting), 1 a model token, 2 an environment (observation) token
+        self.force_tok = torch.zeros(rows + 1, steps + 1, dtype=torch.long, **z)
+        self.force_on = torch.zeros(rows + 1, steps + 1, dtype=torch.bool, **z)
+        self.out_kind = torch.zeros(rows + 1, steps + 1, dtype=torch.int8, **z)
 
     def small(self) -> list[Tensor]:
         return [self.tokens, self.pos, self.finished, self.slot, self.step]
@@ -134,11 +141,11 @@ def capture(step, st: State, kv: int, side=None, pool=None):
             # default capture stream: graphs captured on one stream share its cuBLAS workspace, and
             # destroying any of them drops that workspace under the others alive (pytorch#193402),
             # whose GEMMs would then use freed memory with two Samplers in one process (the
-            # interleaved placement's thread and the trainer's evaluation). Defensive: suspected in
-            # session 15 of the interleaved eval points' low scores, it was not their cause (session
-            # 16: those sampled the fp32 weights, online_async.Interleaved), and the GPU regression
-            # test (tests/test_rollout_gpu.py) did not fail without it on torch 2.11 / H100. A
-            # Sampler destroys its graphs all together (release, a larger cache): its own share is safe.
+            # interleaved placement's thread and the trainer's evaluation). Defensive: the GPU
+            # regression test (tests/test_rollout_gpu.py) passes without it on torch 2.11 / H100,
+            # and it is not what made the interleaved placement's eval points score low (those
+            # sampled the fp32 weights, online_async.Interleaved). A Sampler destroys its graphs
+            # all together (release, a larger cache): its own share is safe.
             with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
                 step()
     for t, s in zip(st.small(), saved):

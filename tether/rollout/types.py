@@ -11,8 +11,8 @@ from torch import Tensor
 
 # GRPO's and PPO's training batch width (prompt + completion) is rounded up to a multiple of this
 # (Rollout.training_batch(SEQ_MULTIPLE)). Each step's longest completion differs, and on CUDA every
-# new width costs the step once more (session 19, SmolLM2-135M on an H200, compiled layers: ~0.15 s
-# on the first step of each new width — 0.27 s instead of 0.12 — on about half the steps): 16
+# new width costs the step once more (SmolLM2-135M on an H200, compiled layers: ~0.15 s on the
+# first step of each new width — 0.27 s instead of 0.12 — on about half the steps): 16
 # leaves a run a handful of widths for < 16 padded tokens a row.
 SEQ_MULTIPLE = 16
 
@@ -46,6 +46,10 @@ class Rollout:
     pad_token_id: int = 0
     stats: dict = field(default_factory=dict)
     "timings: prefill_s, decode_s, capture_s, total_s, decode_steps, ms_per_step, tokens, tokens_per_s, ..."
+    observation_mask: Optional[Tensor] = None
+    "[N, T] bool, True on tokens an environment wrote between the model's turns (multi-turn episodes: Sampler.sample(episodes=...)); attended to, never trained on; None for single-turn rollouts"
+    episodes: Optional[list] = None
+    "multi-turn episodes: per sequence, what the episode loop recorded (messages, turns, tool calls, rewards)"
     versions: Optional[Tensor] = None
     "[N, T] int64: the policy version that sampled each token (-1 at padding); set by partial rollouts (trainers/online_partial.py), whose completions may span weight updates"
 
@@ -54,8 +58,8 @@ class Rollout:
 
     def completion_lists(self) -> list[list[int]]:
         """Each row's completion token ids (its mask's positions) as a list, from one copy to the
-        CPU: indexing GPU rows one by one costs two device syncs each (session 16: ~25 ms of a
-        256-row batch's scoring on an H100, on the sampler's critical path)."""
+        CPU: indexing GPU rows one by one costs two device syncs each (~25 ms of a 256-row batch's
+        scoring on an H100, on the sampler's critical path)."""
         ids, mask = self.completion_ids.cpu().tolist(), self.completion_mask.cpu().tolist()
         return [[t for t, keep in zip(row, m) if keep] for row, m in zip(ids, mask)]
 
@@ -66,7 +70,16 @@ class Rollout:
 
     @property
     def lengths(self) -> Tensor:
+        """The model's tokens per sequence (multi-turn: every turn's, the environment's excluded)."""
         return self.completion_mask.sum(-1)
+
+    @property
+    def token_mask(self) -> Tensor:
+        """[N, T] True on every real completion token: the model's and, in multi-turn episodes, the
+        environment's (what a training forward attends to; the loss takes ``completion_mask``)."""
+        if self.observation_mask is None:
+            return self.completion_mask
+        return self.completion_mask | self.observation_mask
 
     def training_batch(self, multiple: int = 1) -> dict[str, Tensor]:
         """Prompt + completion as one left-padded batch for the trainer's forward pass, its width
@@ -93,7 +106,7 @@ class Rollout:
         completion_ids = pad(self.completion_ids, (0, extra), value=self.pad_token_id)
         completion_mask, logprobs = pad(self.completion_mask, (0, extra)), pad(self.logprobs, (0, extra))
         input_ids = torch.cat([prompt.to(dev), completion_ids], 1)
-        attention_mask = torch.cat([pmask.to(dev), completion_mask], 1)
+        attention_mask = torch.cat([pmask.to(dev), pad(self.token_mask, (0, extra))], 1)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         zeros = torch.zeros((N, P), dtype=torch.bool, device=dev)
         return {"input_ids": input_ids, "attention_mask": attention_mask.long(),
