@@ -96,23 +96,33 @@ def load_reward(spec: str | RewardFn, **options) -> RewardFn:
                         f"nor 'module:function' / 'path/to/file.py:function'")
     if options:
         raise UserError(f"reward {spec!r}: options are only accepted by built-in rewards")
-    # rpartition: a file path may hold a ':' of its own, a function name never does
+    obj = import_object(spec, what="reward")
+    if not callable(obj):
+        raise UserError(f"reward {spec!r}: {spec.rpartition(':')[2]!r} is a {type(obj).__name__}, "
+                        "not callable")
+    return obj
+
+
+def import_object(spec: str, what: str) -> Any:
+    """The object a 'package.module:attr' or 'path/to/file.py:attr' spec names (`attr` may be
+    dotted: 'mod:Class.method'). The working directory is on the import path, as under
+    `python -m`; a file path is absolute or relative to the working directory. `what` ('reward',
+    'environment') starts every error message, which is one line naming the spec."""
+    # rpartition: a file path may hold a ':' of its own, an attribute name never does
     module_name, _, attr = spec.rpartition(":")
     is_file = _is_file_spec(module_name)
     try:
         module = _import_file(module_name) if is_file else _import_module(module_name)
     except UserError as e:
-        raise UserError(f"reward {spec!r}: {e}") from None
+        raise UserError(f"{what} {spec!r}: {e}") from None
     except Exception as e:  # ImportError, or the module itself raising on import
-        raise UserError(f"reward {spec!r}: cannot import {'file' if is_file else 'module'} "
+        raise UserError(f"{what} {spec!r}: cannot import {'file' if is_file else 'module'} "
                         f"{module_name!r}: {type(e).__name__}: {_one_line(e)}") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise UserError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise UserError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise UserError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
 
 
@@ -225,7 +235,7 @@ class RewardSet:
             (pending if inspect.isawaitable(out) else raw)[name] = out
         if pending:
             raw.update(_run_async(pending))
-        per_fn = {name: _validate(name, raw[name], n) for name in self.names}
+        per_fn = {name: validate_reward_output(name, raw[name], n) for name in self.names}
 
         total, n_all_none = [], 0
         for i in range(n):
@@ -281,7 +291,7 @@ def _run_async(pending: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def _validate(name: str, out: Any, n: int) -> list[float | None]:
+def validate_reward_output(name: str, out: Any, n: int) -> list[float | None]:
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
         raise RewardError(f"reward function {name!r} returned {type(out).__name__}, "
                           f"expected a list of {n} floats or None")
