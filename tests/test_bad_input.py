@@ -1,7 +1,7 @@
 """Hostile inputs across every command: each is refused with exit code != 0 and exactly one line on
 stderr that names the culprit (the config key, the file:line, the reward function), no traceback,
 and — where a run would be created — nothing written. `--debug` / TETHER_DEBUG=1 bring the
-traceback back. (Issue 18, "Bad input".)"""
+traceback back."""
 
 import json
 import math
@@ -196,8 +196,8 @@ def test_python_callers_get_the_same_checks():
     from tether.config import ConfigError
     from tether.quickstart import QuickstartConfig
     from tether.studies.frontier import FrontierConfig
-    from tether.trainers.offline import DPOConfig
-    from tether.trainers.online import GRPOConfig
+    from tether.trainers.preference.offline import DPOConfig
+    from tether.trainers.grpo import GRPOConfig
     with pytest.raises(ConfigError, match="'optim.lr' must be > 0 and finite; got nan"):
         GRPOConfig(model="m", data="d", lr=math.nan)
     with pytest.raises(ConfigError, match="'preference.beta' must be > 0 and finite"):
@@ -255,7 +255,7 @@ def test_config_file_unreadable_or_missing(capsys, tmp_path):
     (["study"], "name one of the studies: overoptimization, frontier"),
     (["sft", "lr"], "'lr' is not key=value"),
     (["sft", "lr=1e-4", "optim.lr=2e-4"], "'optim.lr' is given twice"),
-    (["sft", "x=1"], "unknown config key 'x'"),
+    (["sft", "x=1"], "unknown key 'x' for tether sft"),
 ])
 def test_bad_command_line(capsys, argv, needle):
     _refused(capsys, argv, needle, code=2)
@@ -328,7 +328,7 @@ def test_odpo_unknown_reward_is_named_before_anything_loads(capsys, world, tmp_p
     assert not (tmp_path / "runs").exists()
 
 
-def test_none_still_skips(capsys, monkeypatch, world, tmp_path):
+def test_a_reward_function_returning_none_skips_the_rows(capsys, monkeypatch, world, tmp_path):
     monkeypatch.syspath_prepend(str(world))
     assert main(_rl_args(world, tmp_path) + ["reward_funcs=rewards_mod:skip"]) == 0
 

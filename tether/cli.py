@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -26,10 +28,10 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                    "pretrain -> SFT (-> RL) a tiny model on arithmetic on CPU, with a before/after table"),
     "sft": ("tether.trainers.sft", "SFTConfig", "train_sft",
             "supervised fine-tuning: language modelling or prompt->completion (completion-only loss)"),
-    "grpo": ("tether.trainers.online", "GRPOConfig", "train_grpo",
+    "grpo": ("tether.trainers.grpo", "GRPOConfig", "train_grpo",
              "online RL, critic-free family: GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, GSPO, DAPO clip-higher"),
-    "rloo": ("tether.trainers.online", "RLOOConfig", "train_grpo", "the grpo loop preset to RLOO: leave-one-out baseline, k1 KL in the reward"),
-    "remax": ("tether.trainers.online", "ReMaxConfig", "train_grpo", "the grpo loop preset to ReMax: one sample + greedy baseline per prompt, KL in the reward"),
+    "rloo": ("tether.trainers.grpo", "RLOOConfig", "train_grpo", "the grpo loop preset to RLOO: leave-one-out baseline, k1 KL in the reward"),
+    "remax": ("tether.trainers.grpo", "ReMaxConfig", "train_grpo", "the grpo loop preset to ReMax: one sample + greedy baseline per prompt, KL in the reward"),
     "ppo": ("tether.trainers.ppo", "PPOConfig", "train_ppo",
             "PPO-RLHF: policy + frozen reference + reward model(s) + value model, GAE, KL in the reward"),
     "study overoptimization": ("tether.studies.overoptimization", "OveroptimizationConfig", "run_overoptimization",
@@ -42,12 +44,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                     "Math-Shepherd step labels: roll out K completions from every step prefix of sampled solutions (hard/soft)"),
     "study judges": ("tether.studies.judges", "JudgesConfig", "run_judges",
                      "AI judges with known position/verbosity biases vs gold (labels, proxy RM, PPO); an LM judge vs HH-RLHF labels"),
-    "dpo": ("tether.trainers.offline", "DPOConfig", "train_offline", "offline preference: DPO, cDPO, rDPO, IPO, hinge (loss=...)"),
-    "odpo": ("tether.trainers.online_dpo", "ODPOConfig", "train_odpo",
+    "dpo": ("tether.trainers.preference.offline", "DPOConfig", "train_offline", "offline preference: DPO, cDPO, rDPO, IPO, hinge (loss=...)"),
+    "odpo": ("tether.trainers.preference.online", "ODPOConfig", "train_odpo",
              "online / iterative DPO: k samples per prompt from the current policy, best vs worst by a reward (or self), DPO steps; reference=fixed|reset"),
-    "kto": ("tether.trainers.offline", "KTOConfig", "train_offline", "KTO on unpaired labelled completions (pairs are split)"),
-    "simpo": ("tether.trainers.offline", "SimPOConfig", "train_offline", "SimPO: reference-free, length-normalized, margin γ"),
-    "orpo": ("tether.trainers.offline", "ORPOConfig", "train_offline", "ORPO: SFT + odds-ratio preference term, no reference"),
+    "kto": ("tether.trainers.preference.offline", "KTOConfig", "train_offline", "KTO on unpaired labelled completions (pairs are split)"),
+    "simpo": ("tether.trainers.preference.offline", "SimPOConfig", "train_offline", "SimPO: reference-free, length-normalized, margin γ"),
+    "orpo": ("tether.trainers.preference.offline", "ORPOConfig", "train_offline", "ORPO: SFT + odds-ratio preference term, no reference"),
     "rm": ("tether.trainers.rm", "RMConfig", "train_rm",
            "reward model: Bradley-Terry on preference pairs (margin, centering; ensembles = runs by seed)"),
     "prm": ("tether.trainers.prm", "PRMConfig", "train_prm",
@@ -55,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "bon": ("tether.trainers.best_of_n", "BoNConfig", "run_bon",
             "best-of-n sampling with any reward (gold vs proxy vs KL_BoN); rft=true fine-tunes on the best"),
     "init-model": ("tether.init_model", "InitModelConfig", "init_model", "a small random-init model + character tokenizer from your data's characters, to train from scratch"),
-    "convert": ("tether.convert", "ConvertConfig", "run_convert", "a GGUF checkpoint as a bf16 HF folder with its tokenizer and chat template (needs `pip install gguf`)"),
+    "convert": ("tether.convert", "ConvertConfig", "run_convert", "a GGUF checkpoint as a bf16 HF folder with its tokenizer and chat template (needs `pip install 'tether[gguf]'`)"),
     "eval": ("tether.evaluation.command", "EvalConfig", "run_eval",
              "evaluate on held-out data: pass@k + rewards (greedy, sampled), RM / DPO preference accuracy, perplexity"),
     "label pairs": ("tether.feedback.label", "LabelPairsConfig", "label_pairs",
@@ -69,7 +71,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def _load(name: str):
+def load_command(name: str):
     module, cfg_name, fn_name, _ = COMMANDS[name]
     mod = importlib.import_module(module)
     return getattr(mod, cfg_name), getattr(mod, fn_name)
@@ -82,13 +84,13 @@ def _usage() -> str:
     lines += [f"  {n:<{width}}  {doc}" for n, (_, _, _, doc) in COMMANDS.items()]
     lines += ["", "Options of each command (set with key=value, or in the YAML file):"]
     for n in COMMANDS:
-        cfg_cls, _ = _load(n)
+        cfg_cls, _ = load_command(n)
         lines += ["", f"tether {n}:", format_help(cfg_cls)]
     return "\n".join(lines)
 
 
 def _command_help(name: str) -> str:
-    cfg_cls, _ = _load(name)
+    cfg_cls, _ = load_command(name)
     return "\n".join([f"usage: tether {name} [--config file.yaml] [key=value ...]", "",
                       COMMANDS[name][3], "", "options:", format_help(cfg_cls)])
 
@@ -130,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("TETHER_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     name = argv[0] if argv else ""
+    # A file-size limit (`ulimit -f`) kills a process with SIGXFSZ by default, silently; ignored, the
+    # write fails with EFBIG and the run stops with one line naming the run and its last checkpoint
+    # (tether.run: a full disk). signal() works in the main thread only.
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if name in GROUPS and len(argv) > 1 and not argv[1].startswith("-") and "=" not in argv[1]:
         name = f"{name} {argv[1]}"
     # Under torchrun every rank runs this. Bad input (config, data) fails the same way on every
@@ -212,8 +219,8 @@ def _main(argv: list[str]) -> int:
         else:
             overrides.append(arg[2:] if arg.startswith("--") else arg)
         i += 1
-    cfg_cls, fn = _load(name)
-    fn(load_config(cfg_cls, config_file, overrides))  # errors: one line, in main()
+    cfg_cls, fn = load_command(name)
+    fn(load_config(cfg_cls, config_file, overrides, command=name))  # errors: one line, in main()
     return 0
 
 

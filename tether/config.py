@@ -12,7 +12,8 @@ We read those strings with `ast` from the class source (so the doc sits next to 
 in a separate table that drifts). Values come, in increasing priority, from the defaults, a YAML
 file (`--config x.yaml`) and `key=value` arguments. Nested dataclasses are addressed with dots
 (`model.dtype=bf16`). Anything unknown or of the wrong type is a one-line `ConfigError` naming the
-key and what is allowed — before any work starts.
+key and what is allowed (for an unknown key: its closest keys, and `tether <command> --help`) —
+before any work starts.
 
 Sections. A trainer's config is made of sections (`model`, `optim`, `run`, `data`, + the algorithm's
 own), each a dataclass written once and shared. A key may be given by its last name alone
@@ -195,9 +196,9 @@ def _init_names(cls: type) -> list[str]:
 
 
 def flat_names(cls: type) -> list[str]:
-    """Every key `cls` accepts, as a user may write it (for 'allowed: ...' lists): a section's field
-    by its last name when no other section has it, else by its full name; sections that take a bare
-    value (PRIMARY) by their own name."""
+    """Every key `cls` accepts, as a user may write it (what unknown keys are matched to): a
+    section's field by its last name when no other section has it, else by its full name; sections
+    that take a bare value (PRIMARY) by their own name."""
     sections = _section_types(cls)
     out = [n for n in _init_names(cls) if n not in sections or getattr(sections[n], "PRIMARY", None)]
     owners: dict[str, list[str]] = {}
@@ -207,6 +208,66 @@ def flat_names(cls: type) -> list[str]:
     for n, secs in owners.items():
         out += [n] if len(secs) == 1 else [f"{s}.{n}" for s in secs]
     return out
+
+
+def _written_names(cls: type) -> dict[str, str]:
+    """Every key a user may write for `cls` -> the full dotted key it sets: the full keys --help
+    lists (a trainer's UNUSED ones left out) and the short names of `flat_names` that stand for one
+    of them (a PRIMARY section's own name for its PRIMARY field)."""
+    full = [row[0] for row in describe(cls)]
+    out = {k: k for k in full}
+    sections = _section_types(cls)
+    for name in flat_names(cls):
+        if name in sections:
+            out[name] = f"{name}.{sections[name].PRIMARY}"
+        elif name not in out:
+            same = [k for k in full if k.endswith("." + name)]
+            if len(same) == 1:
+                out[name] = same[0]
+    return out
+
+
+def close_keys(cls: type, key: str, n: int = 3) -> list[str]:
+    """The keys of `cls` closest to the unknown `key` (difflib.get_close_matches over every key a
+    user may write, dotted section keys included), at most `n`, each key once whichever name
+    matched. A dotted key's last name is matched on its own too, its match shown by its full name
+    (`optim.beta` -> `grpo.beta`). Only matches within 0.1 of the best one's similarity are kept:
+    a shared section prefix makes many keys similar (`grpo.bta` is 0.64 from `grpo.advantage`,
+    0.94 from `grpo.beta`)."""
+    names = _written_names(cls)
+    key = key.lower()
+    scored = [(difflib.SequenceMatcher(None, key, m).ratio(), m)
+              for m in difflib.get_close_matches(key, list(names), n=10)]
+    last = key.rsplit(".", 1)[-1]
+    if last != key:
+        scored += [(difflib.SequenceMatcher(None, last, m).ratio(), names[m])
+                   for m in difflib.get_close_matches(last, list(names), n=10)]
+    if not scored:
+        return []
+    best = max(score for score, _ in scored)
+    out: dict[str, str] = {}  # full key -> the name shown
+    for score, name in sorted(scored, key=lambda sm: -sm[0]):
+        if score >= best - 0.1:
+            out.setdefault(names[name], name)
+    return list(out.values())[:n]
+
+
+class UnknownKeyError(ConfigError):
+    """A key no field of the config has: one line naming it, the closest keys the config has
+    (`close_keys`) and where every key is listed (`tether <command> --help`; from Python,
+    format_help). `route` raises it for the section it is in; `load_config` and `flat_init` raise it
+    again for the whole config (`for_config`), whose keys the user writes."""
+
+    def __init__(self, key: str, cls: type, command: str | None = None):
+        self.key, self.cls, self.command = key, cls, command
+        near = close_keys(cls, key)
+        hint = f"; did you mean {' or '.join(repr(k) for k in near)}?" if near else ""
+        where, listed = ((f"tether {command}", f"tether {command} --help") if command else
+                         (cls.__name__, f"tether.config.format_help({cls.__name__})"))
+        super().__init__(f"unknown key '{key}' for {where}{hint} ({listed} lists every key)")
+
+    def for_config(self, cls: type, command: str | None = None) -> "UnknownKeyError":
+        return UnknownKeyError(self.key, cls, command)
 
 
 def _put(out: dict, section: str, value: Any) -> None:
@@ -248,11 +309,7 @@ def route(cls: type, tree: dict, prefix: str = "") -> dict:
                 raise ConfigError(f"config key '{prefix}{key}' is ambiguous; set one of "
                                   f"{', '.join(f'{prefix}{o}.{key}' for o in owners)}")
             if not owners:
-                allowed = flat_names(cls)
-                near = difflib.get_close_matches(key, allowed, n=1)
-                hint = f" (did you mean '{near[0]}'?)" if near else ""
-                raise ConfigError(f"unknown config key '{prefix}{key}' for {cls.__name__}{hint}; "
-                                  f"allowed: {', '.join(allowed)}")
+                raise UnknownKeyError(f"{prefix}{key}", cls)
             _put(out, owners[0], {key: value})
     return out
 
@@ -263,8 +320,7 @@ def _build(cls: type, values: dict, prefix: str = "", base: Any = None) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            raise ConfigError(f"unknown config key '{prefix}{key}' for {cls.__name__}; "
-                              f"allowed: {', '.join(flat_names(cls))}")
+            raise UnknownKeyError(f"{prefix}{key}", cls)
         if key in sections and isinstance(value, dict):
             kwargs[key] = _build(sections[key], value, f"{prefix}{key}.",
                                  base=getattr(base, key) if base is not None else _default_of(cls, key))
@@ -287,7 +343,10 @@ def flat_init(cls: type) -> type:
 
     @functools.wraps(init)
     def __init__(self, **kwargs):
-        routed = route(cls, kwargs)
+        try:
+            routed = route(cls, kwargs)
+        except UnknownKeyError as e:
+            raise e.for_config(cls) from None
         for name in _section_types(cls):
             if isinstance(routed.get(name), dict):
                 routed[name] = dataclasses.replace(_default_of(cls, name), **routed[name])
@@ -341,15 +400,20 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_config(cls: type, config_file: str | None = None, overrides: list[str] | dict | None = None):
-    """Build `cls` from defaults <- YAML file <- overrides, with strict checking."""
-    values: dict = {}
-    if config_file:
-        values = route(cls, read_config_file(config_file))
-    if overrides:
-        over = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-        values = _merge(values, route(cls, over))
-    return _build(cls, values)
+def load_config(cls: type, config_file: str | None = None, overrides: list[str] | dict | None = None,
+                command: str | None = None):
+    """Build `cls` from defaults <- YAML file <- overrides, with strict checking. `command`: the
+    CLI command `cls` is read for (`tether <command>`), named by the unknown-key error."""
+    try:
+        values: dict = {}
+        if config_file:
+            values = route(cls, read_config_file(config_file))
+        if overrides:
+            over = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+            values = _merge(values, route(cls, over))
+        return _build(cls, values)
+    except UnknownKeyError as e:
+        raise e.for_config(cls, command) from None
 
 
 def to_dict(cfg: Any) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def plot_metrics(run_path: str | Path, keys: list[str] | None = None) -> list[Pa
             ax.set_title(name)
             ax.grid(alpha=0.3)
             path = out_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".png")
-            fig.savefig(path)
+            _save(fig, path)
             written.append(path)
         if keys is None:
             written += _panels(rows, ax, fig, out_dir)
@@ -87,6 +88,18 @@ def _panels(rows: list[dict], ax, fig, out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         path = out_dir / f"panel_{panel}.png"
-        fig.savefig(path)
+        _save(fig, path)
         written.append(path)
     return written
+
+
+def _save(fig, path: Path) -> None:
+    """`fig` as a PNG at `path`, whole or not at all (written to a temporary name and renamed): a
+    full disk leaves the plot written before, never a cut-off image."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fig.savefig(tmp, format="png")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)

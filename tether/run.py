@@ -9,7 +9,13 @@
       plots/*.png        curves
 
 Rank-aware: only rank 0 writes, so the same trainer code runs under torchrun. Files that must
-never be seen half-written (summary, checkpoints) are written to a temporary name and renamed.
+never be seen half-written (config, summary, checkpoints) are written to a temporary name and
+renamed; a row appended to metrics.jsonl or samples.jsonl is there whole or not at all.
+
+A full disk (ENOSPC, a quota's EDQUOT, a file-size limit's EFBIG) while writing any of these stops
+the run with one line (DiskFullError) naming the run, the file, the cause and the last complete
+checkpoint, which a resume continues from: the write that failed leaves no partial row and no
+temporary file, and a checkpoint cut short is never renamed into place.
 
 One run at a time: rank 0 holds an exclusive lock on `<run>/.lock` (flock; pid and host written in
 it) from opening the directory to `close()`, so a second run into the same directory is refused
@@ -19,14 +25,17 @@ run never deletes a previous run's files unless asked (`overwrite=True`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +45,7 @@ import torch
 
 from tether import distributed
 from tether.config import save_config
-from tether.errors import UserError
+from tether.errors import DiskFullError, UserError
 
 TRAINER_STATE = "trainer_state.pt"
 LOCK = ".lock"
@@ -50,10 +59,99 @@ def dist_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)`, then `tmp` renamed to `path`; a failed write leaves `path` as it was, no tmp."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _append(path: Path, text: str) -> None:
+    """Append `text` whole or not at all: a write cut short (a full disk) is cut back off, so the
+    file never ends in a partial row."""
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+# The errors a full disk gives: no space, a quota, a file-size limit (`ulimit -f`, with SIGXFSZ ignored)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust writers (safetensors, tokenizers) say it
+
+
+def disk_full_cause(error: BaseException, where: Path | None = None) -> tuple[int, str] | None:
+    """(errno, its text) when `error` comes from a full disk, else None. Writers below Python keep
+    the errno in different places: an OSError in the exception's chain (torch.save into a Python
+    file), "(os error N)" in the message (Rust), "No space left on device" in the message (C++),
+    one rank's exception inside torch.distributed.checkpoint's CheckpointException. Failing all of
+    them, a filesystem with no block left at `where` is the cause."""
+    texts = {os.strerror(code): code for code in DISK_FULL}
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return e.errno, e.strerror or os.strerror(e.errno)
+        message = str(e)
+        m = _OS_ERROR.search(message)
+        if m and int(m.group(1)) in DISK_FULL:
+            return int(m.group(1)), os.strerror(int(m.group(1)))
+        for text, code in texts.items():
+            if text in message:
+                return code, text
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()
+                     if isinstance(f, (tuple, BaseException))]
+    if where is not None:
+        try:
+            if os.statvfs(where).f_bavail == 0:
+                return errno.ENOSPC, os.strerror(errno.ENOSPC)
+        except OSError:
+            pass
+    return None
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes events from a thread that keeps a failed write's exception (a full disk)
+    for the writer to raise in the caller's thread at its next write or flush (RunDir.log flushes
+    every row, so it surfaces there as DiskFullError), and also lets it escape the thread, where
+    threading.excepthook would print it as a traceback after the run's one line. This hook drops
+    that thread's copy of the exception, and only that: everything else goes to the hook before."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another tensorboard: its thread is left as it is
+        return
+    previous = threading.excepthook
+    if getattr(previous, "tether_tensorboard", False):
+        return
+
+    def hook(args):
+        if not (isinstance(args.thread, _AsyncWriterThread) and args.exc_value is args.thread.exception):
+            previous(args)
+    hook.tether_tensorboard = True
+    threading.excepthook = hook
 
 
 def _to_float(v: Any):
@@ -168,6 +266,17 @@ def check_lock(path: str | Path) -> None:
     RunLock(Path(path)).release()
 
 
+def _tensorboard_writer():
+    """torch's SummaryWriter, or one line naming the extra when the tensorboard package is missing
+    (checked before the run directory is touched)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # imports the tensorboard package
+    except ImportError:
+        raise UserError("run.log_with=tensorboard needs the tensorboard package: "
+                        "pip install 'tether[tensorboard]'") from None
+    return SummaryWriter
+
+
 class RunDir:
     """Writes one run's files. Takes the run directory's lock (released by `close()` or at exit).
     `resume=True` keeps what is there (the caller drops the rows after the checkpoint); a fresh
@@ -182,6 +291,7 @@ class RunDir:
         self.t0 = time.time()
         self._tb = None
         self._lock = None
+        writer = _tensorboard_writer() if self.is_main and log_with == "tensorboard" else None
         if self.is_main:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock = RunLock(self.path)
@@ -192,21 +302,56 @@ class RunDir:
                         p = self.path / name
                         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
                 (self.path / "checkpoints").mkdir(exist_ok=True)
-                if log_with == "tensorboard":
-                    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-                    self._tb = SummaryWriter(str(self.path / "tensorboard"))
+                if writer is not None:
+                    _quiet_tensorboard_thread()
+                    with self.writing("tensorboard"):
+                        self._tb = writer(str(self.path / "tensorboard"))
             except BaseException:
                 self._lock.release()
                 raise
 
+    # --- a full disk ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def writing(self, what: str):
+        """Around a write into the run directory (`what`: the file or folder, relative to it): a
+        full disk (`disk_full_cause`) raises DiskFullError, one line naming the run, `what`, the
+        cause and the last complete checkpoint; the run's TensorBoard writer and lock are let go
+        (the run is over). Any other error passes through as it is. (Not only Exception: DCP's
+        CheckpointException, which carries a rank's OSError, is a BaseException.)"""
+        try:
+            yield
+        except (DiskFullError, KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:
+            cause = disk_full_cause(e, self.path if self.path.exists() else None)
+            if cause is None:
+                raise
+            raise self._stopped(what, *cause) from e
+
+    def _stopped(self, what: str, code: int, text: str) -> DiskFullError:
+        tb, self._tb = self._tb, None
+        if tb is not None:
+            with contextlib.suppress(Exception):  # its pending events have nowhere to go
+                tb.close()
+        if self._lock is not None:
+            self._lock.release()
+        ckpt = latest_checkpoint(self.path)
+        then = (f"last complete checkpoint: {ckpt} (resume with resume=true)" if ckpt is not None
+                else "no complete checkpoint yet")
+        error = DiskFullError(f"run '{self.path}' stopped: no space left writing {what} "
+                              f"(OSError {code}: {text}); {then}")
+        return error if self.is_main else distributed.rank_local(error)
+
     # --- config / summary ------------------------------------------------------------------
     def write_config(self, cfg) -> None:
         if self.is_main:
-            save_config(cfg, self.path / "config.yaml")
+            with self.writing("config.yaml"):
+                _atomic_write(self.path / "config.yaml", lambda tmp: save_config(cfg, tmp))
 
     def write_summary(self, summary: dict) -> None:
         if self.is_main:
-            _atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+            with self.writing("summary.json"):
+                _atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def read_summary(self) -> dict:
         p = self.path / "summary.json"
@@ -221,19 +366,21 @@ class RunDir:
                 row[k] = v if math.isfinite(v) else None
         # A row with no metric (e.g. a final evaluation with no eval set) says nothing: not written.
         if self.is_main and len(row) > 2:
-            with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            with self.writing("metrics.jsonl"):
+                _append(self.path / "metrics.jsonl", json.dumps(row) + "\n")
             if self._tb is not None:
-                for k, v in row.items():
-                    if k not in ("step", "time") and v is not None:
-                        self._tb.add_scalar(k, v, step)
+                with self.writing("tensorboard"):
+                    for k, v in row.items():
+                        if k not in ("step", "time") and v is not None:
+                            self._tb.add_scalar(k, v, step)
+                    self._tb.flush()  # a failed write raises here, with the step that made it
         return row
 
     def add_samples(self, step: int, samples: list[dict]) -> None:
         if self.is_main and samples:
-            with open(self.path / "samples.jsonl", "a", encoding="utf-8") as f:
-                for s in samples:
-                    f.write(json.dumps({"step": int(step), **s}, ensure_ascii=False) + "\n")
+            with self.writing("samples.jsonl"):
+                _append(self.path / "samples.jsonl", "".join(
+                    json.dumps({"step": int(step), **s}, ensure_ascii=False) + "\n" for s in samples))
 
     def read_metrics(self) -> list[dict]:
         return read_jsonl(self.path / "metrics.jsonl")
@@ -246,12 +393,15 @@ class RunDir:
             p = self.path / name
             if p.exists():
                 rows = [r for r in read_jsonl(p) if r.get("step", 0) <= step]
-                _atomic_write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+                with self.writing(name):
+                    _atomic_write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
     def close(self) -> None:
         """Flush TensorBoard and release the run directory's lock."""
         if self._tb is not None:
-            self._tb.close()
+            with self.writing("tensorboard"):
+                self._tb.flush()  # close() drops a failed write's error; flush() raises it
+                self._tb.close()
         if self._lock is not None:
             self._lock.release()
 
@@ -277,21 +427,30 @@ class RunDir:
         `keep_last` rotation of step-* directories never deletes."""
         final = self.path / "checkpoints" / name if name else self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
+        with self.writing(f"checkpoints/{final.name}"):
+            try:
+                if self.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir(parents=True)
+                distributed.barrier()  # the directory exists before any rank writes into it
+                if sharded is not None:
+                    sharded(tmp)
+                if extra is not None:
+                    extra(tmp)
+                rngs = distributed.all_gather_object(rng_state())
+                if self.is_main:
+                    save_model_as(model, tmp, dtype, state_dict=state_dict)
+                    if tokenizer is not None:
+                        tokenizer.save_pretrained(tmp)
+                    extra_rng = {"rng_ranks": rngs} if len(rngs) > 1 else {}
+                    # into a Python file: a failed write keeps its OSError (errno) in the chain
+                    with open(tmp / TRAINER_STATE, "wb") as f:
+                        torch.save({**state, "rng": rngs[0], **extra_rng}, f)
+            except BaseException:
+                if self.is_main:  # a write cut short: its space back, nothing left that looks whole
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        distributed.barrier()  # the directory exists before any rank writes into it
-        if sharded is not None:
-            sharded(tmp)
-        if extra is not None:
-            extra(tmp)
-        rngs = distributed.all_gather_object(rng_state())
-        if self.is_main:
-            save_model_as(model, tmp, dtype, state_dict=state_dict)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            extra_rng = {"rng_ranks": rngs} if len(rngs) > 1 else {}
-            torch.save({**state, "rng": rngs[0], **extra_rng}, tmp / TRAINER_STATE)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             if keep_last > 0 and not name:
