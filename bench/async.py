@@ -1,11 +1,23 @@
-"""GRPO through the trajectory queue, side by side (issue 19): synchronous vs asynchronous sampling
-(max_staleness 0 / 1 / 4; one process interleaved or a sampler process beside the trainer), and the
-off-policy correction (TIS / MIS) on vs off, on the arithmetic task's verifier reward.
+"""GRPO through the trajectory queue, side by side: synchronous vs asynchronous sampling
+(max_staleness 0 / 1 / 4; one process interleaved or a sampler process beside the trainer), the
+off-policy correction (TIS / MIS) on vs off, and partial rollouts, on the arithmetic task's
+verifier reward. `summary` reports the same comparison for real-model runs on GPUs.
 
     python bench/async.py --dry-run                    # CPU: a tiny untrained model, a few steps (does it run)
-    python bench/async.py --model runs/quickstart/sft/checkpoints/step-400 --steps 200 --seeds 0,1,2
+    python bench/async.py --model runs/quickstart/sft/checkpoints/step-400 --steps 80 --seeds 0 \\
+        --configs sync:0:none,disaggregated:1:none,disaggregated:1:tis,interleaved:4:none,interleaved:4:tis,interleaved:4:mis
+    OMP_NUM_THREADS=1 python bench/async.py --model runs/quickstart/sft/checkpoints/step-400 --eos-scale 0.6 \\
+        --max-new-tokens 256 --steps 60 --seeds 0,1,2 \\
+        --configs sync:0:none,sync:0:none:p64,sync:0:none:p32,interleaved:1:none,interleaved:1:none:p64
     python bench/async.py --model M --device cuda --configs sync:0:none,disaggregated:1:none \\
-        --seeds 0,1,2 --results                         # 2 GPUs: the sampler process on the second
+        --seeds 0,1,2                                   # 2 GPUs: the sampler process on the second
+    python bench/async.py summary RUN_DIR... [--json out.json]   # real-model runs (bench/gpu.sh async)
+
+The model of the CPU rows is the quickstart's SFT checkpoint (`tether quickstart rl=false`). The
+GPU rows (SmolLM2-135M-Instruct, synchronous vs 1 sampler + 1 trainer at staleness 1, compiled,
+sampling from a bf16 copy; and the 384-token long tail with and without partial rollouts) come
+from `bash bench/gpu.sh async` on the device machine, which runs bench/real_model_rl.py once per
+configuration and seed and then `python bench/async.py summary` over the run folders.
 
 A configuration is placement:staleness:correction[:pN] — placement sync (the synchronous loop, one
 process), interleaved (one process, a sampler thread on a copy of the policy) or disaggregated
@@ -26,8 +38,17 @@ Reported per configuration (means over seeds; ± the std over seeds where there 
 step time (median over the steps after --warmup, wall clock of the trainer's step, its wait for
 the batch included) and its ratio to the synchronous one's; the reward in each quarter of the run
 (by samples); the IS weights' mean, max and the fraction truncated / masked; the staleness of the
-trained batches; the sampler–trainer log-prob mismatch (max |Δ|). Prints a markdown section;
---results appends it to benchmarks/RESULTS.md.
+trained batches; the sampler–trainer log-prob mismatch (max |Δ|). Prints a markdown section and
+writes it to <work>/async.md; --results FILE also appends it there.
+
+`summary` (real-model run folders, bench/real_model_rl.py's <out>, or tether run folders): per run
+s/step = (time(last) − time(2) − evaluation seconds after step 2) / (last − 2), the first two steps
+(compilation, graph capture) left out; gap = the median time between consecutive steps; step_time,
+rollout and the sampler's cycle (weights wait / produce / send) are medians over steps 3..last;
+overlapped = the fraction of steps whose next version's weights arrived while the batch was
+produced; rq = the mean training reward by quarter of the run; pass1 = held-out greedy pass@1 at
+each eval point. Runs are paired by the `-s<seed>` at the end of their names: `…sync-s<seed>`
+(c-sync-s0) is the baseline of its seed, and each other run of that seed gets its ratio to it.
 """
 from __future__ import annotations
 
@@ -35,6 +56,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -181,8 +203,95 @@ def table(results: dict, args, samples_per_step: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+# -- summary: real-model runs (bench/gpu.sh async) ------------------------------------------------
+
+def _median(rows: list[dict], key: str):
+    values = [r[key] for r in rows if key in r]
+    return round(statistics.median(values), 4) if values else None
+
+
+def summarize_run(run: Path) -> dict:
+    """One real-model run folder's numbers (the module doc's `summary`)."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = {r["step"]: r for r in rows if "step_time" in r}
+    evals = [r for r in rows if "eval/seconds" in r]
+    last = max(steps)
+    ev_after = sum(r["eval/seconds"] for r in evals if r["step"] > 2)
+    body = [steps[s] for s in sorted(steps) if s >= 3]
+    times = [steps[s]["time"] for s in sorted(steps) if s >= 2]
+    rewards = [steps[s]["reward"] for s in sorted(steps)]
+    q = max(len(rewards) // 4, 1)
+    return {
+        "steps": last,
+        "s_per_step": round((steps[last]["time"] - steps[2]["time"] - ev_after) / (last - 2), 4),
+        "gap": round(statistics.median(b - a for a, b in zip(times, times[1:])), 4),
+        "step_time": _median(body, "step_time"),
+        "rollout": _median(body, "rollout/seconds"),
+        "wwait": _median(body, "queue/weights_wait_seconds"),
+        "produce": _median(body, "queue/produce_seconds"),
+        "send": _median(body, "queue/send_seconds"),
+        "qwait": _median(body, "queue/wait_seconds"),
+        "overlapped": (round(sum(r["queue/weights_overlapped"] for r in body) / len(body), 3)
+                       if "queue/weights_overlapped" in body[0] else None),
+        "first": round(steps[1]["time"], 2),
+        "evs": round(ev_after, 2),
+        "rq": [round(statistics.mean(rewards[i * q:(i + 1) * q]), 3) for i in range(4)],
+        "pass1": {str(r["step"]): r["eval/greedy/pass@1"] for r in evals if "eval/greedy/pass@1" in r},
+    }
+
+
+def runs_table(runs: dict) -> str:
+    """Markdown: every run, then each seed's ratio to its synchronous run."""
+    out = ["| run | s/step | gap | step_time | rollout | weights wait / produce / send | overlapped | reward by quarter | pass@1 |",
+           "|---|---:|---:|---:|---:|---|---:|---|---|"]
+    for name, r in runs.items():
+        cycle = " / ".join("—" if r[k] is None else f"{r[k]:.3f}" for k in ("wwait", "produce", "send"))
+        out.append(f"| {name} | {r['s_per_step']:.3f} | {r['gap']:.3f} | {r['step_time']:.3f} | "
+                   f"{r['rollout']:.3f} | {cycle} | {'—' if r['overlapped'] is None else r['overlapped']} | "
+                   f"{', '.join(f'{x:.3f}' for x in r['rq'])} | "
+                   f"{', '.join(f'@{k} {v:.4f}' for k, v in r['pass1'].items())} |")
+    by_seed: dict = {}
+    for name, r in runs.items():
+        m = re.search(r"-s(\d+)$", name)
+        if m:
+            by_seed.setdefault(m.group(1), {})["sync" if re.search(r"(^|-)sync-s\d+$", name) else name] = r
+    ratios = []
+    for seed, group in sorted(by_seed.items()):
+        if "sync" not in group:
+            continue
+        for name, r in group.items():
+            if name != "sync":
+                ratio = r["s_per_step"] / group["sync"]["s_per_step"]
+                ratios.append(ratio)
+                out.append(f"\nseed {seed}: {name} / sync = {r['s_per_step']:.3f} / "
+                           f"{group['sync']['s_per_step']:.3f} = **{ratio:.3f}**")
+    if ratios:
+        out.append(f"\nratios: mean {statistics.mean(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    return "\n".join(out)
+
+
+def summary_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="bench/async.py summary",
+                                description="the queue's comparison from real-model run folders (module doc)")
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--note", default="")
+    a = p.parse_args(argv)
+    # (bench/real_model_rl.py keeps the run itself in <out>/run)
+    runs = {d.name: summarize_run(d / "run" if (d / "run" / "metrics.jsonl").exists() else d) for d in a.runs
+            if (d / "metrics.jsonl").exists() or (d / "run" / "metrics.jsonl").exists()}
+    print(runs_table(runs))
+    if a.json:
+        a.json.write_text(json.dumps({"note": a.note, "runs": runs}, indent=1) + "\n")
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["summary"]:
+        return summary_main(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="python bench/async.py summary RUN_DIR... [--json FILE]: real-model runs")
     ap.add_argument("--model", default="", help="HF model directory (an SFT'd arithmetic model)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny untrained model, 6 steps")
     ap.add_argument("--device", default="cpu")
@@ -204,8 +313,8 @@ def main() -> None:
                     help="sample from a copy of the model with its EOS logit row scaled (a long tail of lengths)")
     ap.add_argument("--run-timeout", type=float, default=3600)
     ap.add_argument("--work", default="", help="keep the runs here (default: a temporary directory)")
-    ap.add_argument("--results", action="store_true", help="append the section to benchmarks/RESULTS.md")
-    args = ap.parse_args()
+    ap.add_argument("--results", default=None, help="append the markdown section to this file (default: printed only)")
+    args = ap.parse_args(argv)
     if args.dry_run:
         args.steps, args.warmup, args.max_new_tokens, args.batch, args.generations = 6, 1, 16, 2, 4
         args.warmup_steps, args.lr = 0, 1e-3
@@ -229,7 +338,7 @@ def main() -> None:
     print(section)
     (work / "async.md").write_text(section)
     if args.results:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
+        with open(args.results, "a", encoding="utf-8") as f:
             f.write(section)
 
 

@@ -1,8 +1,8 @@
 """The CUDA configuration's dtypes on CPU: every trainer under torchrun (gloo, FSDP2) with the bf16
-MixedPrecisionPolicy and bf16 autocast forced, as a GPU run has them since session 16 (before, a
-bug left every FSDP2 run on GPUs without the policy: setup.shard_model). It finds dtype mismatches
-in our own code (an fp32 input into a gathered bf16 weight outside autocast) without a GPU; the
-numbers are CPU bf16, not results.
+MixedPrecisionPolicy and bf16 autocast forced, as a GPU run has them (setup.shard_model). It finds
+dtype mismatches in tether's own code (an fp32 input into a gathered bf16 weight outside autocast)
+without a GPU; the numbers are CPU bf16, not results. A test drives it:
+tests/test_distributed_bf16_policy.py (slow).
 
     python bench/bf16_policy_cpu.py [--nproc 2] [--work DIR] [--only sft,dpo,...]
 
@@ -62,8 +62,8 @@ def jobs(root: Path) -> dict:
         "rm": dict(base, data=root / "pairs.jsonl", batch_size=4),
         "grpo": dict(prompt, beta=0.05),
         "ppo": dict(prompt, num_generations=2, reward_funcs=f"[rm:{root / 'rm'}]"),
-        # LoRA with a KL term: the reference's forward (adapters off) comes first (session 16's
-        # review: peft's disable_adapter made FSDP2's lazy init see no trained parameter)
+        # LoRA with a KL term: the reference's forward (adapters off) comes first, and peft's
+        # disable_adapter must not leave FSDP2's lazy init seeing no trained parameter
         "grpo-lora": dict(prompt, beta=0.05, lora_r=4),
         "dpo-lora": dict(base, data=root / "pairs.jsonl", batch_size=4, lora_r=4),
     }
@@ -73,7 +73,7 @@ def worker(spec: str) -> None:
     import torch
 
     from tether import cli, distributed
-    from tether.trainers import common, setup, sharding
+    from tether.trainers.core import common, setup, sharding
     sharding.sharding_bf16 = lambda cfg, device: cfg.model.mixed_precision in ("auto", "bf16") and cfg.model.dtype == "fp32"
     real_shard = distributed.shard
 

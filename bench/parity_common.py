@@ -133,7 +133,7 @@ def write_jsonl(rows: list[dict], p: Path) -> str:
 
 def tether_order(n: int, steps: int, batch: int, seed: int) -> list[int]:
     """The rows tether draws, step by step (its own EpochSampler)."""
-    from tether.trainers.common import EpochSampler
+    from tether.trainers.core.common import EpochSampler
     s = EpochSampler(n, batch, seed)
     return [i for k in range(steps) for i in s.global_batch_at(k)]
 

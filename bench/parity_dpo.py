@@ -20,8 +20,8 @@ def run_dpo(model: str, work: Path, steps: int, align: bool = True) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig as TRLDPOConfig, DPOTrainer
-    from tether.trainers.offline import DPOConfig, train_offline
-    from tether.trainers.offline_data import load_offline_data
+    from tether.trainers.preference.offline import DPOConfig, train_offline
+    from tether.trainers.preference.data import load_offline_data
 
     tok = AutoTokenizer.from_pretrained(model)
     rows = pair_rows(steps * COMMON["batch"], tok, COMMON["max_length"])
@@ -34,7 +34,7 @@ def run_dpo(model: str, work: Path, steps: int, align: bool = True) -> dict:
     notes, trl_rows, trl_order = [], rows, order
     if align:
         # TRL's precompute pass batches the dataset in its stored order, not in the training
-        # sampler's; tether's runs the training batches themselves (offline_reference.training_forwards).
+        # sampler's; tether's runs the training batches themselves (preference.reference.training_forwards).
         # A row's log-prob depends on its batch's padding at the ~1e-7 level, so only when the
         # reference saw the same batch as the policy is step 1's log-ratio exactly 0. Giving TRL the
         # rows stored in training order (its sampler then 0..n-1: the same rows per step) makes

@@ -65,8 +65,9 @@ def run_grpo(model: str, work: Path, steps: int) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig as TRLGRPOConfig, GRPOTrainer
 
-    import tether.trainers.online as online
-    from tether.trainers.online import GRPOConfig, train_grpo
+    import tether.trainers.grpo.loop as online
+    import tether.trajectories.sampling as sampling
+    from tether.trainers.grpo import GRPOConfig, train_grpo
 
     tok = AutoTokenizer.from_pretrained(model)
     rows = arithmetic_rows(steps * PROMPTS)
@@ -74,7 +75,7 @@ def run_grpo(model: str, work: Path, steps: int) -> dict:
 
     # -- tether, observed: the rollouts it samples and the advantages it assigns ------------------
     rollouts, advantages = [], []
-    Base = online.Sampler
+    Base = sampling.Sampler
 
     class Recording(Base):
         def sample(self, *a, **k):
@@ -84,8 +85,8 @@ def run_grpo(model: str, work: Path, steps: int) -> dict:
             return ro
     real_assign = online.assign_advantages
 
-    def assign(batch, grpo, greedy):
-        real_assign(batch, grpo, greedy)
+    def assign(t, batch, grpo, greedy):
+        real_assign(t, batch, grpo, greedy)
         # per completion: the advantage (constant over its tokens for GRPO)
         a = batch.advantages.detach().float().cpu()
         m = batch.mask.detach().cpu().bool()
@@ -100,13 +101,13 @@ def run_grpo(model: str, work: Path, steps: int) -> dict:
                     # covers only the rows it trains on (those with a non-zero advantage)
                     "skip_zero_advantage": False}
     cfg = P.make_cfg(GRPOConfig, cfgd)
-    online.Sampler, online.assign_advantages = Recording, assign
+    sampling.Sampler, online.assign_advantages = Recording, assign
     try:
         t0 = time.perf_counter()
         train_grpo(cfg, reward_funcs=[digit_reward])
         ours_time = time.perf_counter() - t0
     finally:
-        online.Sampler, online.assign_advantages = Base, real_assign
+        sampling.Sampler, online.assign_advantages = Base, real_assign
     ours = P.tether_metrics(str(work / "runs"), "grpo")
 
     # the rows of each step, in tether's order

@@ -14,7 +14,7 @@ def run_sft(model: str, work: Path, steps: int, align: bool = True) -> dict:
     from transformers import AutoTokenizer
     from trl import SFTConfig as TRLSFTConfig, SFTTrainer
     from tether.trainers.sft import SFTConfig, train_sft
-    from tether.trainers.sft_data import load_sft_data
+    from tether.trainers.sft import load_sft_data
 
     tok = AutoTokenizer.from_pretrained(model)
     n = steps * COMMON["batch"]

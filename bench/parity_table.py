@@ -1,12 +1,11 @@
-"""The tables of bench/parity.py: per step and metric, tether vs TRL, the agreement rules, and
-the markdown written to benchmarks/parity/parity.md and benchmarks/RESULTS.md.
+"""The tables of bench/parity.py: per step and metric, tether vs TRL, the agreement rules, the
+markdown written to benchmarks/parity/parity.md and the printed summary.
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from parity_common import ROOT, TOL
+from parity_common import TOL
 
 
 # -- table ---------------------------------------------------------------------------------------
@@ -138,7 +137,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 
 def results_section(results: list[dict], meta: dict) -> str:
-    """The summary for benchmarks/RESULTS.md (the per-step tables are in benchmarks/parity/)."""
+    """The summary table, one row a trainer (the per-step tables are in benchmarks/parity/)."""
     lines = [f"## Parity with TRL {meta['trl']} — SmolLM2-135M-Instruct, CPU fp32, per step", "",
              f"Date: {meta['date']}. {meta['host']}, torch {meta['torch']}, transformers {meta['transformers']}, "
              f"{meta['threads']} thread(s). Commands: {commands(results, meta)}. Per-step tables: "
@@ -153,16 +152,3 @@ def results_section(results: list[dict], meta: dict) -> str:
             ok += f" ({len(r['exceptions'])} step-metrics by the stated rule)"
         lines.append(f"| {r['trainer']} | {len(r['steps'])} | {ident} | {mx} | {ok} |")
     return "\n".join(lines) + "\n"
-
-
-def write_results_md(section: str, path: Path = ROOT / "benchmarks" / "RESULTS.md") -> None:
-    """Replace the previous parity section (between its markers) or append one."""
-    start, end = "<!-- parity:start -->", "<!-- parity:end -->"
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{start}\n{section}{end}\n"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end) + 1:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-

@@ -1,9 +1,10 @@
 """How robust is the quickstart? Every combination of seeds × torch threads × fused AdamW on/off.
 
     python bench/quickstart_sweep.py                          # 3 seeds × {1, 2} threads × fused {off, on}
+    python bench/quickstart_sweep.py --parallel 2             # the benchmark rows (benchmarks/quickstart/), 2 cores
     python bench/quickstart_sweep.py --parallel 6 -- rl_steps=400    # extra quickstart keys after --
 
-The quickstart's stage accuracies must not hang on float rounding (issue 16/17): SFT accuracy in
+The quickstart's stage accuracies must not hang on float rounding: SFT accuracy in
 [0.3, 0.7] and RL at least 15 points above it in *every* run. Each combination is one ordinary
 `tether quickstart` process (its own runs dir under --work); with --parallel > 1 several run at
 once, each pinned to its own CPU cores (taskset, as many cores as it has threads) so that the

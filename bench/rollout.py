@@ -2,6 +2,7 @@
 
     python bench/rollout.py                    # CPU: tiny model, 32-token prompts, 64 new tokens
     python bench/rollout.py --device cuda      # GPU: random-init Qwen2.5-0.5B shape, 128 + 256 tokens
+                                               # (the benchmark row; bench/gpu.sh rollout runs it)
 
 Both sides sample at temperature 1 from the full vocabulary (HF: top_k=0, top_p=1) with EOS
 ignored, so every sequence gets exactly --new-tokens tokens. Each side is called once cold (the
@@ -11,7 +12,7 @@ ms/step is decode time per step: ours from the engine's own timer, HF's as
 the allocator's peak *reserved* bytes over a warm call, after emptying the cache first — reserved,
 not allocated, so our persistent cache and CUDA-graph pool are counted.
 On CUDA the run also checks log-prob agreement with a training forward (bf16) and greedy decoding
-with graphs against without. Prints a markdown table and appends it to benchmarks/RESULTS.md.
+with graphs against without. Prints a markdown table (--results FILE also appends it there).
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU: on a shared 2-core box a 2-thread parallel "
                          "region stalls for a scheduler quantum whenever the other core is busy)")
-    ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--results", default=None, help="append the markdown section to this file (default: printed only)")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     args = ap.parse_args(argv)
     dev = args.device
@@ -173,8 +174,9 @@ def main(argv=None):
         extras["greedy"] = greedy_graphs_vs_eager(model, vocab, dev)
     table = render(results, extras, kind, P, new, dev, args)
     print(table)
-    with open(args.results, "a") as f:
-        f.write(table + "\n")
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(table + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "extras": extras}, indent=1))
 

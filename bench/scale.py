@@ -1,26 +1,51 @@
-"""Scaling on GPUs: `tether grpo` and `tether dpo` on 1, 2, 4 GPUs of one host (torchrun, FSDP2).
+"""Scaling on GPUs: `tether grpo` and `tether dpo` on 1, 2, 4 GPUs of one host (torchrun, FSDP2 or
+plain replication), and with --trl TRL's GRPOTrainer / DPOTrainer (accelerate + FSDP2,
+bench/scale_trl.py) on the same model, data and per-GPU batch.
 
     python bench/scale.py                                  # Qwen2.5-0.5B shape, grpo + dpo, 1/2/4 GPUs
-    python bench/scale.py --shape qwen7b --gpus 4          # Qwen2.5-7B shape on 4 GPUs
     python bench/scale.py --shape tiny --gpus 1,2 --device cpu   # the same path on CPU (gloo), a smoke run
 
-Weak scaling: the batch *per GPU* is fixed (--grpo-prompts prompts × --generations completions of
---new-tokens tokens; --dpo-pairs pairs of --dpo-len tokens per sequence), so N GPUs train on an N
+The benchmark rows (bench/gpu.sh scale runs them; --results/--json go under $OUT there):
+
+    python bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos grpo --steps 4 --warmup 1 \\
+        --keep-model /tmp/m05 --run-timeout 115                          # 0.5B GRPO weak scaling
+    python bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo --steps 5 --warmup 2 \\
+        --keep-model /tmp/m05 --run-timeout 110                          # 0.5B DPO weak scaling
+    python bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos dpo --steps 5 --warmup 3 \\
+        --keep-model /tmp/m05 --run-timeout 55 --set fsdp=false --set compile=true   # replicated, compiled
+    python bench/scale.py --shape qwen0.5b --gpus 1,2,4 --algos grpo --steps 3 --warmup 2 \\
+        --keep-model /tmp/m05 --run-timeout 110 --set fsdp=false          # GRPO replicated
+    python bench/scale.py --shape qwen0.5b --gpus 1 --algos grpo --steps 10 --warmup 3 --keep-model /tmp/m05 \\
+        --run-timeout 190 --set compile=true --set queue.placement=interleaved --set queue.max_staleness=1
+        # one GPU, interleaved sampling (queue.placement=auto, max_staleness=0: the synchronous loop)
+    python bench/scale.py --shape qwen7b --gpus 4 --algos dpo --trl --steps 5 --warmup 2 --keep-model /tmp/m7 \\
+        --run-timeout 200 --trl-timeout 280 --set fsdp_reduce=bf16       # 7B DPO vs TRL, bf16 reduce on both
+    python bench/scale.py --shape qwen7b --gpus 4 --algos dpo --steps 5 --warmup 3 --keep-model /tmp/m7 \\
+        --run-timeout 380 --set fsdp_reduce=bf16 --set compile=true      # 7B DPO compiled
+    python bench/scale.py --shape qwen7b --gpus 4 --algos grpo --steps 2 --warmup 1 --keep-model /tmp/m7 \\
+        --run-timeout 180 --set release_replica=true                     # 7B GRPO, replica released per update
+        # (and without --set release_replica=true, --run-timeout 260: the default)
+
+Weak scaling: the batch *per GPU* is fixed (--per-gpu prompts × --generations completions of
+--new-tokens tokens; --per-gpu pairs of --dpo-len tokens per sequence), so N GPUs train on an N
 times larger global batch per step; throughput = tokens trained per second of step time, speed-up
-= throughput(N) / throughput(1). With --global-batch the global batch is fixed instead (strong
-scaling: the per-GPU batch shrinks with N). Models are random-init (no hub here) with a word-level
+= throughput(N) / throughput(1). Models are random-init (no hub here) with a word-level
 tokenizer whose EOS the model never samples, so every completion runs to --new-tokens tokens;
 weights fp32 (sharded master copy) with bf16 compute and fp32 gradient reduction, gradient
 checkpointing on, SDPA attention. GRPO: β = 0 (no reference), μ = 1, token-mean loss, group-std
-advantages, samples from the rollout replica gathered after each step (`gather_time`, reported).
-DPO: sigmoid, β = 0.1, reference log-probs precomputed (as `tether dpo` does).
+advantages, samples from the rollout replica gathered after each step (`gather_time`, reported);
+on one GPU from a bf16 sampling copy (rollout.sampler_copy), as every rank samples from its bf16
+replica, so the one-GPU baseline of the speed-ups samples alike. DPO: sigmoid, β = 0.1, reference
+log-probs precomputed (as `tether dpo` does).
 
 Per run: median step time over the steps after --warmup, tokens/s (GRPO: prompt + completion
 tokens trained; DPO: 2 · pairs · length), MFU = model FLOPs / (step time · GPUs · peak) with model
 FLOPs = 6·P per trained token + 2·P per sampled or reference token (P = parameters without the
 embedding; the peak is the card's dense bf16 number, 989 TFLOP/s on H100 SXM), and the largest
 per-GPU peak of allocated and reserved memory. Checkpoints are not written (they are not part of
-a step). Appends a markdown section to benchmarks/RESULTS.md and writes --json.
+a step). Prints a markdown section (--results FILE also appends it there) and writes --json.
+--profile, --trace, --cprofile and --world1 are diagnosis: rank 0's op tables, every rank's chrome
+trace (open in Perfetto, ui.perfetto.dev), rank 0's cProfile, the one-GPU run as a one-rank FSDP2 group.
 """
 from __future__ import annotations
 
@@ -39,12 +64,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 SHAPES = {
     "tiny": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
-    # issue 16's CPU-side diagnosis: the 0.5B shape's depth with negligible compute (per-op overhead)
+    # the 0.5B shape's depth with negligible compute: per-op overhead on CPU
     "thin24": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=24, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
     "qwen0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -116,7 +140,7 @@ def worker(a) -> None:
     from transformers import PreTrainedTokenizerFast
 
     from tether import cli, distributed
-    from tether.trainers import setup
+    from tether.trainers.core import setup
 
     def load_tok(path, **_):  # AutoTokenizer would rebuild it as Qwen2's BPE (model_type qwen2)
         tok = PreTrainedTokenizerFast.from_pretrained(a.model_dir)
@@ -135,9 +159,10 @@ def worker(a) -> None:
         args += [f"num_generations={a.generations}", f"max_new_tokens={a.new_tokens}",
                  f"max_prompt_length={a.prompt_len}", "loss_agg=token-mean", "beta=0",
                  f"micro_batch_size={a.micro_batch}", "reward_funcs=[bench/scale.py:reward]"]
-        if N == 1:  # sample from a bf16 copy, as every rank does from its replica: until session 17
-            args.append("sampler_copy=true")  # one GPU sampled its fp32 weights (1.49 s vs 0.57), which
-            # flattered every GRPO speed-up
+        if N == 1:  # sample from a bf16 copy, as every rank does from its replica: a rollout from
+            # the fp32 weights takes 1.49 s against the ranks' 0.57 s (0.5B, 4 × H200) and flatters
+            # every speed-up
+            args.append("sampler_copy=true")
     else:  # batch_size = pairs per forward; grad_accum makes the global batch per_gpu × N pairs
         pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
         args[-1] = f"batch_size={pairs}"
@@ -152,7 +177,7 @@ def worker(a) -> None:
         if a.device == "cuda":
             torch.cuda.set_device(0)
         dist.init_process_group("cuda:nccl,cpu:gloo" if a.device == "cuda" else "gloo")
-        distributed.active = lambda: dist.is_initialized()  # every `distributed.active()` now says yes
+        distributed.active = lambda: dist.is_initialized()  # from here every `distributed.active()` says yes
         shard = distributed.shard
 
         def said(model, layers, **kw):  # the log shows it sharded
@@ -174,7 +199,7 @@ def worker(a) -> None:
     mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) \
         if a.device == "cuda" else (0.0, 0.0)
     peaks = distributed.all_gather_object(mem) if distributed.active() else [mem]
-    if distributed.rank() == 0:  # (before the fix above every rank left the group first and wrote here)
+    if distributed.rank() == 0:
         assert len(peaks) == N, f"peaks of {len(peaks)} ranks, {N} expected"
         Path(a.work, f"{a.algo}{N}.json").write_text(json.dumps({"code": code, "peaks": peaks}))
     if distributed.active():
@@ -224,11 +249,11 @@ def _tracer(a, N: int):
     Training.guarded_step, which every rank calls: one update a step for DPO and GRPO with μ = 1,
     more for GRPO μ > 1 and PPO, whose window then covers fewer steps; needs warmup + 2 updates in
     the run, else no trace is written); writes <trace>/<algo><N>[-<set>]-rank<r>.json.gz,
-    chrome traces whose timestamps share the host's monotonic clock, so bench/trace_skew.py can put
-    the ranks side by side (which one reaches each collective last)."""
+    chrome traces whose timestamps share the host's monotonic clock, so the ranks' traces line up
+    side by side (which one reaches each collective last)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from tether.trainers import setup
+    from tether.trainers.core import setup
     rank = int(os.environ.get("RANK", "0"))
     tag = f"{a.algo}{N}" + ("-" + "_".join(a.set).replace("=", "-") if a.set else "")
 
@@ -238,8 +263,8 @@ def _tracer(a, N: int):
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
     # the profiler's own warm-up step is the last of --warmup: steps warmup+1, warmup+2 are traced
-    # record_shapes: which tensors the casts and copies move (session 15: ~60 ms a 7B DPO step of
-    # ToCopyBackward / linear-to copies on rank 0, unattributable without shapes)
+    # record_shapes: which tensors the casts and copies move (a step's ToCopyBackward / linear-to
+    # copies cannot be attributed without shapes)
     prof = profile(activities=acts, record_shapes=True,
                    schedule=schedule(wait=max(0, a.warmup - 1), warmup=1, active=2, repeat=1),
                    on_trace_ready=ready)
@@ -300,7 +325,7 @@ def launch(a, N: int) -> dict:
             "mfu": mfu(a, N, step), "steps": len(warm),
             "peak_alloc_gib": max(p[0] for p in peaks), "peak_reserved_gib": max(p[1] for p in peaks),
             "rollout_s": statistics.median(r.get("rollout/seconds", 0.0) for r in warm),
-            **({"sampler_copy": True} if a.algo == "grpo" and N == 1 else {})}  # (worker: see sampler_copy=true)
+            **({"sampler_copy": True} if a.algo == "grpo" and N == 1 else {})}  # (worker: sampler_copy=true)
 
 
 def run_capped(cmd, timeout=None, **kw) -> subprocess.CompletedProcess:
@@ -319,6 +344,59 @@ def run_capped(cmd, timeout=None, **kw) -> subprocess.CompletedProcess:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# TRL's side (bench/scale_trl.py): accelerate's FSDP2 configuration, N processes
+ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+mixed_precision: bf16
+num_machines: 1
+num_processes: {n}
+main_process_port: {port}
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: Qwen2DecoderLayer
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+  fsdp_activation_checkpointing: false
+"""
+
+
+def launch_trl(a, N: int) -> dict:
+    """One TRL run on N GPUs (accelerate launch of bench/scale_trl.py); its numbers, or {"error": ...}."""
+    cfg = Path(a.work) / f"accelerate{N}.yaml"
+    cfg.write_text(ACCELERATE_FSDP2.format(n=N, port=29600 + N))
+    steps = a.steps if a.trl_steps is None else a.trl_steps
+    warmup = a.warmup if a.trl_warmup is None else a.trl_warmup
+    out, partial = Path(a.work) / f"trl-{a.algo}{N}.json", Path(a.work) / f"trl-{a.algo}{N}.steps.json"
+    for f in (out, partial):
+        f.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+           str(ROOT / "bench" / "scale_trl.py"),
+           "--worker", "--algo", a.algo, "--model-dir", str(a.model_dir), "--data", str(a.data),
+           "--work", str(a.work), "--per-gpu", str(a.per_gpu), "--generations", str(a.generations),
+           "--new-tokens", str(a.new_tokens), "--dpo-len", str(a.dpo_len),
+           "--micro-batch", str(a.micro_batch), "--steps", str(steps), "--warmup", str(warmup),
+           "--device", a.device, "--reduce", a.trl_reduce]
+    t0 = time.perf_counter()
+    proc = run_capped(cmd, timeout=a.trl_timeout or None)
+    if a.log_dir:
+        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+        Path(a.log_dir, f"trl-{a.algo}{N}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode or not out.exists():
+        tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln][-3:]
+        res = {"error": " / ".join(tail)[-1500:] or proc.stderr[-1500:], "wall_s": round(time.perf_counter() - t0, 1)}
+        if partial.exists():  # a run cut off: the steps it finished (rank 0 writes them as they end)
+            times = json.loads(partial.read_text())["times"]
+            if times:
+                warm = times[warmup:] or times
+                res.update(step_s=statistics.median(warm), first_s=times[0], times=times, steps=len(warm),
+                           peak_alloc_gib=None, peak_reserved_gib=None)
+        return res
+    return json.loads(out.read_text())
 
 
 def mfu(a, N: int, step: float) -> float:
@@ -428,7 +506,7 @@ def main(argv=None):
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--work", default=None)
     ap.add_argument("--data", default=None)
-    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--results", default=None, help="append the markdown section to this file (default: printed only)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trl", action="store_true", help="also run TRL's trainers (bench/scale_trl.py)")
     ap.add_argument("--trl-only", action="store_true", help="TRL's runs alone (with --trl; tether's skipped)")
@@ -443,7 +521,7 @@ def main(argv=None):
     ap.add_argument("--run-timeout", type=float, default=0, help="seconds before one tether run is killed (0: none)")
     ap.add_argument("--profile", default=None, help="write rank 0's torch.profiler tables of 2 steps here")
     ap.add_argument("--trace", default=None, help="write every rank's chrome trace of 2 steps here "
-                                                  "(bench/trace_skew.py reads them)")
+                                                  "(timestamps on the host's monotonic clock)")
     ap.add_argument("--world1", action="store_true", help="diagnosis: the 1-GPU run in a one-rank process "
                     "group, so it is sharded with FSDP2 like the N-GPU runs (separates FSDP2's own cost from N processes')")
     ap.add_argument("--cprofile", default=None, help="write rank 0's cProfile stats of the command here")
@@ -484,9 +562,8 @@ def main(argv=None):
                     results[algo].append(r)
                     print(f"{algo} × {N}: {json.dumps(r)[:400]}", flush=True)
                 if a.trl:
-                    import scale_trl
                     t0 = time.perf_counter()
-                    t = scale_trl.launch(a, N)
+                    t = launch_trl(a, N)
                     t.update(gpus=N, who="trl", reduce=a.trl_reduce, wall_s=round(time.perf_counter() - t0, 1))
                     if "step_s" in t:
                         t["tokens_per_s"] = tokens_per_step(a, N) / t["step_s"]
@@ -495,8 +572,9 @@ def main(argv=None):
                     print(f"trl {algo} × {N}: {json.dumps(t)[:400]}", flush=True)
     table = render(a, results)
     print(table)
-    with open(a.results, "a") as f:
-        f.write(table + "\n")
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(table + "\n")
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
 

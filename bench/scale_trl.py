@@ -1,21 +1,23 @@
-"""TRL's side of bench/scale.py: GRPOTrainer / DPOTrainer under `accelerate launch` with FSDP2, on
-the same random-init model, tokenizer, data and per-GPU batch as ours.
+"""TRL's side of bench/scale.py: one rank of GRPOTrainer / DPOTrainer under `accelerate launch`
+with FSDP2, on the same random-init model, tokenizer, data and per-GPU batch as tether's runs.
 
-    python bench/scale_trl.py --model-dir <dir from scale.py> --algo grpo --gpus 4 --work <dir> ...
+    python bench/scale.py --shape qwen7b --gpus 4 --algos dpo --trl ...   # starts this file, one run a GPU count
 
-(bench/scale.py --trl calls it once per run; it needs trl, datasets, dill and multiprocess
-importable.) Settings matched to ours: fp32 master weights with bf16 compute (accelerate
-mixed_precision=bf16 -> FSDP2 MixedPrecisionPolicy), FSDP2 per Qwen2DecoderLayer with reshard
-after forward, gradient checkpointing on, lr 1e-6, seed 0. GRPO: β = 0, μ = 1, loss_type "dapo"
-(token mean), group-std rewards, temperature 1, no vLLM (TRL generates with the FSDP2-wrapped
-model: what a user without vLLM gets), per device prompts × generations sequences per step in
-micro-batches of --micro-batch. DPO: sigmoid, β = 0.1, reference log-probs precomputed
-(`precompute_ref_log_probs=True`, as ours), pairs per forward = micro-batch / 2.
-Gradient reduction: accelerate's FSDP2 policy reduces in the compute dtype (bf16), ours in fp32
-by default (model.fsdp_reduce); --reduce fp32 gives TRL ours (its plugin's policy replaced), and
-scale.py's `--set fsdp_reduce=bf16` gives ours TRL's: compare like with like.
+bench/scale.py --trl writes the accelerate config (scale.ACCELERATE_FSDP2) and launches this file
+as `accelerate launch --config_file <cfg> bench/scale_trl.py --worker --algo ... --model-dir ...`;
+it needs trl, datasets, dill and multiprocess importable. Settings matched to tether's: fp32 master
+weights with bf16 compute (accelerate mixed_precision=bf16 -> FSDP2 MixedPrecisionPolicy), FSDP2
+per Qwen2DecoderLayer with reshard after forward, gradient checkpointing on, lr 1e-6, seed 0.
+GRPO: β = 0, μ = 1, loss_type "dapo" (token mean), group-std rewards, temperature 1, no vLLM (TRL
+generates with the FSDP2-wrapped model: what a user without vLLM gets), per device prompts ×
+generations sequences per step in micro-batches of --micro-batch. DPO: sigmoid, β = 0.1, reference
+log-probs precomputed (`precompute_ref_log_probs=True`, as tether), pairs per forward = micro-batch / 2.
+Gradient reduction: accelerate's FSDP2 policy reduces in the compute dtype (bf16), tether in fp32
+by default (model.fsdp_reduce); --reduce fp32 gives TRL tether's (its plugin's policy replaced), and
+scale.py's `--set fsdp_reduce=bf16` gives tether TRL's: compare like with like.
 Step time: on_step_begin -> on_step_end (CUDA-synchronized), median after --warmup; per-GPU peak
-allocated / reserved memory over the whole train() call. Rank 0 writes <work>/trl-<algo><N>.json.
+allocated / reserved memory over the whole train() call. Rank 0 writes <work>/trl-<algo><N>.json
+(and <work>/trl-<algo><N>.steps.json as steps end, so a run cut off still reports them).
 """
 from __future__ import annotations
 
@@ -26,60 +28,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-mixed_precision: bf16
-num_machines: 1
-num_processes: {n}
-main_process_port: {port}
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: Qwen2DecoderLayer
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_cpu_ram_efficient_loading: false
-  fsdp_offload_params: false
-  fsdp_activation_checkpointing: false
-"""
-
-
-def launch(a, N: int) -> dict:
-    """One TRL run on N GPUs (accelerate launch); its numbers, or {"error": ...}."""
-    from scale import run_capped
-    cfg = Path(a.work) / f"accelerate{N}.yaml"
-    cfg.write_text(ACCELERATE_FSDP2.format(n=N, port=29600 + N))
-    steps = a.steps if getattr(a, "trl_steps", None) is None else a.trl_steps
-    warmup = a.warmup if getattr(a, "trl_warmup", None) is None else a.trl_warmup
-    out, partial = Path(a.work) / f"trl-{a.algo}{N}.json", Path(a.work) / f"trl-{a.algo}{N}.steps.json"
-    for f in (out, partial):
-        f.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), __file__,
-           "--worker", "--algo", a.algo, "--model-dir", str(a.model_dir), "--data", str(a.data),
-           "--work", str(a.work), "--per-gpu", str(a.per_gpu), "--generations", str(a.generations),
-           "--new-tokens", str(a.new_tokens), "--dpo-len", str(a.dpo_len),
-           "--micro-batch", str(a.micro_batch), "--steps", str(steps), "--warmup", str(warmup),
-           "--device", getattr(a, "device", "cuda"), "--reduce", getattr(a, "trl_reduce", "bf16")]
-    t0 = time.perf_counter()
-    proc = run_capped(cmd, timeout=getattr(a, "trl_timeout", 0) or None)
-    if getattr(a, "log_dir", None):
-        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
-        Path(a.log_dir, f"trl-{a.algo}{N}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    if proc.returncode or not out.exists():
-        tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln][-3:]
-        res = {"error": " / ".join(tail)[-1500:] or proc.stderr[-1500:], "wall_s": round(time.perf_counter() - t0, 1)}
-        if partial.exists():  # a run cut off: the steps it finished (rank 0 writes them as they end)
-            times = json.loads(partial.read_text())["times"]
-            if times:
-                warm = times[warmup:] or times
-                res.update(step_s=statistics.median(warm), first_s=times[0], times=times, steps=len(warm),
-                           peak_alloc_gib=None, peak_reserved_gib=None)
-        return res
-    return json.loads(out.read_text())
-
 
 def worker(a) -> None:
     import torch
@@ -158,9 +106,9 @@ def worker(a) -> None:
         pairs = max(1, min(a.per_gpu, a.micro_batch // 2))
         # model_init_kwargs: TRL 1.16 builds the reference itself (the policy is passed as an instance)
         # with create_model_from_path, whose device_map defaults to "auto" on a GPU and is reset to
-        # None only for MULTI_GPU / DEEPSPEED, not FSDP: each rank then dispatched the 7B reference
-        # over every visible GPU and the precompute failed ("index is on cuda:0, different from
-        # other tensors on cuda:N", session 9). device_map=None: loaded on the CPU, then sharded.
+        # None only for MULTI_GPU / DEEPSPEED, not FSDP: each rank would dispatch the 7B reference
+        # over every visible GPU and the precompute fails ("index is on cuda:0, different from
+        # other tensors on cuda:N"). device_map=None: loaded on the CPU, then sharded.
         args = DPOConfig(per_device_train_batch_size=pairs, gradient_accumulation_steps=a.per_gpu // pairs,
                          max_length=a.dpo_len + 8, beta=0.1, loss_type=["sigmoid"],
                          precompute_ref_log_probs=True, model_init_kwargs={"device_map": None}, **common)
@@ -178,7 +126,7 @@ def worker(a) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--algo", required=True)
     ap.add_argument("--model-dir", required=True)

@@ -7,6 +7,7 @@ test-split pairs under BT labels (τ = 1) next to the Bayes-optimal accuracy on 
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from tether.studio.labeler_bt import expected_bt_accuracy, fit_bt
@@ -14,7 +15,8 @@ from tether.studio.labeler_store import WorldPairs
 from tether.tasks.preference_world import bayes_optimal_accuracy
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     src = WorldPairs(seed=0)
     test = [src.pair(i, split="test") for i in range(500)]
     a, b = [p["a"] for p in test], [p["b"] for p in test]

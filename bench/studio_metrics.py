@@ -40,7 +40,7 @@ def write_run(root: Path, n: int) -> Path:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lines", type=int, default=100_000)
     ap.add_argument("--browser", action="store_true")
     args = ap.parse_args()

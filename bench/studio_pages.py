@@ -7,6 +7,7 @@ Prints seconds per request (a job's from its POST to its result), and the number
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -54,4 +55,6 @@ def main(runs: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="?", default="runs", help="the runs directory (default: runs)")
+    main(ap.parse_args().runs)
