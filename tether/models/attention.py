@@ -8,20 +8,24 @@ walks keys in 128-wide tiles but masks out-of-range keys at a 64-wide granularit
 lengths the zero-filled half tile is scored 0 instead of -inf and exp(0 - lse) overflows. Rows
 with such a log-sum-exp are ordinary in our batches: a left-padded prompt's pad positions see no
 key at all (-inf), and Qwen2.5 has "massive activation" heads (TRL's DPO hit it, trl#7181).
-Session 20: every GRPO step of SmolLM2 at 384 new tokens on an H200 had a NaN gradient (widths
-448 = 3·128 + 64, left-padded rows); session 21 replayed the saved batch: NaN with cuDNN only,
-finite with the memory-efficient kernel, eager, or the padded rows removed.
+Unguarded, every GRPO step of SmolLM2 at 384 new tokens on an H200 has a NaN gradient (widths
+448 = 3·128 + 64, left-padded rows); replayed, one such saved batch gives NaN with cuDNN only,
+finite with the memory-efficient kernel, eager, or the padded rows removed (benchmarks/RESULTS.md).
 
-Turning cuDNN attention off for the whole run (session 20's fix) made the compiled DPO step 28 %
-slower on an H200 (0.0955 s vs 0.0745 s, two processes, a config without masks). Instead, while a
+Turning cuDNN attention off for the whole run makes the compiled DPO step 28 % slower on an H200
+(0.0955 s vs 0.0745 s, two processes, a config without masks: `python bench/dpo_step.py --device
+cuda --compile static --no-cudnn-attention` against the same without the flag). Instead, while a
 run trains, transformers' "sdpa" attention gets 16 masked keys more whenever the key length is
 ≡ 64 (mod 128) and a mask is passed with gradients on: the result is the same (a masked key has
 weight exactly 0) and the length is out of the kernel's bad case; every other shape runs on the
-fastest kernel as before. Forwards without gradients (sampling, reference log-probs, `tether
+fastest kernel unchanged. Forwards without gradients (sampling, reference log-probs, `tether
 eval`) never pad: the forward is right.
 Under compile_layers the length test is a guard: the first batch of a bad length compiles the
-layer graph once more (then both stay cached). Confirmed on a GPU: not yet (session 21 had no
-device time left; bench/gpu_session22.sh runs the GPU tests and the saved batch's replay first)."""
+layer graph once more (then both stay cached). On an H200 (torch 2.11, cuDNN 9.19), `pytest -m gpu
+tests/test_attention_guard.py` (in `bash bench/gpu.sh tests`) passes: at key lengths 64, 192, 448,
+704 and 1088 with every log-sum-exp below -88.7, unguarded cuDNN's query gradient is inf; guarded,
+every gradient is finite and as close to a float64 answer as the memory-efficient kernel's, and a
+left-padded Llama batch 448 wide trains with finite gradients."""
 
 from __future__ import annotations
 
