@@ -32,7 +32,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
 got = distributed.cat_ranks(torch.empty(0) if r else torch.arange(3.0))  # a rank with no rows
 if not torch.equal(got, torch.arange(3.0)):
     bad.append("empty rank")
-try:  # ranks that disagree on dtype: one clear error on every rank (gloo used to abort the process)
+try:  # ranks that disagree on dtype: one clear error on every rank (a gloo collective of mismatched dtypes aborts the process)
     distributed.cat_ranks(torch.zeros(2, dtype=torch.int64 if r else torch.float32))
     bad.append("mismatched dtypes accepted")
 except ValueError as e:

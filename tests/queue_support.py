@@ -6,7 +6,7 @@ import json
 import torch
 
 from tether.models import make_tiny_model
-from tether.trainers.online import GRPOConfig
+from tether.trainers.grpo import GRPOConfig
 
 VOLATILE = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
             "queue/wait_seconds", "gather_time", "queue/weights_wait_seconds", "queue/produce_seconds",

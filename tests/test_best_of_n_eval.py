@@ -1,4 +1,4 @@
-"""Held-out evaluation in `tether bon` (issue 17 §2): with rft=true the RFT run (SFT on the kept
+"""Held-out evaluation in `tether bon`: with rft=true the RFT run (SFT on the kept
 completions) evaluates bon's held-out prompts at its eval points exactly as `tether eval` scores the
 checkpoints of those steps, keeps the best one (run.keep_best), and bon's summary holds the policy's
 numbers before RFT next to the last eval point's; without rft the eval keys are refused in one line."""

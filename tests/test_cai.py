@@ -72,7 +72,7 @@ def tiny(tmp_path_factory):
 def test_cai_command_writes_rows_that_sft_loads(tiny, tmp_path):
     from tether.models import load_tokenizer
     from tether.trainers.sft import SFTConfig
-    from tether.trainers.sft_data import load_sft_data
+    from tether.trainers.sft import load_sft_data
 
     cons = tmp_path / "c.md"
     cons.write_text("- Be harmless.\n- Be honest.\n")
@@ -109,8 +109,8 @@ def test_rl_cai_pairs_sampled_from_a_policy_load_in_dpo_and_rm(tiny, tmp_path):
     policy, judged under the constitution; the file is what `tether dpo` / `tether rm` read."""
     from tether.feedback.label import LabelPairsConfig, label_pairs
     from tether.models import load_tokenizer
-    from tether.trainers.offline import DPOConfig
-    from tether.trainers.offline_data import load_offline_data
+    from tether.trainers.preference.offline import DPOConfig
+    from tether.trainers.preference.data import load_offline_data
     from tether.trainers.rm import load_pairs
 
     cons = tmp_path / "c.md"

@@ -5,7 +5,7 @@ still resumes in one process, with the same state."""
 import torch
 
 from tether.run import TRAINER_STATE, RunDir, rng_state
-from tether.trainers.common import EpochSampler, make_optimizer, make_scheduler, restore_training, save_training
+from tether.trainers.core.common import EpochSampler, make_optimizer, make_scheduler, restore_training, save_training
 
 
 def _stepped(seed=0):

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from dist_support import assert_same_metrics, assert_same_weights, ok, run_tether, weights
+from extras import needs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")
 
@@ -93,16 +94,18 @@ def test_a_replicated_run_resumes_in_another_number_of_processes(world, one):
 
 
 @pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
-def test_replicated_and_lora_runs_equal_one_process(world):
-    for extra, name in (({"fsdp": "false"}, "ddp"), ({"lora_r": 4, "lr": 1e-2}, "lora")):
-        args1 = _args(world, name + "1", max_steps=3, save_every=0, **extra)
-        args2 = _args(world, name + "2", max_steps=3, save_every=0, **extra)
-        ok(run_tether("sft", args1))
-        ok(run_tether("sft", args2, nproc=2))
-        a, b = world / "runs" / (name + "1"), world / "runs" / (name + "2")
-        assert_same_metrics(a, b)
-        assert_same_weights(a / "checkpoints" / "step-3", b / "checkpoints" / "step-3")
-    assert any("lora_A" in k for k in weights(b / "checkpoints" / "step-3"))  # the adapter alone
+@pytest.mark.parametrize("name, extra", [pytest.param("ddp", {"fsdp": "false"}, id="ddp"),
+                                         pytest.param("lora", {"lora_r": 4, "lr": 1e-2}, id="lora", marks=needs("peft"))])
+def test_replicated_and_lora_runs_equal_one_process(world, name, extra):
+    args1 = _args(world, name + "1", max_steps=3, save_every=0, **extra)
+    args2 = _args(world, name + "2", max_steps=3, save_every=0, **extra)
+    ok(run_tether("sft", args1))
+    ok(run_tether("sft", args2, nproc=2))
+    a, b = world / "runs" / (name + "1"), world / "runs" / (name + "2")
+    assert_same_metrics(a, b)
+    assert_same_weights(a / "checkpoints" / "step-3", b / "checkpoints" / "step-3")
+    if name == "lora":
+        assert any("lora_A" in k for k in weights(b / "checkpoints" / "step-3"))  # the adapter alone
 
 
 def test_a_bad_input_is_reported_once(world, tmp_path):
@@ -201,7 +204,7 @@ def test_cat_ranks_rebuilds_the_rows_in_rank_order():
 
 
 def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_of_a_gpu():
-    from tether.trainers.sharding import replication_hint
+    from tether.trainers.core.sharding import replication_hint
     gpu = 80 * 10**9
     # Qwen2.5-0.5B trained with an fp32 reference copy: 16 B x 494M + 2 GB = 9.9 GB of 80: replicate
     said = replication_hint(494_000_000, 4 * 494_000_000, gpu)
@@ -214,16 +217,16 @@ def test_the_small_model_hint_says_replicate_only_when_the_state_fits_a_quarter_
 
 def test_a_model_in_cpu_memory_is_sharded_for_bf16_compute_on_gpus(monkeypatch):
     """Under torchrun on GPUs setup_training loads the model into CPU memory and fully_shard moves
-    the shards: the policy must follow the GPU the rank computes on, not the weights' device now
-    (until session 16 it read the latter: every FSDP2 run on GPUs gathered fp32 weights and cast
-    them at each use). Here: a CPU model, the group said to be NCCL on cuda:0 with bf16."""
+    the shards: the policy must follow the GPU the rank computes on, not the weights' device at that
+    moment (reading the latter, every FSDP2 run on GPUs would gather fp32 weights and cast them at
+    each use). Here: a CPU model, the group said to be NCCL on cuda:0 with bf16."""
     import types
     import torch
     import torch.distributed.fsdp as fsdp
     from tether import distributed
     from tether.models.tiny import tiny_config
-    from tether.trainers import sharding
-    from tether.trainers.sections import ModelSection
+    from tether.trainers.core import sharding
+    from tether.trainers.core.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append(kw["mp_policy"]))
@@ -250,8 +253,8 @@ def test_a_scalar_head_is_its_own_fp32_unit_under_the_bf16_policy(monkeypatch):
     import torch.distributed.fsdp as fsdp
     from tether.models.heads import ScalarHeadModel
     from tether.models.tiny import tiny_config
-    from tether.trainers import sharding
-    from tether.trainers.sections import ModelSection
+    from tether.trainers.core import sharding
+    from tether.trainers.core.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append((module, kw["mp_policy"])))
@@ -278,8 +281,8 @@ def test_a_frozen_model_is_stored_in_bf16_under_the_bf16_policy(monkeypatch):
     import torch.distributed.fsdp as fsdp
     from tether.models.heads import ScalarHeadModel
     from tether.models.tiny import tiny_config
-    from tether.trainers import sharding
-    from tether.trainers.sections import ModelSection
+    from tether.trainers.core import sharding
+    from tether.trainers.core.sections import ModelSection
     from transformers import AutoModelForCausalLM
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: None)
     policy = types.SimpleNamespace(model=ModelSection(path="m"))
@@ -311,8 +314,8 @@ def test_the_reduce_dtype_reaches_fsdp2s_policy(monkeypatch):
     import torch
     import torch.distributed.fsdp as fsdp
     from tether.models.tiny import tiny_config
-    from tether.trainers import sharding
-    from tether.trainers.sections import ModelSection
+    from tether.trainers.core import sharding
+    from tether.trainers.core.sections import ModelSection
     from transformers import AutoModelForCausalLM
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append((module, kw["mp_policy"])))
@@ -331,13 +334,13 @@ def test_the_state_hint_counts_each_parameter_once_and_keeps_none_of_them():
     """setup's small-model hint counts the policy, the reference and the critic, each parameter once
     (a tied or shared one too), and holds no parameter after it returns: fully_shard replaces the
     module's parameters with shards, and a list of the old ones kept in setup's frame held the whole
-    fp32 model on every GPU through sharding (session 17: 28.4 GiB of the 7B runs' peaks)."""
+    fp32 model on every GPU through sharding (28.4 GiB of a 7B run's peak on 4 x H200)."""
     import copy
     import gc
     import weakref
     import torch
     from tether.models.tiny import tiny_config
-    from tether.trainers.sharding import replication_hint, state_hint
+    from tether.trainers.core.sharding import replication_hint, state_hint
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
                                                          num_kv_heads=1, intermediate_size=64))
@@ -360,7 +363,7 @@ def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype(
     shares no storage with the model."""
     import torch
     from tether.models.tiny import tiny_config
-    from tether.trainers.sharding import sampling_copy
+    from tether.trainers.core.sharding import sampling_copy
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(tiny_config(40, hidden_size=32, num_layers=2, num_heads=2,
                                                          num_kv_heads=1, intermediate_size=64))
@@ -379,8 +382,8 @@ def test_the_sampling_copy_is_made_one_parameter_at_a_time_in_the_compute_dtype(
 def test_setup_holds_no_unsharded_parameter_once_sharding_replaced_them(tmp_path, monkeypatch):
     """setup_training under torchrun on GPUs (simulated on CPU): once shard_model has replaced a
     model's parameters by shards — as fully_shard does, after moving each whole tensor to the GPU —
-    nothing in setup may keep the old ones alive. Until session 17 the small-model hint's list held
-    them, i.e. the whole fp32 model on every GPU until setup returned (7B: 28.4 GiB)."""
+    nothing in setup may keep the old ones alive: a list of them (the small-model hint's) would hold
+    the whole fp32 model on every GPU until setup returned (7B: 28.4 GiB)."""
     import gc
     import json
     import types
@@ -388,7 +391,7 @@ def test_setup_holds_no_unsharded_parameter_once_sharding_replaced_them(tmp_path
     import torch
     from tether import distributed
     from tether.models import make_tiny_model
-    from tether.trainers import setup
+    from tether.trainers.core import setup
     from tether.trainers.sft import SFTConfig, train_sft
     make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"

@@ -1,8 +1,8 @@
 """Every trainer under 2-process FSDP2 with the bf16 MixedPrecisionPolicy and bf16 autocast forced
-on CPU — the dtypes a GPU run has (bench/bf16_policy_cpu.py drives it). Until session 16 no GPU run
-got the policy (setup.shard_model), so nothing had exercised it; with it, LoRA with a KL term
-crashed at the first backward (peft's disable_adapter switched requires_grad off before FSDP2's
-lazy init: models.lora.adapters_off)."""
+on CPU — the dtypes a GPU run has (bench/bf16_policy_cpu.py drives it), so the policy's paths run
+without a GPU. LoRA with a KL term is the case it guards: peft's disable_adapter switches
+requires_grad off, and before FSDP2's lazy init that crashes the first backward
+(models.lora.adapters_off)."""
 import json
 import subprocess
 import sys
@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from extras import needs
+
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux"),
+              needs("peft")]  # two of its eight runs train LoRA adapters
 
 
 def test_every_trainer_runs_under_the_bf16_policy(tmp_path):

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_support import assert_same_metrics, assert_same_weights, metrics, ok, run_tether, weights
+from extras import needs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")
 
@@ -178,7 +179,7 @@ def test_rm(world, two):
 
 @pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
 @pytest.mark.parametrize("name,kw", [("dpoR", {"grad_accum": 4}), ("ktoR", {"grad_accum": 4}),
-                                     ("dpoRlora", {"lora_r": 4})])
+                                     pytest.param("dpoRlora", {"lora_r": 4}, marks=needs("peft"))])
 def test_replicated_offline_runs_equal_one_process(world, name, kw):
     # fsdp=false: a separate reference model (the cache's forwards split over replicated ranks),
     # KTO's reference point over 4 micro-batches, LoRA adapters summed at the step

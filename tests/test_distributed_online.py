@@ -1,7 +1,7 @@
 """The GRPO family under torchrun (2 processes, gloo, FSDP2) computes what one process computes:
 every logged metric and the final weights, for the KL-regularized multi-update GRPO, REINFORCE++'s
 batch whitening and DAPO's token-mean loss with dynamic sampling; and a rank whose reward function
-raises stops the job with its own message (tether/trainers/online_global.py).
+raises stops the job with its own message (tether/trainers/core/ranks.py).
 
 Completions end at stop strings, so their lengths, and with them each rank's token count, differ:
 a rank that divided by its own count instead of the batch's would log and learn something else."""
@@ -46,7 +46,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from tether.models import make_tiny_model
-    from tether.trainers.common import EpochSampler
+    from tether.trainers.core.common import EpochSampler
     root = tmp_path_factory.mktemp("dist_online")
     make_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                     intermediate_size=64)

@@ -1,5 +1,5 @@
 """PPO-RLHF and best-of-n under torchrun (2 processes, gloo, FSDP2) compute what one process
-computes (tether/trainers/ppo_update.py): every logged number, the samples, the policy's and the
+computes (tether/trainers/ppo/update.py): every logged number, the samples, the policy's and the
 critic's weights; a 2-process checkpoint resumes in one process; best-of-n (+ RFT) writes the same
 outputs.
 
@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from dist_support import assert_same_metrics, assert_same_weights, ok, run_tether
+from extras import needs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo on Linux")
 
@@ -163,6 +164,7 @@ def test_replicated_ppo_in_two_processes_equals_one_process(world, one):
 
 
 @pytest.mark.slow  # kept out of the default suite's 10 minutes; run with -m slow
+@needs("peft")
 def test_lora_ppo_in_two_processes_equals_one_process(world):
     # Adapters on the sharded policy, the reference as the base with them disabled, the critic
     # trained in full; the checkpoint holds the adapter (gathered) and the critic.

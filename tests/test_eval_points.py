@@ -1,4 +1,4 @@
-"""Held-out evaluation inside every trainer (tether/trainers/held_out.py) and run.keep_best: the
+"""Held-out evaluation inside every trainer (tether/trainers/core/held_out.py) and run.keep_best: the
 numbers logged at an eval point are the numbers `tether eval` computes on the checkpoint saved at
 that step; keep_best keeps the step whose logged value is best (not the last one, never rotated
 away, carried through a resume); what can never work is refused in one line before anything loads."""
@@ -126,7 +126,7 @@ def test_ppo_eval_points_and_best_checkpoint_equal_tether_eval(world, tmp_path):
 
 
 def test_dpo_eval_points_equal_tether_eval_policy_ref(world, tmp_path):
-    from tether.trainers.offline import DPOConfig, train_offline
+    from tether.trainers.preference.offline import DPOConfig, train_offline
 
     root = world["root"]
     pairs = str(root / "pairs.jsonl")
@@ -248,7 +248,7 @@ def test_the_progress_bar_shows_the_last_eval_number(world, tmp_path, capsys):
 ])
 def test_the_direction_follows_the_name(metric, mode):
     from tether.config import ConfigError
-    from tether.trainers.held_out import best_mode
+    from tether.trainers.core.held_out import best_mode
 
     assert best_mode(metric) == mode and best_mode(metric, "min") == "min"
     for unclear in ("eval/rewards/chosen", "eval/greedy/completions/mean_length", "eval/score"):

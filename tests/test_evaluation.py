@@ -277,7 +277,7 @@ def test_bad_input_is_one_line_before_any_model_loads(world, tmp_path, capsys, a
 
 def test_grpo_eval_points_equal_tether_eval_on_the_checkpoint(world, tmp_path):
     from tether.run import latest_checkpoint
-    from tether.trainers.online import GRPOConfig, train_grpo
+    from tether.trainers.grpo import GRPOConfig, train_grpo
 
     root = world["root"]
     threads = torch.get_num_threads()

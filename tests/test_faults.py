@@ -1,4 +1,4 @@
-"""Faults (issue 18): a run never loses or poisons data.
+"""Faults: a run never loses or poisons data.
 
 - a fresh start into a previous run is refused before anything is deleted (overwrite=true replaces
   it, and only after validation); resume=true with no checkpoint starts from step 0 and says so;
@@ -29,10 +29,10 @@ from tether.objectives.advantages import (compute_advantages, grpo_advantages, g
                                           reinforce_pp_advantages, rloo_advantages)
 from tether.run import LOCK, RunDir, read_jsonl
 from tether.tasks import arithmetic
-from tether.trainers import setup
-from tether.trainers.common import guarded_step, make_optimizer, make_scheduler, update_is_bounded
-from tether.trainers.offline import DPOConfig, train_offline
-from tether.trainers.online import GRPOConfig, train_grpo
+from tether.trainers.core import setup
+from tether.trainers.core.common import guarded_step, make_optimizer, make_scheduler, update_is_bounded
+from tether.trainers.preference.offline import DPOConfig, train_offline
+from tether.trainers.grpo import GRPOConfig, train_grpo
 from tether.trainers.sft import SFTConfig, train_sft
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -351,7 +351,7 @@ def test_grpo_reward_history_survives_a_resume(root, monkeypatch):
 def test_max_abs_skips_empty_shards():
     """Under FSDP2 a rank's shard of a small parameter can be empty; the max-abs behind
     update_is_bounded must skip it (CUDA's inf-norm refuses one), keep NaN, and give 0 for none."""
-    from tether.trainers.common import _max_abs
+    from tether.trainers.core.common import _max_abs
     assert _max_abs([torch.empty(0), torch.tensor([1.0, -3.0]), torch.empty(0, 4)]) == 3.0
     assert _max_abs([torch.empty(0)]) == 0.0
     assert math.isnan(_max_abs([torch.empty(0), torch.tensor([float("nan"), 1.0])]))

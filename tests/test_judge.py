@@ -162,8 +162,8 @@ def files(tmp_path):
 
 
 def test_label_pairs_writes_rows_that_dpo_and_rm_load(tiny, files):
-    from tether.trainers.offline import DPOConfig
-    from tether.trainers.offline_data import load_offline_data
+    from tether.trainers.preference.offline import DPOConfig
+    from tether.trainers.preference.data import load_offline_data
     from tether.trainers.rm import load_pairs
 
     path, _, tok = tiny

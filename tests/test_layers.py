@@ -1,5 +1,6 @@
 """The package's layering (docs/architecture.md, "Layers"): imports go strictly downward, between
-packages of one layer not at all, and no two modules import each other, directly or in a ring.
+packages of one layer not at all, and no two modules import each other, directly or in a ring; no
+module imports another module's private name (`from tether.x import _name`).
 
 Every `import` / `from ... import` anywhere in a module counts, including those inside functions
 (a lazy import still couples the two modules; it only hides the coupling until run time).
@@ -20,7 +21,9 @@ LAYERS = [
     ["studies", "init_model", "convert"],
     ["quickstart"],  # below the studies: a study may start from the quickstart's policy (study prm)
     ["trainers", "labeling"],  # labeling: `tether label steps` (Math-Shepherd MC step labels)
+    ["trajectories"],  # where the sampling trainers' scored batches come from: producers, the queue, its sources
     ["evaluation", "feedback"],  # held-out metrics (`tether eval`, eval points); AI feedback (judges, CAI)
+    ["envs"],  # multi-turn environments and their tools (the episode loop in trajectories/ runs them)
     ["rollout", "rewards"],
     ["tasks"],
     ["models", "data"],
@@ -85,7 +88,7 @@ def import_graph(root: Path = TETHER) -> dict[str, list[tuple[str, int]]]:
 # -- the checks -----------------------------------------------------------------------------------------
 
 def package_of(module: str) -> str:
-    """tether.trainers.online -> 'trainers'; tether.cli -> 'cli'; tether -> 'tether'."""
+    """tether.trainers.grpo.loop -> 'trainers'; tether.cli -> 'cli'; tether -> 'tether'."""
     parts = module.split(".")
     name = parts[1] if len(parts) > 1 else parts[0]
     return SAME_PACKAGE.get(name, name)
@@ -182,6 +185,23 @@ def import_cycles(graph) -> list[str]:
     return out
 
 
+def private_imports(root: Path = TETHER) -> list[str]:
+    """Every `from tether.x import _name` (absolute or relative) of a private name of another
+    module: a name with a leading underscore is its module's own; one used elsewhere is public."""
+    paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    out = []
+    for mod, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _resolve(node, mod, path.name == "__init__.py")
+            if target != root.name and not target.startswith(root.name + "."):
+                continue
+            out += [f"{mod}:{node.lineno} imports {a.name} from {target}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__") and target != mod]
+    return out
+
+
 # -- the tests --------------------------------------------------------------------------------------------
 
 def test_imports_follow_the_layers():
@@ -193,6 +213,22 @@ def test_imports_follow_the_layers():
 def test_no_import_cycles():
     cycles = import_cycles(import_graph())
     assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+def test_no_private_name_is_imported_across_modules():
+    problems = private_imports()
+    assert not problems, ("private names imported from another module (make them public):\n  "
+                          + "\n  ".join(problems))
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    pkg = tmp_path / "tether"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("from .a import _f, g\n")
+    (pkg / "low" / "a.py").write_text("def _f():\n    pass\ng = 1\n__all__ = ['g']\n")
+    (pkg / "high.py").write_text("def h():\n    from tether.low.a import __all__, g\n")
+    assert private_imports(pkg) == ["tether.low:1 imports _f from tether.low.a"]
 
 
 def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):

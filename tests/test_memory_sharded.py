@@ -263,8 +263,8 @@ def test_bench_dry_run_plans_every_configuration(capsys):
 def test_sharded_rl_and_dpo_hold_one_logit_chunk(qwen05):
     """The chunked LM head runs under FSDP2 too (models/logprobs._sharded_chunked_head): every
     trainer, SFT included, holds one chunk of 2^25 logits whatever the number of GPUs — 4 B each
-    there (fitted to session 17's sharded runs: the CUDA head kernels keep the bf16 logits and write
-    their gradient in place); the one-process rows keep the 14 B they were fitted with."""
+    there (fitted to the sharded runs with FSDP2's bf16 policy on 4 x H200: the CUDA head kernels
+    keep the bf16 logits and write their gradient in place); the one-process rows keep the 14 B they were fitted with."""
     for algo in ("grpo", "dpo", "sft"):
         assert _row(_est(qwen05, algo=algo), "policy logits") == (1 << 25) * 14
         for gpus in (2, 4):
@@ -273,9 +273,9 @@ def test_sharded_rl_and_dpo_hold_one_logit_chunk(qwen05):
 
 # One process, fp32 weights under bf16 autocast (the trainers' default), measured on 1 x H200
 # (bench/memory_check.py, 2026-11-27, benchmarks/memory_check.jsonl): peak max_memory_allocated in GB.
-# The two SFT rows were measured in session 9, before SFT's loss went through the chunked LM head
-# (session 10): they held 2.5 GB of whole logits that SFT no longer makes, and the planner follows
-# the code. Strict xfail until they are measured again on a GPU (bench/memory_check.py).
+# The two SFT rows were measured with SFT's loss on whole logits (2.5 GB of them); SFT's loss goes
+# through the chunked LM head, which holds one chunk, and the planner follows the code. Strict
+# xfail until they are measured again on a GPU (bench/memory_check.py).
 STALE_SFT = pytest.mark.xfail(strict=True, reason="measured before SFT's chunked head; re-measure on GPU")
 
 
@@ -376,16 +376,16 @@ def test_replicate_ignores_the_fsdp_options(qwen05, capsys):
     assert "gathered" not in out and "1/2 shard" not in out
 
 
-# fsdp=false as plain replication, measured in session 13 (4 x H200, bench/scale.py --set fsdp=false,
-# benchmarks/scale/qwen0.5b-h200x4-2026-11-27-s13.json): max_memory_allocated per GPU, GiB. DPO's
-# was the same at 1, 2 and 4 GPUs (8 pairs a GPU); GRPO's grew from 8.825 GiB at 1 GPU (cache
-# inside the gradients) by the replica + KV cache.
-DPO13 = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)
-GRPO13 = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
+# fsdp=false as plain replication, measured on 4 x H200 (bench/scale.py --set fsdp=false, results in
+# benchmarks/scale/, Qwen2.5-0.5B shape, 2026-11-27): max_memory_allocated per GPU, GiB. DPO's is
+# the same at 1, 2 and 4 GPUs (8 pairs a GPU); GRPO's grows from 8.825 GiB at 1 GPU (cache inside
+# the gradients) by the replica + KV cache.
+DPO_REPLICATE = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)
+GRPO_REPLICATE = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
-@pytest.mark.parametrize("kw, measured_gib", [(DPO13, 9.266), (GRPO13, 10.037)])
+@pytest.mark.parametrize("kw, measured_gib", [(DPO_REPLICATE, 9.266), (GRPO_REPLICATE, 10.037)])
 def test_replicate_within_ten_percent_of_measured(qwen05, gpus, kw, measured_gib):
     share = dict(grad_accum=2 * gpus) if kw["algo"] == "dpo" else dict(rollout_batch=8 * gpus)
     est = _est(qwen05, gpus=gpus, sharding="replicate", weight_dtype="fp32", gradient_checkpointing=True, **kw, **share)
@@ -410,7 +410,7 @@ def test_bf16_reduction_drops_the_fp32_copy_of_the_unsharded_gradients(qwen05):
     with pytest.raises(ValueError, match="fsdp_reduce"):
         _est(qwen05, fsdp_reduce="bf16", fsdp_defer_sync=True, **kw)
     from tether.config import load_config as load
-    from tether.trainers.offline import DPOConfig
+    from tether.trainers.preference.offline import DPOConfig
     with pytest.raises(Exception, match="fsdp_defer_sync"):
         load(DPOConfig, overrides={"model": "m", "data": "d", "fsdp_reduce": "bf16", "fsdp_defer_sync": True})
     load(DPOConfig, overrides={"model": "m", "data": "d", "fsdp": False, "fsdp_reduce": "bf16", "fsdp_defer_sync": True})
@@ -446,27 +446,28 @@ def test_release_replica_frees_the_copy_for_the_frozen_forwards_it_follows(qwen0
     assert freed == kept - held
 
 
-# FSDP2 with its bf16 policy, measured in session 17 (4 x H200; benchmarks/memory/memory-check-
-# h200x4-2026-11-28-s17.jsonl and benchmarks/scale/*-s17.json): per-GPU peak max_memory_allocated, GB,
-# of the training step. The planner's FSDP2 constants were refitted on these rows (in-sample).
-S17_SFT = dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024)
-S17_DPO = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)  # bench/scale.py: 8 pairs a GPU
-S17_GRPO = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
+# FSDP2 with its bf16 policy, measured on 4 x H200 (bench/memory_check.py and bench/scale.py,
+# results in benchmarks/memory/ and benchmarks/scale/, 2026-11-28): per-GPU peak
+# max_memory_allocated, GB, of the training step. The planner's FSDP2 constants were refitted on these rows (in-sample).
+BF16_SFT = dict(algo="sft", batch_size=4, grad_accum=4, seq_len=1024)
+BF16_DPO = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)  # bench/scale.py: 8 pairs a GPU
+BF16_GRPO = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
 
 
 @pytest.mark.parametrize("gpus, kw, measured", [
     (2, dict(algo="dpo", batch_size=2, grad_accum=4, seq_len=1024, precompute_ref=True), 10.409),
-    (2, dict(S17_SFT, fsdp_offload=True), 6.457),
-    (4, dict(S17_SFT, lora=True, lora_rank=16), 6.452),
-    (4, dict(S17_SFT, gradient_checkpointing=True), 2.890),
-    # (measured with the reference still sharded in fp32: session 18's frozen_to_bf16 halves it, 0.25 GB
-    # here, and the prediction with it: measured / predicted 0.99 -> 1.02 until re-measured)
+    (2, dict(BF16_SFT, fsdp_offload=True), 6.457),
+    (4, dict(BF16_SFT, lora=True, lora_rank=16), 6.452),
+    (4, dict(BF16_SFT, gradient_checkpointing=True), 2.890),
+    # (measured with the reference sharded in fp32; frozen_to_bf16 halves it, 0.25 GB here, and the
+    # prediction follows the code: measured / predicted 1.02 until measured again; 0.99 against a
+    # prediction with the fp32 reference)
     (4, dict(algo="ppo", batch_size=4, seq_len=512, rollout_batch=16, num_generations=1, reward="verifier",
              beta=0.05, gradient_checkpointing=True), 7.334),
-    (2, dict(S17_DPO, grad_accum=4, gradient_checkpointing=True), 5.678),
-    (4, dict(S17_DPO, grad_accum=8, gradient_checkpointing=True), 3.701),
-    (2, dict(S17_GRPO, rollout_batch=16, gradient_checkpointing=True), 6.404),
-    (4, dict(S17_GRPO, rollout_batch=32, gradient_checkpointing=True), 4.428),
+    (2, dict(BF16_DPO, grad_accum=4, gradient_checkpointing=True), 5.678),
+    (4, dict(BF16_DPO, grad_accum=8, gradient_checkpointing=True), 3.701),
+    (2, dict(BF16_GRPO, rollout_batch=16, gradient_checkpointing=True), 6.404),
+    (4, dict(BF16_GRPO, rollout_batch=32, gradient_checkpointing=True), 4.428),
 ])
 def test_fsdp_bf16_policy_within_ten_percent_of_measured(qwen05, gpus, kw, measured):
     est = _est(qwen05, gpus=gpus, weight_dtype="fp32", optimizer="adamw", **kw)
@@ -476,9 +477,9 @@ def test_fsdp_bf16_policy_within_ten_percent_of_measured(qwen05, gpus, kw, measu
 @pytest.mark.parametrize("release, measured", [(False, 53.358), (True, 40.397)])
 def test_fsdp_7b_grpo_within_ten_percent_of_measured(tmp_path, release, measured):
     """Qwen2.5-7B shape, 4 GPUs, 2 prompts x 8 x (128 + 512) a GPU, micro-batch 8, checkpointing. The
-    replica kept: 53.36 GB measured (session 17; 49 MB above setup's moment, so the update's).
-    rollout.release_replica: 40.40 GB (session 18, after the setup fix; out of sample: predicted
-    40.85 before it was measured, the rollout phase's peak)."""
+    replica kept: 53.36 GB measured (49 MB above setup's moment, so the update's).
+    rollout.release_replica: 40.40 GB measured (out of sample: predicted 40.85 before it was
+    measured, the rollout phase's peak)."""
     from transformers import Qwen2Config
     Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False).save_pretrained(tmp_path)
@@ -490,11 +491,11 @@ def test_fsdp_7b_grpo_within_ten_percent_of_measured(tmp_path, release, measured
 
 def test_fsdp_7b_dpo_within_ten_percent_of_measured(tmp_path):
     """Qwen2.5-7B shape, 4 GPUs, bench/scale.py's DPO (2 pairs x 1,024 tokens a GPU, precomputed
-    reference, checkpointing, bf16 reduce): 33.47 GB measured (session 18, the first 7B DPO peak
-    without setup's moment). Predicted out of sample 39.17 (0.855: the untied head's and the
-    embeddings' gradients counted through the whole backward beside root + 4 layers); the untied
-    head's backward as a phase of its own (memory/sharded.py) was written after it: 36.38, 0.920
-    (in-sample), while the 7B GRPO rows moved 0.956 -> 0.995 and stayed 0.989."""
+    reference, checkpointing, bf16 reduce): 33.47 GB measured (a peak without setup's moment).
+    Counting the untied head's and the embeddings' gradients through the whole backward beside
+    root + 4 layers predicts 39.17 (measured/predicted 0.855, out of sample); the untied head's
+    backward as a phase of its own (memory/sharded.py), fitted on this row, predicts 36.38 (0.920,
+    in-sample), and the 7B GRPO rows come to 0.995 (0.956 under the whole-backward count) and 0.989."""
     from transformers import Qwen2Config
     Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False).save_pretrained(tmp_path)
@@ -542,7 +543,7 @@ def test_a_scalar_head_models_embeddings_gradient_comes_last(qwen05):
 
 
 def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf16(qwen05):
-    """rollout.sampler_copy in one process (bench/scale.py's one-GPU GRPO since session 17): the
+    """rollout.sampler_copy in one process (bench/scale.py's one-GPU GRPO): the
     policy once more in bf16, kept all run, and a bf16 KV cache (still inside the fp32 gradients)."""
     kw = dict(algo="grpo", weight_dtype="fp32", batch_size=8, seq_len=384, rollout_batch=8, num_generations=8,
               reward="verifier", beta=0)

@@ -1,4 +1,4 @@
-"""The offline preference trainer (tether.trainers.offline): DPO family, KTO, SimPO, ORPO."""
+"""The offline preference trainer (tether.trainers.preference.offline): DPO family, KTO, SimPO, ORPO."""
 
 import contextlib
 import copy
@@ -8,17 +8,18 @@ import random
 import pytest
 import torch
 
-import tether.trainers.offline as offline
-import tether.trainers.offline_reference as offline_reference
-import tether.trainers.setup as setup
+from extras import needs
+import tether.trainers.preference.offline as offline
+import tether.trainers.preference.reference as offline_reference
+import tether.trainers.core.setup as setup
 from tether.cli import main as cli_main
 from tether.data import encode_preference
 from tether.models import load_model, make_tiny_model
 from tether.run import read_jsonl
-from tether.trainers.offline import (DPOConfig, KTOConfig, ORPOConfig, SimPOConfig, train_offline,
-                                     train_step)
-from tether.trainers.offline_data import kl_partners, to_unpaired
-from tether.trainers.offline_reference import CACHE_FILE, CACHE_META, reference_logps
+from tether.trainers.preference.offline import (DPOConfig, KTOConfig, ORPOConfig, SimPOConfig, train_offline,
+                                                train_step)
+from tether.trainers.preference.data import kl_partners, to_unpaired
+from tether.trainers.preference.reference import CACHE_FILE, CACHE_META, reference_logps
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 CPU = torch.device("cpu")
@@ -194,7 +195,7 @@ def test_bad_data_is_one_line_error(root, capsys):
 # ---- reference cache and exact resume -------------------------------------------------------------
 
 def _count_loads(monkeypatch, limit):
-    """Counts model loads: the policy's (trainers/setup.py) and the reference's (offline_reference.py)."""
+    """Counts model loads: the policy's (trainers/core/setup.py) and the reference's (preference/reference.py)."""
     calls = []
 
     def counting(path, *a, **k):
@@ -257,8 +258,8 @@ def test_stale_cache_is_recomputed(root):
     assert s["reference"] == "policy at step 0" and json.loads(meta.read_text())["fingerprint"] != fp
 
 
+@needs("peft")
 def test_lora_reference_is_the_base_with_adapters_disabled(root, monkeypatch):
-    pytest.importorskip("peft")
     cfg = dict(name="lora", lora_r=4, max_steps=2, save_every=1, lr=1e-2)
     train_offline(cfg_for(root, **cfg))
     cache = root / "runs" / "lora" / CACHE_FILE

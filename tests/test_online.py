@@ -10,7 +10,7 @@ import torch
 from tether.errors import UserError
 from tether.models import make_tiny_model
 from tether.rewards.scoring import score
-from tether.trainers.online import GRPOConfig, train_grpo
+from tether.trainers.grpo import GRPOConfig, train_grpo
 
 DIGITS = set("0123456789")
 
@@ -161,7 +161,7 @@ def test_a_bf16_sampling_copy_borrows_the_fp32_gradient_buffer(setup, monkeypatc
     precision): the bf16 KV cache lives in the fp32 gradient buffer's bytes (viewed as bf16), and the
     run equals the one whose cache has memory of its own."""
     from tether.rollout import Sampler
-    from tether.trainers import common, sharding
+    from tether.trainers.core import common, sharding
     monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)
     seen = []
     real_sample = Sampler.sample
@@ -192,7 +192,7 @@ def test_sampling_copy_casts_the_weights_not_the_rope_buffers():
     from transformers import AutoModelForCausalLM
     from tether import distributed
     from tether.models.tiny import tiny_config
-    from tether.trainers.setup import sampling_copy
+    from tether.trainers.core.setup import sampling_copy
     model = AutoModelForCausalLM.from_config(tiny_config(40, family="qwen2", hidden_size=32, num_layers=2,
                                                          num_heads=2, num_kv_heads=1, intermediate_size=64))
     copy_ = sampling_copy(model, torch.device("cpu"), bf16=True)
@@ -211,7 +211,7 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(setup, monkeypatch):
     """The sampler's KV cache lives in the trainer's gradient buffer (common.flat_grad_buffer):
     the run — rewards, losses, log-prob mismatch, weights — is the same as with a cache of its own,
     and the cache really is inside the buffer."""
-    from tether.trainers import common
+    from tether.trainers.core import common
     from tether.rollout import Sampler
 
     seen = []
@@ -248,7 +248,7 @@ def test_release_replica_frees_the_copy_for_the_update_and_changes_nothing(setup
     the next rollout, in new memory (ReMax's greedy baseline brings it back in between): the same
     run as keeping them, step for step and in the final weights."""
     from safetensors.torch import load_file
-    from tether.trainers import online
+    from tether.trainers.grpo import loop as online
     seen = []
     for name in ("prepare_batch", "update_policy"):
         real = getattr(online, name)

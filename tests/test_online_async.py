@@ -1,4 +1,4 @@
-"""The trajectory queue (tether/rollout/queue.py, tether/trainers/online_async.py): at
+"""The trajectory queue (tether/trajectories/queue.py, tether/trajectories/asynchronous.py): at
 max_staleness 0 the queue's placements compute exactly what the synchronous loop computes
 (metrics and weights); at staleness 1 every batch is sampled one version behind, on a schedule that
 does not depend on timing (two runs are identical); the off-policy correction sees the lag."""
@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from queue_support import digit_frac, grpo_cfg, make_world, metric_rows, one_thread_for_the_module
 from tether.config import ConfigError
 from tether.errors import UserError
-from tether.rollout.queue import Trajectories, TrajectoryQueue
-from tether.trainers.online import train_grpo
+from tether.trajectories.queue import Trajectories, TrajectoryQueue
+from tether.trainers.grpo import train_grpo
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -23,7 +23,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
     # the runs' plots (plots/*.png) are most of a 3-step run's time and no part of what is tested here
-    monkeypatch.setattr("tether.trainers.setup.plot_metrics", lambda path: [])
+    monkeypatch.setattr("tether.trainers.core.setup.plot_metrics", lambda path: [])
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_disaggregated_sampler_process_matches_the_interleaved_schedule(setup, s
     with the same weights as the interleaved placement's, so the run is the same: every metric and
     the final weights. copy: both sample from rollout.sampler_copy's copy (on CPU of the same dtype),
     which the sampler process refreshes from each received version — received while the batch
-    before is produced (at S = 2 an early receive once sampled fresher weights: reviewer, session 19)."""
+    before is produced (at S = 2 a receive too early would sample fresher weights)."""
     import sys
     if sys.platform != "linux":
         pytest.skip("torchrun + gloo on Linux")
@@ -169,9 +169,8 @@ def test_disaggregated_with_two_sharded_trainers(setup):
 
 def test_interleaved_with_a_sampling_copy_evaluates_the_trained_policy(setup):
     """rollout.sampler_copy under the interleaved placement: the sampler thread takes its own copy;
-    evaluation must sample the trained policy, not a copy frozen at
-    the first step's weights (session 14: the held-out pass@1 on the GPU stayed at its step-0
-    value). On CPU the copy has the weights' dtype, so with and without it every logged value,
+    evaluation must sample the trained policy, not a copy frozen at the first step's weights (on a
+    GPU the held-out pass@1 would stay at its step-0 value). On CPU the copy has the weights' dtype, so with and without it every logged value,
     evaluation included, is the same."""
     kw = dict(placement="interleaved", max_staleness=1, max_steps=4, eval_data=str(setup / "prompts.jsonl"),
               eval_every=2)
@@ -185,12 +184,12 @@ def test_interleaved_with_a_sampling_copy_evaluates_the_trained_policy(setup):
 
 def test_interleaved_evaluation_never_overlaps_the_sampler_thread(setup, monkeypatch):
     """Held-out evaluation runs with the producer thread paused (Interleaved.alone): beside it, on
-    CUDA, graph captures failed (session 15). The producer is slowed (each of its reward calls
+    CUDA, graph captures fail (H200). The producer is slowed (each of its reward calls
     takes 0.15 s, 2 batches ahead of a fast trainer), so it is mid-batch whenever an eval point
     starts; every producer reward call notes, at its start and at its end, whether an evaluation
     was under way."""
     import time
-    from tether.trainers import held_out
+    from tether.trainers.core import held_out
     state = {"eval": False}
     seen = []
     real = held_out.HeldOut.evaluate
@@ -219,11 +218,12 @@ def test_interleaved_evaluation_never_overlaps_the_sampler_thread(setup, monkeyp
 def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_points(setup, monkeypatch):
     """With rollout.sampler_copy in bf16 (forced here on CPU, as on CUDA), the interleaved
     placement's eval points sample the trained policy *in bf16* — the numerics it is trained to
-    sample with, and what its bf16 checkpoint holds — not the fp32 weights (session 16, SmolLM2 on
-    an H100: the fp32 weights scored greedy pass@1 0.1575, the same weights in bf16 0.4025). The
+    sample with, and what its bf16 checkpoint holds — not the fp32 weights (SmolLM2 on an H100:
+    the fp32 weights score greedy pass@1 0.1575, the same weights in bf16 0.4025). The
     trainer's copy is refreshed for each eval point and freed in between (every step's get sees it
     empty)."""
-    from tether.trainers import held_out, online_async, sharding
+    from tether.trainers.core import held_out, sharding
+    from tether.trajectories import asynchronous as online_async
     monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device: True)
     seen, sizes = [], []
     real_eval, real_get = held_out.HeldOut.evaluate, online_async.Interleaved.get
@@ -245,7 +245,7 @@ def test_interleaved_evaluation_samples_the_sampling_copy_freed_between_eval_poi
 
 
 def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
-    """The disaggregated weight broadcast sends buckets of same-dtype tensors (online_disaggregated._broadcast);
+    """The disaggregated weight broadcast sends buckets of same-dtype tensors (disaggregated._broadcast);
     with buckets far smaller than the model (and a dtype change among the tensors) the receiver
     (Incoming: its tensors re-homed as views of one flat buffer a bucket, received in place) ends
     with exactly the sender's weights and buffers, tied ones included. A posted version changes
@@ -253,7 +253,7 @@ def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
     in-process: what trainer rank 0 broadcasts, the sampler receives, in order, on wait()."""
     from types import SimpleNamespace
     from tether.models.tiny import tiny_config
-    from tether.trainers import online_disaggregated as od
+    from tether.trajectories import disaggregated as od
     from transformers import AutoModelForCausalLM
     monkeypatch.setattr(od, "BROADCAST_BUCKET_BYTES", 20_000)
     sent = []
@@ -310,13 +310,13 @@ def test_weight_broadcast_in_buckets_carries_every_tensor(monkeypatch):
 
 @pytest.mark.parametrize("S", [0, 1, 2, 4, 7])  # (7: no version after the first)
 def test_sampler_process_schedule_with_weights_received_during_batches(S):
-    """online_disaggregated.serve with a fake link: batch j is sampled with version max(0, j − S)
+    """disaggregated.serve with a fake link: batch j is sampled with version max(0, j − S)
     exactly (the interleaved placement's schedule), whether or not the next version arrives during
     a batch; a version is received only once the batch the trainer makes it from is stored, every
     version the trainer broadcasts (1 .. total − 1 − S) is received once, and each is received
     during a batch wherever the schedule allows (the batch before the one that needs it)."""
     from types import SimpleNamespace
-    from tether.trainers import online_disaggregated as od
+    from tether.trajectories import disaggregated as od
     total, log = 8, []
     stored = {}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from queue_support import make_world, one_thread_for_the_module
-from tether.trainers.online_dpo import ODPOConfig, SelfJudge, build_pairs, train_odpo
+from tether.trainers.preference.online import ODPOConfig, SelfJudge, build_pairs, train_odpo
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():

@@ -8,13 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from extras import needs
 from tether.models import load_model, make_tiny_model
 from tether.objectives import token_logps
 from tether.rewards.scoring import overlong_penalty
 from tether.rollout import Sampler
-from tether.trainers import online, online_update, setup
-from tether.trainers.online import GRPOConfig, ReMaxConfig, RLOOConfig, train_grpo
-from tether.trainers.online_sampling import has_signal
+from tether.trainers.grpo import loop as online, update as online_update
+from tether.trainers.core import setup
+from tether.trainers.grpo import GRPOConfig, ReMaxConfig, RLOOConfig, train_grpo
+from tether.trajectories.sampling import has_signal
 
 DIGITS = set("0123456789")
 EOS = 2  # the tiny char tokenizer's <eos>
@@ -274,6 +276,7 @@ def test_kl_in_reward_keeps_the_policy_near_the_reference(root):
 
 # ---- LoRA: the reference is the base with adapters disabled -----------------------------------------
 
+@needs("peft")
 def test_lora_reference_is_the_base_without_a_copy(root, monkeypatch):
     loads, refs, rollouts = [], [], []
     real_load, real_loss, real_sample = setup.load_model, online_update.policy_loss, Sampler.sample
@@ -327,7 +330,7 @@ def test_presets_and_cli():
     r, x = RLOOConfig(), ReMaxConfig()
     assert (r.grpo.advantage, r.grpo.kl_in, r.grpo.beta) == ("rloo", "reward", 0.05)
     assert (x.grpo.advantage, x.rollout.num_generations, x.grpo.kl_in) == ("remax", 1, "reward")
-    assert cli._load("rloo") == (RLOOConfig, train_grpo) and cli._load("remax") == (ReMaxConfig, train_grpo)
+    assert cli.load_command("rloo") == (RLOOConfig, train_grpo) and cli.load_command("remax") == (ReMaxConfig, train_grpo)
 
 
 def test_remax_preset_moves_the_reward(root):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tether.models import make_tiny_model
-from tether.trainers.online import GRPOConfig, train_grpo
+from tether.trainers.grpo import GRPOConfig, train_grpo
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -40,13 +40,13 @@ def test_compiled_grpo_step_equals_eager(tmp_path, monkeypatch):
 
 def test_ppo_with_the_kv_cache_in_gradients_equals_without(tmp_path, monkeypatch):
     """PPO on CUDA (graphs captured on the lent cache): the same run with and without the buffer."""
-    import tether.trainers.ppo as ppo
+    import tether.trainers.ppo.loop as ppo
     from tether.run import read_jsonl
     make_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=128)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}:"}) + "\n" for i in range(16)))
     seen = []
-    from tether.trainers import common
+    from tether.trainers.core import common
     real = common.flat_grad_buffer
     for name, fgb in (("lent", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]),
                       ("own", lambda *a, **k: None)):
@@ -66,7 +66,7 @@ def test_ppo_with_the_kv_cache_in_gradients_equals_without(tmp_path, monkeypatch
 
 def test_compiled_ppo_step_equals_eager(tmp_path, monkeypatch):
     """PPO with compile=true (policy, reference and critic layers) computes the same first step."""
-    import tether.trainers.ppo as ppo
+    import tether.trainers.ppo.loop as ppo
     from tether.run import read_jsonl
     make_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=128)
@@ -87,10 +87,12 @@ def test_compiled_ppo_step_equals_eager(tmp_path, monkeypatch):
 
 def test_interleaved_eval_points_equal_a_fresh_evaluation(tmp_path, monkeypatch):
     """The interleaved placement on CUDA (sampler thread on a bf16 copy, graphs on both sides):
-    every eval point scores what a fresh sampler scores on the same weights at that moment.
-    Session 15 (SmolLM2, H100/H200): eval points scored 0.14-0.16 where the same weights scored
-    0.39-0.41 in a fresh process (online_async.Interleaved.alone: the workaround)."""
-    from tether.trainers import held_out
+    every eval point scores what a fresh sampler scores on the same weights at that moment. An eval
+    point that samples other numerics than the run's is visible here: SmolLM2 (H100/H200) scores
+    0.14-0.16 from its fp32 weights where the same weights score 0.39-0.41 in bf16 in a fresh
+    process; evaluation runs with the sampler thread paused
+    (asynchronous.Interleaved.alone)."""
+    from tether.trainers.core import held_out
     make_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=128)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}:"}) + "\n" for i in range(32)))

@@ -1,4 +1,4 @@
-"""Partial rollouts (tether/trainers/online_partial.py): completions continue across weight updates,
+"""Partial rollouts (tether/trajectories/partial.py): completions continue across weight updates,
 each token tagged with the version that sampled it. The tags are checked against truth: every
 token's sampler log-prob is recomputed with the weights of the version it names (and differs under
 another version's); a budget that never splits a completion is the loop without partial rollouts,
@@ -16,9 +16,9 @@ from tether.config import ConfigError
 from tether.models.load import load_model, load_tokenizer
 from tether.models.logprobs import completion_token_logps
 from tether.rollout import Sampler
-from tether.trainers import online
-from tether.trainers.online import train_grpo
-from tether.trainers.online_partial import PartialRollouts
+from tether.trainers.grpo import loop as online
+from tether.trainers.grpo import train_grpo
+from tether.trajectories.partial import PartialRollouts
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -28,7 +28,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
     # the runs' plots (plots/*.png) are most of a 3-step run's time and no part of what is tested here
-    monkeypatch.setattr("tether.trainers.setup.plot_metrics", lambda path: [])
+    monkeypatch.setattr("tether.trainers.core.setup.plot_metrics", lambda path: [])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_partial_metrics_read_the_completion_columns_of_a_padded_batch():
     training batch's width (training_batch(16)): the same numbers as from the unpadded batch."""
     from types import SimpleNamespace
     from tether.rollout import Rollout
-    from tether.trainers.online_partial import partial_metrics
+    from tether.trajectories.partial import partial_metrics
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
     versions = torch.tensor([[3, 4, 4, -1], [2, 2, 3, 4], [4, -1, -1, -1]])
     ro = Rollout(prompt_ids=[[1, 5, 6], [1, 7], [1, 8, 9, 10]], completion_ids=torch.full((3, 4), 11),
@@ -224,7 +224,7 @@ def test_refusals(setup, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     _cfg(setup, "x", partial=True, placement="disaggregated")  # 1 trainer + 1 sampler: allowed
     monkeypatch.delenv("WORLD_SIZE")
-    from tether.trainers.online_dpo import ODPOConfig  # shares the queue's section: refused at once
+    from tether.trainers.preference.online import ODPOConfig  # shares the queue's section: refused at once
     with pytest.raises(ConfigError, match="does not sample partial rollouts"):
         ODPOConfig(model=str(setup / "model"), data=str(setup / "prompts.jsonl"), runs_dir=str(setup / "runs"),
                    name="odpo", batch_size=2, num_generations=2, max_new_tokens=4, max_steps=1, device="cpu",
@@ -273,7 +273,7 @@ def test_disaggregated_partial_rollouts_match_the_interleaved_run(setup, copy):
     """torchrun (gloo): one trainer + one sampler process with partial rollouts at staleness 1 run
     the interleaved placement's schedule: every metric (the per-token versions' included) and the
     final weights are the one-process run's. copy: both sample from rollout.sampler_copy's copy, the
-    sampler receiving each next version while it produces a batch (online_disaggregated.Incoming)."""
+    sampler receiving each next version while it produces a batch (disaggregated.Incoming)."""
     import sys
     if sys.platform != "linux":
         pytest.skip("torchrun + gloo on Linux")

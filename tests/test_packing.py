@@ -14,9 +14,9 @@ from tether.models import logprobs as common
 from tether.models import make_tiny_model
 from tether.models.heads import ScalarHeadModel
 from tether.trainers import rm, sft
-from tether.trainers.offline import DPOConfig, KTOConfig, ORPOConfig, SimPOConfig, train_step
-from tether.trainers.offline_data import kl_partners, to_unpaired
-from tether.trainers.offline_reference import completion_logps, reference_logps
+from tether.trainers.preference.offline import DPOConfig, KTOConfig, ORPOConfig, SimPOConfig, train_step
+from tether.trainers.preference.data import kl_partners, to_unpaired
+from tether.trainers.preference.reference import completion_logps, reference_logps
 
 CPU = torch.device("cpu")
 NO_AMP = contextlib.nullcontext()

@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 
+from extras import needs
 from tether.models import make_tiny_model
 from tether.models.heads import ScalarHeadModel
 from tether.run import read_jsonl
-from tether.trainers import ppo as ppo_mod
-from tether.trainers.ppo import PPOConfig, ppo_advantages, train_ppo
+from tether.trainers.ppo import loop as ppo_mod
+from tether.trainers.ppo.loop import PPOConfig, ppo_advantages, train_ppo
 
 
 def test_ppo_advantages_hand_built_trajectory():
@@ -173,7 +174,7 @@ def test_resume_continues_exactly(tmp_path):
 def test_critic_starts_from_the_reward_model_of_an_rm_spec(tmp_path):
     """value_model='' takes the first `rm:` reward model (a run directory resolves to its newest
     checkpoint): the critic's head starts equal to the RM's head, without the RM's centering offset."""
-    from tether.trainers.ppo import load_value_model
+    from tether.trainers.ppo.critic import load_value_model
 
     data = _setup(tmp_path)
     model, tok = make_tiny_model(None, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -198,7 +199,7 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(tmp_path, monkeypatch):
     """The sampler's cache inside the policy + value gradient buffer (it fits here): the same run
     as with gradients freed after each step and a cache of its own."""
     from tether.rollout import Sampler
-    from tether.trainers import common
+    from tether.trainers.core import common
     data = _setup(tmp_path)
     seen = []
     real = Sampler.sample
@@ -218,6 +219,7 @@ def test_kv_cache_in_gradient_buffer_changes_nothing(tmp_path, monkeypatch):
         strip(read_jsonl(tmp_path / "runs" / "own" / "metrics.jsonl"))
 
 
+@needs("peft")
 def test_lora_trains_only_the_adapters_and_raises_the_reward(tmp_path, monkeypatch):
     """lora_r > 0: the optimizer sees the policy's adapters (and the critic, trained in full), the
     checkpoint holds the adapter, the reference is the base under them (KL 0 before the first
@@ -225,7 +227,7 @@ def test_lora_trains_only_the_adapters_and_raises_the_reward(tmp_path, monkeypat
     from pathlib import Path
     from types import SimpleNamespace
 
-    from tether.trainers import setup
+    from tether.trainers.core import setup
     data = _setup(tmp_path)
     trained = []
     real = setup.make_optimizer

@@ -18,8 +18,8 @@ from tether.config import ConfigError, load_config  # noqa: E402
 from tether.models import make_tiny_model  # noqa: E402
 from tether.objectives import PairLogps, chosen_nll, pairwise_preference_loss  # noqa: E402
 from tether.run import read_jsonl  # noqa: E402
-from tether.trainers.offline import DPOConfig, KTOConfig, train_offline  # noqa: E402
-from tether.trainers.setup import Training  # noqa: E402
+from tether.trainers.preference.offline import DPOConfig, KTOConfig, train_offline  # noqa: E402
+from tether.trainers.core.setup import Training  # noqa: E402
 from tether.trainers.sft import SFTConfig, train_sft  # noqa: E402
 
 
@@ -146,7 +146,7 @@ def test_high_lr_dpo_drifts_warns_once_and_rpo_holds_the_chosen_up(sft_model, ca
     drift = [r["logps/chosen_drift"] for r in rows if "logps/chosen_drift" in r]
     eval_drift = [r["eval/logps/chosen_drift"] for r in rows if "eval/logps/chosen_drift" in r]
     assert len(drift) == 6 and len(eval_drift) == 2
-    # the healthy-looking run of the issue: every pair ordered, the chosen far less likely
+    # a healthy-looking run: every pair ordered, the chosen far less likely
     assert plain["eval/rewards/accuracies"] == 1.0 and plain["eval/logps/chosen_drift"] < -4.6
     assert [line for line in err.splitlines() if "warning" in line] == [f"plain: warning: {plain['warnings'][0]}"]
     assert len(plain["warnings"]) == 1 and "logps/chosen_drift" in plain["warnings"][0]

@@ -192,7 +192,7 @@ def test_ppo_process_rewards_land_on_completion_tokens_of_the_padded_batch(tiny,
     """In a PPO run with process_reward=true the PRM's dense rewards reach GAE inside the completion
     mask of the (width-padded) training batch, one on each completion's last token — a reward
     placed on prompt or padding columns would be dropped by the mask without a sound."""
-    from tether.trainers import ppo as ppo_mod
+    from tether.trainers.ppo import loop as ppo_mod
 
     torch.manual_seed(2)
     tok = load_tokenizer(tiny)
@@ -224,8 +224,8 @@ def test_ppo_process_rewards_land_on_completion_tokens_of_the_padded_batch(tiny,
 def test_ppo_dense_rewards_at_each_steps_last_token(tiny, tmp_path):
     from types import SimpleNamespace
 
-    from tether.trainers.ppo import ppo_advantages
-    from tether.trainers.ppo_process import dense_process_rewards, step_end_tokens
+    from tether.trainers.ppo.loop import ppo_advantages
+    from tether.trainers.ppo.process import dense_process_rewards, step_end_tokens
 
     tok = load_tokenizer(tiny)
     torch.manual_seed(2)

@@ -38,7 +38,7 @@ def test_quickstart_wiring_small(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quickstart_default_hits_its_targets(tmp_path):
-    """The issues' targets: SFT accuracy in [0.3, 0.7] and above pretraining; RL at least 15 points
+    """The quickstart's targets: SFT accuracy in [0.3, 0.7] and above pretraining; RL at least 15 points
     above SFT (docs/quickstart.md has the 12-run spread over seeds, threads and fused AdamW)."""
     summary = run_quickstart(QuickstartConfig(runs_dir=str(tmp_path), progress=False))
     pre, sft, rl = (summary["stages"][k] for k in ("pretrain", "sft", "rl"))

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 import tether.models.gguf as gguf_mod
-from real_model import smollm2, smollm2_cache, smollm2_gguf  # noqa: F401 - pytest fixtures
+from real_model import require_gguf_extra, smollm2, smollm2_cache, smollm2_gguf  # noqa: F401 - pytest fixtures
 from tether.cli import main
 from tether.models import load_model, load_tokenizer
 from tether.models.load import stored_dtype
@@ -83,7 +83,7 @@ def test_a_gguf_path_trains_straight_from_the_cache(smollm2, smollm2_gguf, tmp_p
 
 
 def test_each_distinct_gguf_file_is_converted_once(tmp_path, monkeypatch):
-    pytest.importorskip("gguf")
+    require_gguf_extra()
     calls = []
 
     def fake_convert(path, out):
@@ -100,7 +100,7 @@ def test_each_distinct_gguf_file_is_converted_once(tmp_path, monkeypatch):
     b = tmp_path / "b.gguf"
     b.write_bytes(a.read_bytes())
     assert gguf_mod.ensure_converted(b) == first and len(calls) == 1  # same content, other name
-    from tether.trainers.offline_reference import model_fingerprint
+    from tether.trainers.preference.reference import model_fingerprint
     before = model_fingerprint(str(a))  # the offline trainers' cached reference log-probs, by content
     a.write_bytes(b"GGUF" + b"\1" * 64)
     # a file is known changed by its stat (file_sha256's memo): make sure the rewrite, done within
@@ -112,7 +112,8 @@ def test_each_distinct_gguf_file_is_converted_once(tmp_path, monkeypatch):
 
 
 def _unsupported(tmp_path):
-    gguf = pytest.importorskip("gguf")
+    require_gguf_extra()
+    import gguf
     path = tmp_path / "odd.gguf"
     w = gguf.GGUFWriter(str(path), "no-such-arch")
     w.write_header_to_file()
@@ -126,7 +127,8 @@ def _unsupported(tmp_path):
     ("missing", "does not exist"),
     ("not-gguf", "is not a GGUF file"),
     ("unsupported", "no-such-arch is not supported"),
-    ("no-gguf-package", "pip install gguf"),
+    ("no-gguf-package", "needs the gguf package: pip install 'tether[gguf]'"),
+    ("no-accelerate-package", "needs the accelerate package: pip install 'tether[gguf]'"),
 ])
 def test_bad_gguf_input_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys, case, words):
     path = tmp_path / "m.gguf"
@@ -136,7 +138,10 @@ def test_bad_gguf_input_is_one_line_naming_the_file(tmp_path, monkeypatch, capsy
         path = _unsupported(tmp_path)
     elif case == "no-gguf-package":
         path.write_bytes(b"GGUF" + b"\0" * 64)
-        monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+        monkeypatch.setattr(gguf_mod, "_importable", lambda name: name != "gguf")
+    elif case == "no-accelerate-package":
+        path.write_bytes(b"GGUF" + b"\0" * 64)
+        monkeypatch.setattr(gguf_mod, "_importable", lambda name: name != "accelerate")
     monkeypatch.setenv("TETHER_GGUF_CACHE", str(tmp_path / "cache"))
     assert main(["convert", f"model={path}", f"out={tmp_path / 'out'}"]) == 1
     err = capsys.readouterr().err.strip()
@@ -149,11 +154,11 @@ def test_bad_gguf_input_is_one_line_naming_the_file(tmp_path, monkeypatch, capsy
 
 
 def test_the_core_install_needs_no_gguf(tmp_path):
-    """With `gguf` unimportable, tether, its CLI and a normal model folder all work; only reading
-    a GGUF file asks for it."""
+    """With `gguf` and `accelerate` unimportable, tether, its CLI and a normal model folder all
+    work; only reading a GGUF file asks for them."""
     code = f"""
 import sys
-sys.modules["gguf"] = None  # `import gguf` raises ImportError, as on a core install
+sys.modules["gguf"] = sys.modules["accelerate"] = None  # `import` raises ImportError, as on a core install
 from tether.cli import main
 from tether.models import load_model, make_tiny_model
 make_tiny_model({str(tmp_path / "m")!r}, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
@@ -165,4 +170,4 @@ sys.exit(main(["convert", "model={tmp_path / 'x.gguf'}", "out={tmp_path / 'out'}
                        env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
     # the lines before it are the tiny model's save/load progress bars, where HF draws them
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1:] == [
-        f"tether convert: error: reading GGUF file '{tmp_path / 'x.gguf'}' needs the gguf package: pip install gguf"], r.stderr
+        f"tether convert: error: reading GGUF file '{tmp_path / 'x.gguf'}' needs the gguf and accelerate packages: pip install 'tether[gguf]'"], r.stderr

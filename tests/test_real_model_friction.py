@@ -1,4 +1,4 @@
-"""What a real chat model (SmolLM2-135M-Instruct against TRL, issue 23) showed differing or broken:
+"""Where a real chat model (SmolLM2-135M-Instruct, run against TRL) tests what a tiny one cannot:
 reward functions get message lists for chat prompts, BOS only where the tokenizer puts it, DPO's
 first step has exactly zero margins, max_steps=0 is refused, columns are mapped from the CLI,
 metrics.jsonl has no empty rows, and checkpoints keep the model's own dtype."""
@@ -21,10 +21,10 @@ from tether.rollout.engine import Sampler
 from tether.rollout.sampling import SamplingConfig
 from tether.run import MASTER_WEIGHTS, RunDir, read_jsonl
 from tether.trainers.best_of_n import BoNConfig, run_bon
-from tether.trainers.offline import DPOConfig, train_offline
-from tether.trainers.online import GRPOConfig, train_grpo
+from tether.trainers.preference.offline import DPOConfig, train_offline
+from tether.trainers.grpo import GRPOConfig, train_grpo
 from tether.trainers.sft import SFTConfig, train_sft
-from tether.trainers.sft_data import load_sft_data
+from tether.trainers.sft import load_sft_data
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
@@ -193,8 +193,8 @@ def test_max_steps_zero_is_refused_in_one_line():
 
 
 def test_offloading_a_replicated_model_is_refused_in_one_line():
-    # fsdp=false has no shards: before session 13 the offload came through FSDP2's N x 1 mesh;
-    # silently ignoring it now would put the whole state on every GPU
+    # fsdp=false has no shards to offload; silently ignoring the option would put the whole state
+    # on every GPU
     with pytest.raises(ConfigError, match="fsdp_offload=true .* needs fsdp=true") as e:
         load_config(SFTConfig, overrides=["fsdp=false", "fsdp_offload=true"])
     assert "\n" not in str(e.value)
@@ -315,7 +315,7 @@ def test_fp32_master_weights_of_a_bf16_model_are_saved_as_bf16_and_resume_exactl
     assert _weights_dtypes(ckpt) == {torch.float32} and not (ckpt / MASTER_WEIGHTS).exists()
 
 
-def test_an_fp32_model_is_saved_as_before(root):
+def test_an_fp32_model_is_saved_in_fp32_with_nothing_beside(root):
     _sft(root, root / "model", "fp32", max_steps=1)
     ckpt = root / "runs" / "fp32" / "checkpoints" / "step-1"
     assert _weights_dtypes(ckpt) == {torch.float32} and not (ckpt / MASTER_WEIGHTS).exists()

@@ -33,7 +33,8 @@ def _call(fn):
 
 def test_a_module_in_the_working_directory_loads_without_the_cwd_on_sys_path(tmp_path):
     # `python -I` leaves the working directory off sys.path, as the `tether` console script does
-    # (its sys.path[0] is the venv's bin/): before the fix this was "cannot import module".
+    # (its sys.path[0] is the venv's bin/): a loader that relies on the cwd there fails with
+    # "cannot import module".
     name = f"reward_{uuid.uuid4().hex[:8]}"
     _write(tmp_path / f"{name}.py")
     code = ("import sys, os; assert os.getcwd() not in sys.path and '' not in sys.path, sys.path; "

@@ -13,7 +13,7 @@ from tether.rewards import load_reward
 from tether.rewards.learned import LearnedReward, aggregate_scores, encode_scored
 from tether.run import seed_everything
 from tether.tasks.preference_world import PreferenceWorld, label_pairs
-from tether.trainers.common import EpochSampler
+from tether.trainers.core.common import EpochSampler
 from tether.trainers.rm import RMConfig, load_pairs, pair_batch, train_rm
 
 

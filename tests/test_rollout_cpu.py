@@ -76,7 +76,7 @@ def test_c_step_equals_the_torch_path_and_a_training_forward(name):
     assert torch.equal(ro_c.completion_ids, ro_t.completion_ids)
     m = ro_c.completion_mask  # float32 rounding of log-probs of magnitude ~10-20 (these weights): ~1e-5
     assert (ro_c.logprobs - ro_t.logprobs)[m].abs().max() < 1e-4
-    b, lp = _train_logps(model, ro_c)  # the bar: |sampler - training forward| <= 1e-4 in fp32
+    b, lp = _train_logps(model, ro_c)  # the bar: |sampler - training forward| <= 1e-4 in fp32
     assert (lp - b["logprobs"])[b["completion_mask"].bool()].abs().max() < 1e-4
 
 
@@ -115,7 +115,7 @@ def test_fallbacks_keep_the_torch_path(monkeypatch):
     model = model.float()
     assert cpu.support(model) is None
     # a LoRA-wrapped model: its adapters must apply, so the projections are not plain nn.Linear
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="peft not installed (pip install -e '.[lora]')")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert "plain" in cpu.support(lora.get_base_model())
     s = Sampler(lora, tok, max_new_tokens=5)

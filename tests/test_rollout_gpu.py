@@ -151,9 +151,9 @@ def test_blockwise_sampling_equals_the_softmax_draw(T, V):
 def test_one_samplers_released_graphs_leave_anothers_intact():
     """Two Samplers in one process (the interleaved placement's sampler thread and the trainer's
     evaluation): destroying one's graphs must not touch the other's. Captured on torch's shared
-    default capture stream they shared its cuBLAS workspace, created inside the first capturer's
-    graph pool and dropped by a graph's destruction (pytorch/pytorch#193402): session 15's
-    evaluation then scored 0.14 where its weights score 0.39. Here `b` captures first (the shared
+    default capture stream they would share its cuBLAS workspace, created inside the first
+    capturer's graph pool and dropped by a graph's destruction (pytorch/pytorch#193402): the other's
+    GEMMs would then read freed memory. Here `b` captures first (the shared
     workspace would be in its pool), `a` second; `b` is released, the cache emptied and refilled with
     garbage, and `a` replays. The width makes the decode GEMMs long in K (split-K: a workspace)."""
     model, tok = make_tiny_model(None, family="qwen2", hidden_size=1024, num_layers=2, num_heads=8,

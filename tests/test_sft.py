@@ -3,16 +3,18 @@ directory contract."""
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tether.errors import NonFiniteLossError
+from extras import needs
+from tether.errors import NonFiniteLossError, UserError
 from tether.models import load_model, load_tokenizer, make_tiny_model
-from tether.trainers.common import guarded_step, make_optimizer, make_scheduler
+from tether.trainers.core.common import guarded_step, make_optimizer, make_scheduler
 from tether.trainers.sft import SFTConfig, evaluate_loss, train_sft
-from tether.trainers.sft_data import load_sft_data
+from tether.trainers.sft import load_sft_data
 from tether.rollout.hf import generate
 
 
@@ -54,8 +56,7 @@ def _cfg(root, **kw):
 def test_sft_learns_to_copy_held_out_strings_and_writes_the_run_dir(tiny):
     root, _, test = tiny
     before = _copy_accuracy(str(root / "model"), test)
-    summary = train_sft(_cfg(root, name="learn", max_steps=300, eval_fraction=0.05, eval_every=100,
-                             log_with="tensorboard"))
+    summary = train_sft(_cfg(root, name="learn", max_steps=300, eval_fraction=0.05, eval_every=100))
     ck = summary["checkpoint"]
     after = _copy_accuracy(ck, test)
     # Held-out strings: only a model that learned to copy (not the training rows) gets these.
@@ -73,7 +74,22 @@ def test_sft_learns_to_copy_held_out_strings_and_writes_the_run_dir(tiny):
     assert (ckdir / "model.safetensors").exists() and (ckdir / "trainer_state.pt").exists()
     assert (ckdir / "tokenizer.json").exists()
     assert (run / "plots" / "loss.png").exists()
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@needs("tensorboard")
+def test_log_with_tensorboard_writes_event_files(tiny):
+    root, _, _ = tiny
+    train_sft(_cfg(root, name="tb", max_steps=2, log_every=1, num_samples=0, log_with="tensorboard"))
+    assert list((root / "runs" / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_log_with_tensorboard_without_the_package_is_one_line_before_anything_is_written(tiny, monkeypatch):
+    root, _, _ = tiny
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` raises ImportError
+    with pytest.raises(UserError, match=r"^run.log_with=tensorboard needs the tensorboard package: "
+                                        r"pip install 'tether\[tensorboard\]'$"):
+        train_sft(_cfg(root, name="tb-missing", max_steps=2, num_samples=0, log_with="tensorboard"))
+    assert not (root / "runs" / "tb-missing").exists()
 
 
 def test_completion_only_loss_does_not_train_the_prompt(tiny):
@@ -173,6 +189,7 @@ def test_over_max_length_is_counted(tiny, tmp_path):
     assert rep["dropped"] == 5 and len(ex) == 5 and "long.jsonl" in rep["train"]
 
 
+@needs("peft")
 def test_lora_trains_only_adapters_and_learns(tiny, tmp_path):
     root, train, _ = tiny
     from safetensors.torch import load_file

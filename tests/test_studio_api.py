@@ -11,7 +11,8 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("fastapi", reason="fastapi not installed (the studio extra: pip install -e '.[studio]')")
+pytest.importorskip("httpx", reason="httpx not installed (fastapi's TestClient; pip install -e '.[test]')")
 
 from studio_support import client, make_app  # noqa: E402
 
@@ -140,8 +141,8 @@ def _run(root, name, rows=(), summary=None, config=None, samples=()):
 def test_runs_list_statuses_headlines_and_commands(tmp_path):
     from tether.config import save_config
     from tether.run import RunDir
-    from tether.trainers.offline import DPOConfig
-    from tether.trainers.online import GRPOConfig
+    from tether.trainers.preference.offline import DPOConfig
+    from tether.trainers.grpo import GRPOConfig
 
     runs = tmp_path / "runs"
     c = client(make_app(runs))
@@ -293,7 +294,7 @@ def test_grpo_samples_carry_per_function_rewards_and_advantages(tmp_path):
 
     from tether.models import make_tiny_model
     from tether.objectives import compute_advantages
-    from tether.trainers.online import GRPOConfig, train_grpo
+    from tether.trainers.grpo import GRPOConfig, train_grpo
 
     make_tiny_model(tmp_path / "model", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                     intermediate_size=32)

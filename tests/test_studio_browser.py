@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("fastapi", reason="fastapi not installed (the studio extra: pip install -e '.[studio]')")
+pytest.importorskip("uvicorn", reason="uvicorn not installed (the studio extra: pip install -e '.[studio]')")
 
 from studio_support import (assert_no_errors, browser, make_app, open_page, serve, shot,  # noqa: E402,F401
                             value_of, wait_until)
@@ -38,7 +39,7 @@ def test_runs_page(tmp_path, browser):  # noqa: F811 - the fixture
     from tether.objectives import compute_advantages
     from tether.run import RunDir
     from tether.studio import series
-    from tether.trainers.online import GRPOConfig
+    from tether.trainers.grpo import GRPOConfig
 
     runs = tmp_path / "runs"
     rng = np.random.default_rng(0)
@@ -164,8 +165,8 @@ def test_labeler_page(tmp_path, browser):  # noqa: F811 - the fixture
     from tether.studio.labeler import rm_report
     from tether.studio.labeler_store import LabelStore, WorldPairs
     from tether.tasks.preference_world import PreferenceWorld
-    from tether.trainers.offline import DPOConfig
-    from tether.trainers.offline_data import load_offline_data
+    from tether.trainers.preference.offline import DPOConfig
+    from tether.trainers.preference.data import load_offline_data
 
     world = PreferenceWorld()
     labels_dir = tmp_path / "labels"

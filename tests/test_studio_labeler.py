@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-pytest.importorskip("fastapi")
+pytest.importorskip("fastapi", reason="fastapi not installed (the studio extra: pip install -e '.[studio]')")
+pytest.importorskip("httpx", reason="httpx not installed (fastapi's TestClient; pip install -e '.[test]')")
 
 from studio_support import client, make_app  # noqa: E402
 
@@ -101,8 +102,8 @@ def test_bt_model_learns_the_world_and_the_report_is_reproducible(tmp_path):
 
 def test_dpo_reads_the_labelers_file(tmp_path):
     from tether.studio.labeler_store import LabelStore, WorldPairs
-    from tether.trainers.offline import DPOConfig
-    from tether.trainers.offline_data import load_offline_data
+    from tether.trainers.preference.offline import DPOConfig
+    from tether.trainers.preference.data import load_offline_data
 
     src, store = WorldPairs(seed=3), LabelStore(tmp_path / "labels")
     n = 0

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
+pytest.importorskip("fastapi", reason="fastapi not installed (the studio extra: pip install -e '.[studio]')")
+pytest.importorskip("httpx", reason="httpx not installed (fastapi's TestClient; pip install -e '.[test]')")
 
 from studio_pages_support import copy_study_unfinished, quickstart_runs, study_runs  # noqa: E402
 from studio_support import client, make_app  # noqa: E402

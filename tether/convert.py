@@ -21,7 +21,7 @@ from tether.models.load import model_out_dir
 @dataclass
 class ConvertConfig:
     model: str = ""
-    "the GGUF file to convert (*.gguf; reading it needs `pip install gguf`)"
+    "the GGUF file to convert (*.gguf; reading it needs `pip install 'tether[gguf]'`)"
     out: str = ""
     "directory to write the bf16 HF model to (config.json, model.safetensors, tokenizer files); must not hold a model unless overwrite=true"
     overwrite: bool = False

@@ -20,8 +20,8 @@ Every trainer runs unchanged in each process (rank); what differs is said here o
   and each optimizer step first sums the gradients over ranks in a few bucketed all-reduces
   (`sum_gradients`). Why it exists beside FSDP2: FSDP2's per-layer Python hooks cost CPU time on
   every forward and backward of every layer; a model small enough to be GPU-light is CPU-bound
-  already (Qwen2.5-0.5B DPO on an H200: the GPU computes 30 % of a step), so those hooks were the
-  whole of the 2-GPU slowdown (measured in docs/distributed.md, session 13).
+  already (Qwen2.5-0.5B DPO on an H200: the GPU computes 30 % of a step), so those hooks are the
+  whole of the 2-GPU slowdown (measured in docs/distributed.md).
 - **Collectives need every rank.** A sharded forward all-gathers, so every rank must run the same
   number of forwards of a sharded model; trainers keep per-rank batch counts equal. What only rank 0
   does (writing files, printing) never touches a sharded model.
@@ -65,7 +65,7 @@ def init(store=None) -> bool:
     timeout = datetime.timedelta(seconds=float(os.environ.get("TETHER_DIST_TIMEOUT", "600")))
     # gloo beside NCCL for CPU tensors: FSDP2's CPU offload keeps gradients (and their norm) there
     # store: a key-value store to meet in instead of torchrun's (a part of torchrun's processes
-    # forming a world of their own, WORLD_SIZE of them: online_disaggregated.split_world)
+    # forming a world of their own, WORLD_SIZE of them: trajectories.disaggregated.split_world)
     where = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
                                            world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=timeout, **where)
@@ -236,10 +236,10 @@ def cat_ranks(t: torch.Tensor) -> torch.Tensor:
     holding consecutive parts of a batch thus rebuild it in one process's order."""
     if not active():
         return t
-    # Tensor collectives, not all_gather_object: that pickled every tensor through the host (a
+    # Tensor collectives, not all_gather_object: that pickles every tensor through the host (a
     # blocking device-to-host copy, then host-to-device and back, several syncs a call), called a
-    # few times per optimizer step by every sharded trainer (bench/scale.py's profiles, RESULTS.md
-    # session 11). Here: one small all-gather of the row counts (the one sync), one of the rows
+    # few times per optimizer step by every sharded trainer (bench/scale.py's profiles,
+    # benchmarks/RESULTS.md). Here: one small all-gather of the row counts (the one sync), one of the rows
     # padded to the longest rank's. Bool travels as uint8 (not every backend reduces bool).
     dev = _device()
     x = t.detach().to(dev)
@@ -296,7 +296,7 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], *, bf16: bool =
     micro-batches a step, reduce only the last one's gradients (:func:`accumulation`).
     unit_layers: consecutive layers per FSDP2 unit (one all-gather and one reduce-scatter for the
     group: fewer, larger collectives; torch still hooks every layer of a unit, so the per-layer
-    Python cost stays: docs/distributed.md, session 13). Returns `model`."""
+    Python cost stays: docs/distributed.md). Returns `model`."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,

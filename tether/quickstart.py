@@ -78,7 +78,7 @@ class QuickstartConfig:
     rl: bool = True
     "run stage 3 (GRPO with the verifier reward, about a minute on 2 CPU cores; rl=false stops after SFT)"
     rl_steps: PositiveInt = 400
-    "stage 3 GRPO steps (each samples rl_batch_size x rl_generations completions); many small steps beat few big ones here (docs/quickstart-history.md)"
+    "stage 3 GRPO steps (each samples rl_batch_size x rl_generations completions); many small steps beat few big ones here (docs/quickstart.md, 'What moves GRPO on a tiny model')"
     rl_lr: Positive = 5e-5
     "stage 3 peak learning rate (warmup, then cosine)"
     rl_warmup_steps: NonNegativeInt = 10
@@ -135,7 +135,7 @@ def _rl_stage(cfg: QuickstartConfig, model_path: str, root: Path) -> dict:
     """Stage 3: GRPO on the arithmetic task's *training* problems from the SFT checkpoint, rewarded
     by the exact-match verifier; scored by greedy pass@1 on the held-out problems. Returns the
     stage's {"accuracy", "seconds", "model"}."""
-    from tether.trainers.online import GRPOConfig, train_grpo  # here: stages 1-2 do not need the RL stack
+    from tether.trainers.grpo import GRPOConfig, train_grpo  # here: stages 1-2 do not need the RL stack
 
     t0 = time.time()
     train, test = arithmetic.make_splits(cfg.n_train, cfg.n_test, cfg.level, cfg.seed)
@@ -220,7 +220,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict:
                     eval_hook=accuracy_hook if cfg.sft_eval_every else None)
     score("sft", sft["checkpoint"], time.time() - t0)
 
-    # Stage 3: RL with the verifier reward (arrives with the online-RL issue).
+    # Stage 3: RL with the verifier reward.
     rl = _rl_stage(cfg, sft["checkpoint"], root) if cfg.rl else None
     if rl is not None:
         stages["rl"] = rl

@@ -11,7 +11,7 @@ the text at the separator (:func:`split_steps`) and encoded exactly as training 
 from __future__ import annotations
 
 from .chat import encode_text
-from .tokenize import _prompt_ids
+from .tokenize import text_prompt_ids
 
 
 def split_steps(text: str, separator: str) -> list[str]:
@@ -31,7 +31,7 @@ def encode_steps(tokenizer, prompt: str, steps: list[str], separator: str,
     tokenized exactly as encode_stepwise does (prompt with BOS as the tokenizer adds it, each step
     + separator on its own). Over `max_length` only whole steps are kept, as in training; steps
     left out have no index (the list is shorter than `steps`)."""
-    ids, ends = _prompt_ids(tokenizer, prompt), []
+    ids, ends = text_prompt_ids(tokenizer, prompt), []
     for step in steps:
         piece = encode_text(tokenizer, step + separator)
         if max_length is not None and len(ids) + len(piece) > max_length:

@@ -115,7 +115,7 @@ def _eos(tokenizer) -> list[int]:
     return [eos] if eos is not None else []
 
 
-def _prompt_ids(tokenizer, text: str) -> list[int]:
+def text_prompt_ids(tokenizer, text: str) -> list[int]:
     ids = encode_text(tokenizer, text)
     bos = bos_ids(tokenizer)
     return ids if ids[:1] == bos else bos + ids  # no double BOS if the text already has it
@@ -138,7 +138,7 @@ def encode_lm(row: dict, tokenizer, *, completion_only_loss: bool = True) -> dic
         ids, mask, _ = encode_messages(tokenizer, row["messages"], assistant_only=completion_only_loss,
                                        tools=row.get("tools"))
         return {"input_ids": ids, "completion_mask": mask}
-    ids, eos, bos = _prompt_ids(tokenizer, row["text"]), _eos(tokenizer), bos_ids(tokenizer)
+    ids, eos, bos = text_prompt_ids(tokenizer, row["text"]), _eos(tokenizer), bos_ids(tokenizer)
     if ids[-1:] != eos:
         ids += eos
     start = 1 if bos and ids[:1] == bos else 0  # BOS is never a target
@@ -153,7 +153,7 @@ def encode_prompt_completion(row: dict, tokenizer, *, completion_only_loss: bool
         ids, mask, plen = encode_messages(tokenizer, prompt + completion, train_from=len(prompt),
                                           tools=row.get("tools"))
     else:
-        p, c = _prompt_ids(tokenizer, prompt), _completion_ids(tokenizer, completion)
+        p, c = text_prompt_ids(tokenizer, prompt), _completion_ids(tokenizer, completion)
         ids, mask, plen = p + c, [0] * len(p) + [1] * len(c), len(p)
     if not completion_only_loss:
         mask = [0] + [1] * (len(ids) - 1)
@@ -164,7 +164,7 @@ def _encode_responses(row: dict, tokenizer, keys: tuple[str, ...]) -> tuple[list
     prompt = row["prompt"]
     if isinstance(prompt, list):
         return encode_prompt_response(tokenizer, prompt, [row[k] for k in keys], tools=row.get("tools"))
-    return _prompt_ids(tokenizer, prompt), [_completion_ids(tokenizer, row[k]) for k in keys]
+    return text_prompt_ids(tokenizer, prompt), [_completion_ids(tokenizer, row[k]) for k in keys]
 
 
 def _encode_prompt(row: dict, tokenizer) -> list[int]:
@@ -174,7 +174,7 @@ def _encode_prompt(row: dict, tokenizer) -> list[int]:
         cont = prompt[-1].get("role") == "assistant"
         return encode_text(tokenizer, render(tokenizer, prompt, add_generation_prompt=not cont,
                                              continue_final_message=cont, tools=row.get("tools")))
-    return _prompt_ids(tokenizer, prompt)
+    return text_prompt_ids(tokenizer, prompt)
 
 
 # -------------------------------------------------------------------------- batch encoders
@@ -329,7 +329,7 @@ def encode_stepwise(rows: Any, tokenizer, max_length: int | None = None, truncat
     except the last token of each step (its separator), which holds the step's 0/1 label.
     Truncation keeps whole steps only; a row with no step fitting is dropped."""
     def one(n: int, row: dict, rep: EncodeReport) -> dict | None:
-        ids = _prompt_ids(tokenizer, row["prompt"])
+        ids = text_prompt_ids(tokenizer, row["prompt"])
         labels = [-100] * len(ids)
         steps = [encode_text(tokenizer, s + step_separator) for s in row["completions"]]
         kept = 0

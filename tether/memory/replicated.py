@@ -3,7 +3,7 @@ replicated under torchrun (the trainers' fsdp=false: distributed.replicate and s
 
 Nothing is wrapped or hooked: each rank's model is exactly what one process holds (same dtype, fp32
 weights under bf16 autocast by default, the same activation and logit formulas). So each GPU's rows
-are single.py's `one_process_rows` for the GPU's share of the global batch (sharded._per_gpu_batch:
+are single.py's `one_process_rows` for the GPU's share of the global batch (sharded.per_gpu_batch:
 its micro-batch, its 1/N of the prompts), plus what torchrun changes:
 
 - online algorithms sample from a rollout replica (sharding.sampling_copy: the whole policy in the
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from tether.memory.sharded import CUDA_CONTEXT_BYTES, NCCL_BYTES, _per_gpu_batch
+from tether.memory.sharded import CUDA_CONTEXT_BYTES, NCCL_BYTES, per_gpu_batch
 from tether.memory.single import DTYPE_BYTES, GB, ONLINE, PAIRWISE, MemoryConfig, component, held_models, one_process_rows
 
 # distributed.GRAD_BUCKET_BYTES (a test keeps the two equal; importing it here would import torch)
@@ -37,7 +37,7 @@ FSDP_ONLY = {"fsdp_offload": False, "fsdp_reshard": True, "fsdp_unit_layers": 1,
 def per_gpu_config(cfg: MemoryConfig) -> MemoryConfig:
     """The one-process configuration each GPU runs: its micro-batch (pairs for the pairwise
     algorithms) and its share of the global batch or of the rollout's prompts."""
-    seqs, _ = _per_gpu_batch(cfg)
+    seqs, _ = per_gpu_batch(cfg)
     if cfg.algo in ONLINE:
         return replace(cfg, gpus=1, sharding="none", batch_size=seqs, rollout_batch=cfg.rollout_batch // cfg.gpus)
     micro = seqs // (2 if cfg.algo in PAIRWISE else 1)
@@ -81,7 +81,7 @@ def estimate_replicated(cfg: MemoryConfig, info: dict) -> dict:
         rows.append(component("rollout replica", "rollout", n * c + lora * ab, n + lora, None,
                               f"whole policy in {cdt} on every GPU, kept all run"
                               + (f" (adapters {ab} B)" if lora else "")))
-        _, gen = _per_gpu_batch(cfg)
+        _, gen = per_gpu_batch(cfg)
         kv = shape.kv_bytes_per_token(c)
         rows.append(component("KV cache (rollouts)", "rollout", gen * cfg.seq_len * kv,
                               note=f"{gen} seq per GPU ({cfg.rollout_batch}/{cfg.gpus} prompts) x {cfg.seq_len} tok x "

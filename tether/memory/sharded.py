@@ -1,6 +1,6 @@
 """`tether memory gpus=N`: what each GPU holds when N processes train one model under torchrun with FSDP2.
 
-The layout is tether/distributed.py's and trainers/sharding.py's: FSDP2 `fully_shard` on every decoder
+The layout is tether/distributed.py's and trainers/core/sharding.py's: FSDP2 `fully_shard` on every decoder
 layer, then the root (embeddings, final norm, head); frozen models sharded the same way; the RL
 trainers' rollout replica (a whole policy per GPU) and their sampler's KV cache for the GPU's share
 of the prompts. sharding=replicate (the trainers' fsdp=false: plain replication, no FSDP2) is
@@ -22,14 +22,14 @@ from tether.memory.single import (HEAD_CHUNK_LOGITS, DTYPE_BYTES, GB, ONLINE, OP
                            activation_bytes, component, held_models, whole_logits)
 
 # The constants below are fitted to measurements (bench/memory_check.py and bench/scale.py, 4 x H200,
-# torch 2.11, Qwen2.5-0.5B and -7B shapes, session 17: the first runs with FSDP2's bf16
-# MixedPrecisionPolicy really on; docs/memory.md, "Many GPUs: measured"). The model sums its rows as
+# torch 2.11, Qwen2.5-0.5B and -7B shapes, FSDP2's bf16 MixedPrecisionPolicy on; docs/memory.md,
+# "Many GPUs: measured"). The model sums its rows as
 # if all were live at once, which they are not quite (the head's chunk and a recomputed layer come
 # at different moments); the constants absorb that, so read them as fitted, not as counts.
 #
 # Decoder layers whose gathered weights count as live (gradient checkpointing, frozen forwards):
-# prefetch keeps 2, and the CPU issues all-gathers ahead of the GPU. 10 fitted the fp32-gather runs
-# of sessions 9-16; 4 fits the bf16 ones (11 training-step peaks within 10 %).
+# prefetch keeps 2, and the CPU issues all-gathers ahead of the GPU. 4 fits the bf16-gather runs
+# (11 training-step peaks within 10 %); runs that gather fp32 weights fit 10.
 FSDP_LIVE_LAYERS = 4
 # Saved-for-backward bytes under the bf16 policy, as a share of single.activation_bytes's count:
 # FSDP2 casts each unit's inputs to bf16, so the residual stream and the norms' inputs are bf16,
@@ -38,7 +38,7 @@ FSDP_LIVE_LAYERS = 4
 SHARDED_ACT = 0.8
 # fsdp_reshard=false: gathered weights, measured, in units of the whole model in the compute dtype
 # (0.5B: +1.98 GB = 2 x 0.99 over resharding, which itself holds the whole model without
-# checkpointing). Measured with fp32 gathers (before session 17); not measured again.
+# checkpointing). Measured with fp32 gathers only; not measured with the bf16 policy.
 NO_RESHARD_WHOLE_MODELS = 3
 # Bytes per logit per compute-dtype byte: the logits and their gradient (tether's token_logps is
 # tiled and keeps no fp32 copy), where the whole logits are held: SFT's forward, and the others'
@@ -61,13 +61,13 @@ def _micro_batches(cfg: MemoryConfig) -> int:
     steps after each minibatch's single backward: never more than one)."""
     if cfg.algo == "ppo":
         return 1
-    per, gen = _per_gpu_batch(cfg)
+    per, gen = per_gpu_batch(cfg)
     if cfg.algo in ONLINE:
         return -(-gen // max(per, 1))
     return -(-cfg.grad_accum // cfg.gpus)
 
 
-def _per_gpu_batch(cfg: MemoryConfig) -> tuple[int, int]:
+def per_gpu_batch(cfg: MemoryConfig) -> tuple[int, int]:
     """(sequences per micro-batch on one GPU, rollout sequences on one GPU). Each process takes
     1/N of the global batch (distributed.py: ranks are micro-batches) and cuts its share into
     micro-batches of the single-process size."""
@@ -85,7 +85,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
     n, shape = info["params"], info["shape"]
     gpus = split = cfg.gpus  # split: what a resident or gradient byte is divided by
     d, opt = DTYPE_BYTES[cfg.weight_dtype], OPT_BYTES[cfg.optimizer]
-    # trainers/sharding.sharding_bf16: fp32 weights + mixed precision -> MixedPrecisionPolicy(bf16, reduce fp32,
+    # trainers/core/sharding.sharding_bf16: fp32 weights + mixed precision -> MixedPrecisionPolicy(bf16, reduce fp32,
     # or bf16 with fsdp_reduce=bf16); other dtypes compute and reduce in their own (FSDP2's default)
     mixed = d == 4 and cfg.mixed_precision != "no"
     c, r = (2, 2 if cfg.fsdp_reduce == "bf16" else 4) if mixed else (d, d)
@@ -159,9 +159,10 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         # gathered weight, its gradient and that gradient's reduce-scatter input at once, all the
         # activations still saved — and it is resharded and reduced before the decoder layers'
         # backward starts. The embeddings' gradient comes last in backward, once the activations
-        # and gathered layers are gone (not counted). Fitted on session 18's 7B DPO (33.47 GB; the
-        # model before counted head + embedding gradients through the whole backward beside root +
-        # 4 layers: 0.855) and checked on the 7B GRPO rows (0.956 -> 0.995).
+        # and gathered layers are gone (not counted). Fitted on the 7B DPO run (33.47 GB measured;
+        # counting head + embedding gradients through the whole backward beside root + 4 layers
+        # gives measured/predicted 0.855) and checked on the 7B GRPO rows (measured/predicted 0.995;
+        # 0.956 under that count).
         head = shape.lm_head() if m.activations == "lm" and not cfg.lora else 0
         ckpt_like = cfg.fsdp_reshard and cfg.gradient_checkpointing
         g, what = gathered(m, True, head if ckpt_like else 0)
@@ -190,7 +191,7 @@ def estimate_sharded(cfg: MemoryConfig, info: dict) -> dict:
         add(f"{m.name} unsharded gradients", "gather", root_tr * c + unit_grads,
             note=f"backward: the root's {cdt} gradients and {units}")
 
-    seqs, gen = _per_gpu_batch(cfg)
+    seqs, gen = per_gpu_batch(cfg)
     ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
     for m in (m for m in models if m.activations):
         share = SHARDED_ACT if mixed else 1  # (bf16 weights: the formula as on one GPU; not measured sharded)

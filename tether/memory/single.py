@@ -181,7 +181,7 @@ def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int, d: int | None =
     return tokens * shape.layers * per_token_layer
 
 
-# The RL and preference trainers apply the LM head themselves, chunk by chunk (trainers/common.py,
+# The RL and preference trainers apply the LM head themselves, chunk by chunk (trainers/core/common.py,
 # `_HeadLogps`, for Llama / Mistral / Qwen / GPT-2-style heads): at most this many logits at once,
 # with ~14 bytes of transients each (bf16 logits, float32 logits, probabilities, log-probs, bf16 grad).
 HEAD_CHUNK_LOGITS, HEAD_CHUNK_BYTES_PER_LOGIT = 1 << 25, 14
@@ -195,8 +195,8 @@ def whole_logits(cfg: MemoryConfig, shape: Shape, seqs: int) -> bool:
 
 def logits_bytes(cfg: MemoryConfig, shape: Shape, seqs: int) -> int:
     """Logits in weight dtype + the fp32 log-softmax kept for backward + its fp32 gradient in backward,
-    where they fit one chunk; larger, every trainer (SFT too since session 10: sft._micro_loss goes
-    through models.logprobs.completion_token_logps) applies the head in chunks and holds one chunk
+    where they fit one chunk; larger, every trainer (SFT too: sft._micro_loss goes through
+    models.logprobs.completion_token_logps) applies the head in chunks and holds one chunk
     (HEAD_CHUNK_LOGITS)."""
     full = seqs * cfg.seq_len * shape.vocab * (DTYPE_BYTES[cfg.weight_dtype] + 8)
     return full if whole_logits(cfg, shape, seqs) else HEAD_CHUNK_LOGITS * HEAD_CHUNK_BYTES_PER_LOGIT
@@ -235,7 +235,7 @@ def one_process_rows(cfg: MemoryConfig, n: int, shape: Shape) -> list[dict]:
             "same dtype as the trained weights")
     seqs = cfg.batch_size * (2 if cfg.algo in PAIRWISE else 1)
     ckpt = "checkpointed" if cfg.gradient_checkpointing else "no checkpointing"
-    # fp32 weights train under bf16 autocast (trainers/common.autocast_context, model.mixed_precision):
+    # fp32 weights train under bf16 autocast (trainers/core/common.autocast_context, model.mixed_precision):
     # activations and logits are bf16, and every matmul saves the bf16 cast of its weight for backward
     # (measured, 1 x H200, bench/memory_check.py: the plain formulas over-predicted such runs by 11-47 %)
     mixed = d == 4 and cfg.mixed_precision != "no"

@@ -9,7 +9,10 @@ that once per distinct file into a cache, so `model=<file.gguf>` works anywhere 
 
 Why bf16: GGUF weights are low-bit blocks; dequantized they carry no more precision than bf16
 holds for training, at half the size of fp32 on disk (`dtype=fp32` still loads them widened).
-The `gguf` package is needed only here and imported lazily: the core install does not need it.
+Reading a GGUF file needs the `gguf` package (transformers reads the file through it) and
+`accelerate` (transformers refuses a `gguf_file=` load without it): both come with
+`pip install 'tether[gguf]'`, are needed only here and are imported lazily: the core install does
+not need them.
 """
 
 from __future__ import annotations
@@ -56,10 +59,23 @@ def _check_file(path: Path) -> None:
         head = f.read(4)
     if head != MAGIC:
         raise UserError(f"'{path}' is not a GGUF file (it does not start with the GGUF magic bytes)")
+    missing = [name for name in NEEDS if not _importable(name)]
+    if missing:
+        what = f"the {missing[0]} package" if len(missing) == 1 else f"the {' and '.join(missing)} packages"
+        raise UserError(f"reading GGUF file '{path}' needs {what}: pip install 'tether[gguf]'")
+
+
+# What transformers' GGUF loader imports: gguf reads the file; accelerate, because from_pretrained
+# with gguf_file= raises "accelerate is required when loading a GGUF file" without it.
+NEEDS = ("gguf", "accelerate")
+
+
+def _importable(name: str) -> bool:
     try:
-        import gguf  # noqa: F401 - transformers' GGUF loader reads the file through it
+        __import__(name)
     except ImportError:
-        raise UserError(f"reading GGUF file '{path}' needs the gguf package: pip install gguf") from None
+        return False
+    return True
 
 
 def file_sha256(path: Path) -> str:

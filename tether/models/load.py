@@ -192,16 +192,16 @@ def compile_layers(model, **options) -> int:
     completion, a DPO batch's longest pair), and a graph compiled for the first length is compiled
     again at the second (dynamic after that). On 2 H200s that recompilation stalled SmolLM2-135M's
     GRPO steps for 9-10 s twice in 100 steps (synchronous; 3-4 s in the disaggregated trainer), at
-    the step where the longest completion first fell below max_new_tokens (session 19).
+    the step where the longest completion first fell below max_new_tokens.
 
     dynamic="sequence" (an A/B, not the default): only the sequence length is
     symbolic, from the first call (marked on every layer input before the compiled forward runs);
     batch and the other sizes stay static, as torch.compile's own second compilation would make
     them. dynamic=True makes every size symbolic, which may cost each layer call host time: a
-    24-layer tiny model's forward + backward on the 2-core dev CPU (3 runs each, session 20) took
+    24-layer tiny model's forward + backward on the 2-core dev CPU (3 runs each) took
     18.8–19.3 ms static, 18.1–20.2 length-only, 20.4–21.5 dynamic at the first length; at a
     second length 22.7–23.4 (static, compiled again), 23.3–25.6, 24.2–25.9. A GPU step's host time
-    is what bench/dpo_step.py --compile on,static,sequence compares: on an H200 (session 21, DPO,
+    is what bench/dpo_step.py --compile on,static,sequence compares: on an H200 (DPO,
     Qwen2.5-0.5B shape, 8 pairs × 383, cuDNN attention off) 0.096 s dynamic=True, 0.090
     length-only, 0.080 static."""
     layers = decoder_layers(model)

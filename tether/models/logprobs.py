@@ -33,12 +33,12 @@ _HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gp
 # temporary) on an accelerator, 2^22 on CPU (cache-sized). None: per device.
 HEAD_CHUNK_ELEMENTS: int | None = None
 # The chunked head's compute dtype under autocast. None: the autocast dtype (bf16 logits).
-# torch.float32 (`model.head_fp32`, set by trainers/setup.py): the logits in float32 from the
+# torch.float32 (`model.head_fp32`, set by trainers/core/setup.py): the logits in float32 from the
 # body's hidden states and the master weights. Why: rounding logits to bf16 is an error of up to
 # |z|·2^-9 per logit, which grows as training sharpens the policy and its logits grow. Against an
-# fp32 sampler the mismatch grew so on SmolLM2 (H200: mean |Δ log p| 0.03 -> 0.2 nats/token over
-# 10 steps, RESULTS.md session 11); how much of that is the head's rounding rather than the bf16
-# body's is not measured (the hypothesis this option tests). MiniMax (2025, the MiniMax-M1
+# fp32 sampler the mismatch grows so on SmolLM2 (GRPO on an H200: mean |Δ log p| 0.03 -> 0.2
+# nats/token over 10 steps, benchmarks/RESULTS.md); how much of that is the head's rounding rather
+# than the bf16 body's is not measured (the hypothesis this option tests). MiniMax (2025, the MiniMax-M1
 # report) reported the LM head's precision as the cause of such a mismatch and fixed it this way.
 HEAD_DTYPE: torch.dtype | None = None
 
@@ -170,8 +170,8 @@ class _HeadLogps(torch.autograd.Function):
             # accumulation (as in the full-logits path), no [V, H] accumulator summed chunk by chunk
             hc, vstep = h.to(cd), max(1, (step * V) // max(N, 1))
             if vstep < V:  # whole multiples of 128 columns: an odd width (16,303 at 7B) made each
-                vstep = max(128, vstep - vstep % 128)  # chunk's rows unaligned, cuBLAS fell back to
-                # an align-1 GEMM (39 ms of a 0.62 s 7B DPO step on an H200, session 17's trace)
+                vstep = max(128, vstep - vstep % 128)  # chunk's rows unaligned, cuBLAS falls back to
+                # an align-1 GEMM (39 ms of a 0.62 s 7B DPO step on an H200, in its profiler trace)
             dw = torch.empty_like(w)
             db = torch.empty_like(b) if b is not None else None
             for v0 in range(0, V, vstep):

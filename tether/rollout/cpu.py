@@ -4,7 +4,7 @@ its arguments one :class:`Args` structure.
 
 Why: on the CPU a decode step of a small model is ~100 small torch ops; at batch 64 the work other
 than the matmuls (norms, RoPE, cache writes, attention as hundreds of tiny batched matmuls, SiLU,
-and the dispatch of each op) cost more than the matmuls (bench/rollout.py, RESULTS "Session 6").
+and the dispatch of each op) cost more than the matmuls (`python bench/rollout.py` on a 2-core CPU; benchmarks/RESULTS.md).
 The C step does the matmuls with the same BLAS ``sgemm`` torch.mm uses (the symbol libtorch_cpu
 exports) and everything else in one pass per row, over the model's own parameters (pointers to
 them; nothing is copied, so optimizer steps between calls are seen).

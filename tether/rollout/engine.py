@@ -331,7 +331,7 @@ class Sampler:
         # The prefill's transient activations grow with the chunk, the KV cache with the batch: a
         # quarter of the prompt tokens per chunk keeps the transient well under the cache (H100,
         # Qwen2.5-0.5B shape: batch 64 peak 1.73 -> 1.57 GB at 4096 -> 2048 tokens, +0.02 s; batch
-        # 256 prefill 0.094 -> 0.073 s at 4096 -> 8192, bench/profile_rollout.py --prefill).
+        # 256 prefill 0.094 -> 0.073 s at 4096 -> 8192; SamplingConfig.prefill_tokens sets it).
         tokens = cfg.prefill_tokens or min(8192, max(2048, b * P // 4))
         chunk = max(1, tokens // P) if be.name == "native" else b
         st.step.fill_(0)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 # Held by every CUDA graph capture, and by a trainer thread around its GPU work while a sampler
-# thread of the same process may capture (online_async.Interleaved): a capture that overlapped the
+# thread of the same process may capture (trajectories.asynchronous.Interleaved): a capture that overlapped the
 # other thread's GPU work fails ("operation failed due to a previous error during capture", H200,
 # with both threads capturing on torch's one default capture stream; capture says why each Sampler
 # has its own).
@@ -123,7 +123,7 @@ def capture(step, st: State, kv: int, side=None, pool=None):
         g = EagerGraph(step)
     else:
         # one capture at a time in the process, and none while a trainer thread holding the lock
-        # works on the GPU (the queue's interleaved placement, online_async.Interleaved)
+        # works on the GPU (the queue's interleaved placement, trajectories.asynchronous.Interleaved)
         with CAPTURE_LOCK:
             torch.cuda.synchronize()
             side.wait_stream(torch.cuda.current_stream())
@@ -144,7 +144,7 @@ def capture(step, st: State, kv: int, side=None, pool=None):
             # interleaved placement's thread and the trainer's evaluation). Defensive: the GPU
             # regression test (tests/test_rollout_gpu.py) passes without it on torch 2.11 / H100,
             # and it is not what made the interleaved placement's eval points score low (those
-            # sampled the fp32 weights, online_async.Interleaved). A Sampler destroys its graphs
+            # sampled the fp32 weights, trajectories.asynchronous.Interleaved). A Sampler destroys its graphs
             # all together (release, a larger cache): its own share is safe.
             with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
                 step()

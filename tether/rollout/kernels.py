@@ -27,7 +27,9 @@ except ImportError:  # CPU-only installs: the native backend uses torch ops
     triton = None
 
 BLOCK = 64  # cache slots per inner step (64 × 64 bf16 keys = 8 KB per load)
-NUM_WARPS, NUM_STAGES = 4, 3  # decode attention's launch (bench/profile_rollout.py --sweep)
+# decode attention's launch: no point of a BLOCK / num_warps / num_stages sweep is more than 3 %
+# faster than 64 / 4 / 3 (benchmarks/RESULTS.md)
+NUM_WARPS, NUM_STAGES = 4, 3
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:

@@ -51,7 +51,7 @@ class Rollout:
     episodes: Optional[list] = None
     "multi-turn episodes: per sequence, what the episode loop recorded (messages, turns, tool calls, rewards)"
     versions: Optional[Tensor] = None
-    "[N, T] int64: the policy version that sampled each token (-1 at padding); set by partial rollouts (trainers/online_partial.py), whose completions may span weight updates"
+    "[N, T] int64: the policy version that sampled each token (-1 at padding); set by partial rollouts (trajectories/partial.py), whose completions may span weight updates"
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
