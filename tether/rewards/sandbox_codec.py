@@ -24,7 +24,7 @@ def send(fd, obj):
         buf = buf[os.write(fd, buf):]
 
 
-def _read_exact(fd, n):
+def read_exact(fd, n):
     out = bytearray()
     while len(out) < n:
         chunk = os.read(fd, min(n - len(out), 1 << 20))
@@ -35,10 +35,10 @@ def _read_exact(fd, n):
 
 
 def recv(fd):
-    (n,) = struct.unpack(">I", _read_exact(fd, 4))
+    (n,) = struct.unpack(">I", read_exact(fd, 4))
     if n > _FRAME_CAP:
         raise ValueError("sandbox message too large")
-    return json.loads(_read_exact(fd, n))
+    return json.loads(read_exact(fd, n))
 
 
 def split_frames(data):
@@ -86,7 +86,7 @@ def encode(x, refs=None, depth=0):
         return {_TAG: "b" if t is bytes else "ba", "v": x.hex()}
     if t is complex:
         return {_TAG: "c", "v": [encode(x.real), encode(x.imag)]}
-    if t is _Ref:                               # the grader passing a runner object back
+    if t is RunnerRef:                               # the grader passing a runner object back
         return {_TAG: "r", "v": x.ref}
     if getattr(t, "__module__", "") == "numpy" and hasattr(x, "tolist"):
         return encode(x.tolist(), refs, d)      # numpy scalars/arrays: their plain value
@@ -142,7 +142,7 @@ class Opaque:
         return "<%s object from the sandbox>" % self.type
 
 
-def _describe(e):
+def describe_error(e):
     try:
         msg = str(e)[:300]
     except BaseException:
@@ -151,11 +151,11 @@ def _describe(e):
 
 
 def describe_text(e):
-    d = _describe(e)
+    d = describe_error(e)
     return "%s: %s" % (d["raise"], d["msg"]) if d["msg"] else d["raise"]
 
 
-class _Ref:
+class RunnerRef:
     """A runner object passed back to the runner (by the grader) as its reference."""
     __slots__ = ("ref",)
 

@@ -26,8 +26,8 @@ import os
 import sys
 
 try:                                # in the sandbox, sandbox_codec's source is prepended instead
-    from tether.rewards.sandbox_codec import (_describe, _read_exact, _Ref, decode,
-                                              describe_text, encode, recv, send)
+    from tether.rewards.sandbox_codec import (RunnerRef, decode, describe_error, describe_text, encode,
+                                              read_exact, recv, send)
 except ImportError:
     pass
 
@@ -157,14 +157,14 @@ def _serve(mod, rfd, wfd):
         try:
             reply = ops[req["op"]](req)
         except BaseException as e:
-            reply = _describe(e)
+            reply = describe_error(e)
         reply["seq"] = req["seq"]
         _flush()
         send(wfd, reply)
 
 
 def runner():
-    job = json.loads(_read_exact(0, os.fstat(0).st_size))
+    job = json.loads(read_exact(0, os.fstat(0).st_size))
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)          # fd 0 again: input() sees EOF, not the job
     sys.stdin = open(0, "r", closefd=False)
@@ -204,7 +204,7 @@ def runner():
             refs[:] = [mod.__dict__[c["fn"]]]
             reply = _call(refs, {"ref": 0, "args": c["args"], "kw": c.get("kw", {})})
         except BaseException as e:
-            reply = _describe(e)
+            reply = describe_error(e)
         reply["case"] = i
         _flush()
         send(out_fd, reply)
@@ -233,7 +233,7 @@ def grader():
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE 0
     except Exception:
         pass
-    job = json.loads(_read_exact(0, os.fstat(0).st_size))
+    job = json.loads(read_exact(0, os.fstat(0).st_size))
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)
     to_runner, from_runner, verdict = 3, 4, 5
@@ -302,7 +302,7 @@ def grader():
 
     def _local(x):
         # A Remote is passed back as its reference; encode() sees a marker dict, not the object.
-        return _Ref(x.ref) if isinstance(x, Remote) else x
+        return RunnerRef(x.ref) if isinstance(x, Remote) else x
 
     def val(o):
         return decode(o, Remote)

@@ -3,7 +3,7 @@
     per_fn, rewards = score(funcs, weights, rows, texts, completion_ids)      # [N, F], [N]; NaN = skipped
     rewards += overlong_penalty(lengths, max_new_tokens, buffer, coef)        # DAPO eq. 13, ≤ 0
 
-Used by GRPO and PPO (tether.trainers.online, .ppo); it lives here, below them, because it is
+Used by GRPO and PPO (tether.trainers.grpo.loop, .ppo); it lives here, below them, because it is
 about rewards, not about training. Imports torch, so tether.rewards' __init__ leaves it out.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from tether import distributed
 from tether.errors import UserError
-from tether.rewards.registry import _validate, as_completions, load_reward
+from tether.rewards.registry import validate_reward_output, as_completions, load_reward
 
 RewardFn = Callable[..., list]
 
@@ -46,7 +46,7 @@ def score(funcs: list[RewardFn], weights: list[float], rows: list[dict], texts: 
             raise UserError(f"reward function {fn_name(fn)!r} failed: {type(e).__name__}: {first}") from e
         # The same checks as best-of-n's (RewardSet): a list of numbers or None, one per completion;
         # NaN / inf are errors naming the function (they would silently zero a group's advantages).
-        vals = _validate(fn_name(fn), out, len(rows))
+        vals = validate_reward_output(fn_name(fn), out, len(rows))
         per_fn[:, j] = torch.tensor([float("nan") if v is None else v for v in vals])
     w = torch.tensor(weights, dtype=per_fn.dtype)
     scored = ~per_fn.isnan()

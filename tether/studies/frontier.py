@@ -141,7 +141,7 @@ def _proxy_rm(cfg: FrontierConfig, over_root: Path, lab: dict) -> str:
 
 def _online_points(cfg: FrontierConfig, root: Path, over_root: Path, lab: dict, world, prompts) -> list[dict]:
     """`tether odpo` from the SFT policy per online method × labeller × β, evaluated as every point."""
-    from tether.trainers.online_dpo import ODPOConfig, train_odpo
+    from tether.trainers.preference.online import ODPOConfig, train_odpo
     if not cfg.online:
         return []
     data = root / "data" / "prompts.jsonl"
@@ -194,7 +194,7 @@ def frontier_gold_at(env: list[tuple[float, float]], kl: float) -> float:
 def run_frontier(cfg: FrontierConfig) -> dict:
     from tether.studies.overoptimization import OveroptimizationConfig, run_overoptimization
     from tether.tasks.preference_world import PreferenceWorld
-    from tether.trainers.offline import OfflineConfig, train_offline
+    from tether.trainers.preference.offline import OfflineConfig, train_offline
 
     t0 = time.time()
     root = Path(cfg.runs_dir) / cfg.name

@@ -34,7 +34,7 @@ from tether.constraints import DirPath, Fraction, NonNegative, NonNegativeInt, P
 from tether.feedback.judge import choose, judge_pairs, preference_rows
 from tether.run import RunDir, read_jsonl
 from tether.studies.lab import plot_gold_proxy, prepare_world
-from tether.studies.overoptimization import _pair_accuracy, _ppo_curve
+from tether.studies.overoptimization import pair_accuracy, ppo_curve
 
 
 @dataclass
@@ -151,7 +151,7 @@ def rm_vs_gold(proxy, world, held: list[dict]) -> dict:
     d = gc != gr
     same = (gc == gr) & (lc != lr)
     longer_wins = np.where(lc > lr, c > r, r > c)
-    return {"accuracy_gold_labels": _pair_accuracy(proxy, held),
+    return {"accuracy_gold_labels": pair_accuracy(proxy, held),
             "accuracy_gold_order": float((np.where(gc > gr, c > r, r > c) + 0.5 * (c == r))[d].mean()),
             "prefers_longer_at_equal_gold": float(longer_wins[same].mean()), "equal_gold_pairs": int(same.sum())}
 
@@ -205,7 +205,7 @@ def run_world(cfg: JudgesConfig, root: Path) -> dict:
                                 value_model=str(rm["checkpoint"]), progress=cfg.progress,
                                 save_every=cfg.ppo_steps, keep_last=0, overwrite=True),
                       reward_funcs=[proxy], eval_reward_funcs=[gold_reward])
-            curve = _ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
+            curve = ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
             # mean words of the sampled responses per step (the logged length counts EOS)
             lengths = [r["completions/mean_length"] - 1 for r in read_jsonl(root / name / "metrics.jsonl")]
             curve.update(length=lengths, final_length=float(np.mean(lengths[-5:])), start_length=float(lengths[0]))

@@ -74,7 +74,7 @@ def _smooth(x: np.ndarray, w: int = 5) -> np.ndarray:
     return np.convolve(pad, k, mode="valid")
 
 
-def _pair_accuracy(reward, rows: list[dict]) -> float:
+def pair_accuracy(reward, rows: list[dict]) -> float:
     """Share of pairs the reward orders as labelled (ties count half)."""
     prompts = [r["prompt"] for r in rows]
     c = np.array(reward(prompts, [r["chosen"] for r in rows]))
@@ -82,7 +82,7 @@ def _pair_accuracy(reward, rows: list[dict]) -> float:
     return float(((c > r) + 0.5 * (c == r)).mean())
 
 
-def _ppo_curve(run_path: Path, gold_key: str, proxy_key: str) -> dict:
+def ppo_curve(run_path: Path, gold_key: str, proxy_key: str) -> dict:
     rows = read_jsonl(run_path / "metrics.jsonl")
     kl = np.array([max(r["objective/kl"], 0.0) for r in rows])
     gold = np.array([r[gold_key] for r in rows])
@@ -138,7 +138,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
     timings["rm"] = time.time() - t
     rm_dir = rm["checkpoint"]
     proxy = LearnedReward(rm_dir, device="cpu")
-    unseen = _pair_accuracy(proxy, held)
+    unseen = pair_accuracy(proxy, held)
 
     # 4. PPO against the proxy, gold logged (never optimized)
     prompts = root / "data" / "prompts.jsonl"
@@ -158,7 +158,7 @@ def run_overoptimization(cfg: OveroptimizationConfig) -> dict:
                             value_model=str(rm_dir), progress=cfg.progress,
                             save_every=max(1, cfg.ppo_steps // 4), keep_last=0, overwrite=True),
                   reward_funcs=[proxy], eval_reward_funcs=[gold_reward])
-        ppo[f"{beta:g}"] = _ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
+        ppo[f"{beta:g}"] = ppo_curve(root / name, "eval_rewards/gold_reward/mean", "objective/scores")
     timings["ppo"] = time.time() - t
 
     # 5. best-of-n on held-out prompts, selected by the proxy

@@ -40,7 +40,7 @@ MODEL_SIZES = ("1B", "7B", "13B", "70B")
 MARKERS_GB = (12, 24, 40, 80, 141)
 "GPU memory sizes drawn across the bars (consumer 12/24 GB, A100 40/80, H100 80, H200 141)"
 
-# The format each trainer asks load_data for (online.py / ppo.py: "prompt-only"; offline_data.py:
+# The format each trainer asks load_data for (grpo/loop.py / ppo/loop.py: "prompt-only"; preference/data.py:
 # "preference", KTO also "unpaired-preference"), and the objective functions it calls.
 DATA_FORMATS = {"ppo": ("prompt-only",), "grpo": ("prompt-only",), "dpo": ("preference",),
                 "simpo": ("preference",), "orpo": ("preference",),

@@ -50,7 +50,7 @@ def _command_signatures() -> dict:
     (tether.cli.COMMANDS: the registry is the one list of commands). Importing every command's
     module takes seconds: `startup` starts it when the app is made, a request waits for the rest."""
     global _SIGNATURES
-    from tether.cli import COMMANDS, _load
+    from tether.cli import COMMANDS, load_command
     from tether.config import describe
 
     with _SIGNATURES_LOCK:
@@ -58,7 +58,7 @@ def _command_signatures() -> dict:
             sigs = {}
             for name in COMMANDS:
                 try:
-                    cfg_cls, _ = _load(name)
+                    cfg_cls, _ = load_command(name)
                 except Exception:  # noqa: BLE001 - a command whose optional extra is missing is just not guessed
                     continue
                 sigs[name] = {key.rsplit(".", 1)[-1]: default for key, _, default, _ in describe(cfg_cls)}

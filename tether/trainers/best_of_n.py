@@ -8,7 +8,7 @@ The command, top to bottom:
     -> `rft=true`: write the kept rows (those with proxy >= `rft_min_reward`, when set) as
        prompt/completion jsonl and SFT the policy on them;
        with `data.eval_data` the policy's greedy pass@1 / rewards on the held-out prompts before
-       RFT, and the RFT run's eval points after (held_out.py, as every trainer's).
+       RFT, and the RFT run's eval points after (core/held_out.py, as every trainer's).
 
 Under torchrun each rank samples and scores a consecutive block of the prompts with its own whole
 copy of the policy (no collective while sampling), drawing what one process draws for them (the
@@ -45,10 +45,10 @@ from tether.constraints import NonNegativeInt, Positive, PositiveInt
 from tether.errors import UserError
 from tether.objectives.policy import best_of_n_kl
 from tether.rewards.registry import as_completions
-from tether.trainers.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
-                                      load_eval_prompts)
-from tether.trainers.sections import (DataSection, ModelSection, PromptSection, RewardSection,
-                                      RolloutSection, RunSection)
+from tether.trainers.core.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
+                                           load_eval_prompts)
+from tether.trainers.core.sections import (DataSection, ModelSection, PromptSection, RewardSection,
+                                           RolloutSection, RunSection)
 
 __all__ = ["BoNConfig", "run_bon", "bon_distribution", "bon_brute_force", "bon_kl", "bon_kl_uniform",
            "bon_curve", "best_of_n_kl", "select_best"]

@@ -38,10 +38,10 @@ from tether.constraints import Range, Seed
 from tether.errors import UserError
 from tether.models.heads import ScalarHeadModel
 from tether.rewards.process import PRM_CONFIG, step_logits
-from tether.trainers.common import StepClock
-from tether.trainers.held_out import check_keep_best
-from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training, releases_process_state
+from tether.trainers.core.common import StepClock
+from tether.trainers.core.held_out import check_keep_best
+from tether.trainers.core.sections import DataSection, ModelSection, OptimSection, RunSection
+from tether.trainers.core.setup import Data, setup_training, releases_process_state
 
 IGNORE = -100  # a position that carries no step label
 

@@ -38,10 +38,10 @@ from tether.models.heads import ScalarHeadModel
 from tether.models.logprobs import packing_layout
 from tether.objectives import bradley_terry_loss
 from tether.rewards.learned import encode_scored
-from tether.trainers.common import StepClock
-from tether.trainers.held_out import check_keep_best
-from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training, releases_process_state
+from tether.trainers.core.common import StepClock
+from tether.trainers.core.held_out import check_keep_best
+from tether.trainers.core.sections import DataSection, ModelSection, OptimSection, RunSection
+from tether.trainers.core.setup import Data, setup_training, releases_process_state
 
 
 @dataclass
@@ -71,7 +71,7 @@ class RMConfig:
     "the Bradley–Terry loss and centering"
 
     def __post_init__(self):
-        # ScalarHeadModel wraps the body itself and has no adapters yet: refused here, before any
+        # ScalarHeadModel wraps the body itself and has no adapters: refused here, before any
         # work, rather than ignored.
         if self.model.lora_r > 0:
             raise ValueError("rm: lora_r is not supported for reward models (full fine-tuning only)")

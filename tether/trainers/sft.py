@@ -1,20 +1,21 @@
 """Supervised fine-tuning: language modelling, or prompt -> completion with completion-only loss.
 
 The loop, top to bottom:
-    load model + tokenizer  ->  load, validate and tokenize data (errors before any training)
+    load model + tokenizer  ->  load, validate and tokenize data (errors before any training;
+       load_sft_data: rows -> examples, the held-out split, prompts to sample from)
     -> for each optimizer step: draw a batch, split into micro-batches, token-mean NLL over the
        completion mask of the *whole* accumulated batch, clip, step (finite-checked)
     -> log / eval (held-out loss and perplexity; with sft.eval_reward_funcs greedy pass@1 and
-       rewards of the held-out prompts, held_out.py; sampled completions) / checkpoint (exactly
+       rewards of the held-out prompts, core/held_out.py; sampled completions) / checkpoint (exactly
        resumable; run.keep_best keeps the best eval point's model as checkpoints/best).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
-
-import math
 
 import torch
 
@@ -22,14 +23,17 @@ from tether import distributed
 from tether.config import ConfigError, flat_init
 from tether.constraints import PositiveInt
 from tether.data import collate_sequences, encode_prompts
+from tether.data.pipeline import load_data
+from tether.data.tokenize import encode_sft
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps, forward_inputs, packing_layout, uses_chunked_head
 from tether.objectives import sft_loss
-from tether.trainers.common import StepClock
-from tether.trainers.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
-from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training, releases_process_state
-from tether.trainers.sft_data import load_sft_split
+from tether.trainers.core.common import StepClock
+from tether.trainers.core.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
+from tether.trainers.core.sections import DataSection, ModelSection, OptimSection, RunSection
+from tether.trainers.core.setup import Data, releases_process_state, setup_training
+
+SFT_FORMATS = ("language-modeling", "prompt-completion")
 
 
 @dataclass
@@ -61,6 +65,64 @@ class SFTConfig:
             raise ConfigError("config key 'sft.eval_reward_funcs' needs held-out rows: data.eval_data=<file> "
                               "(or data.eval_fraction)")
 
+
+# ---- data: rows -> validated, tokenized examples + eval split + prompts to sample from -------------
+
+def sample_prompt(row: dict, tokenizer) -> str | None:
+    """The text a model should continue for an eval sample of this row."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    messages = row.get("messages")
+    if isinstance(messages, list):
+        head = messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+        return tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
+    text = row.get("text")
+    if isinstance(text, str):
+        return text[: max(1, len(text) // 4)]  # continue the first quarter of a document
+    return None
+
+
+def load_sft_data(cfg, tokenizer):
+    """Returns (train_examples, eval_examples, eval_prompts, report_dict); raises DataError.
+    `cfg`: the SFT config (its `data` section, `sft.completion_only` and `run.seed`)."""
+    return load_sft_split(cfg, tokenizer)[:4]
+
+
+def load_sft_split(cfg, tokenizer):
+    """:func:`load_sft_data` + the held-out rows as read (eval_data's, or those of the
+    eval_fraction split; [] without either): their prompts are sampled for eval/greedy/..."""
+    d, completion_only, seed = cfg.data, cfg.sft.completion_only, cfg.run.seed
+    rows = load_data(d.path, expect=SFT_FORMATS, split=d.split, rename=d.columns)
+    eval_rows = load_data(d.eval_data, expect=SFT_FORMATS, rename=d.columns) if d.eval_data else None
+    train_ex, rep = encode_sft(rows, tokenizer, d.max_length, d.truncation,
+                               completion_only_loss=completion_only)
+    report = {"train": rep.summary(), "train_rows": rep.total, "truncated": rep.truncated,
+              "dropped": rep.dropped}
+    if eval_rows is not None:
+        eval_ex, erep = encode_sft(eval_rows, tokenizer, d.max_length, d.truncation,
+                                   completion_only_loss=completion_only)
+        report["eval"] = erep.summary()
+        prompt_rows = held_rows = list(eval_rows)
+    elif d.eval_fraction > 0:
+        # A seeded split of the *encoded* examples, so the eval set is the same on resume.
+        order = list(range(len(train_ex)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(len(order) * d.eval_fraction))
+        held = set(order[:n_eval])
+        eval_ex = [train_ex[i] for i in sorted(held)]
+        train_ex = [ex for i, ex in enumerate(train_ex) if i not in held]
+        # examples[j] came from rows[kept_index[j]] (rows can be dropped when tokenizing).
+        prompt_rows = held_rows = [rows[rep.kept_index[i]] for i in sorted(held)]
+    else:
+        eval_ex, prompt_rows, held_rows = [], list(rows)[:64], []
+    prompts = [p for p in (sample_prompt(r, tokenizer) for r in prompt_rows[:64]) if p]
+    return train_ex, eval_ex, prompts, report, held_rows
+
+
+# ---- the loss and the loop ------------------------------------------------------------------------
 
 def _micro_loss(model, batch: dict, device, amp) -> tuple[torch.Tensor, int]:
     """Summed completion-token NLL of one micro-batch (padded or packed: data.packing) and its

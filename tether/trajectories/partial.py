@@ -1,11 +1,12 @@
-"""Partial rollouts (issue 19): a long completion continues across weight updates, each of its tokens
-tagged with the policy version that sampled it, so one slow sample never holds up a batch.
+"""Partial rollouts: a long completion continues across weight updates, each of its tokens tagged
+with the policy version that sampled it, so one slow sample never holds up a batch.
 
-The producer of the trajectory queue (online_async) calls `PartialRollouts(step, sampler)` for batch
-j, in order, with the weights of version v_j = max(start, j − S) (S = queue.max_staleness: the queue's
-fixed schedule, so v_j is known here without asking the source). Round j:
+A source of the trajectory queue (asynchronous.py, disaggregated.py) calls the producer
+`PartialRollouts(step, sampler)` for batch j, in order, with the weights of version
+v_j = max(start, j − S) (S = queue.max_staleness: the queue's fixed schedule, so v_j is known here
+without asking the source). Round j:
 
-  1. `batch_size` new prompts join the pool (G sequences each), drawn from the data order as today;
+  1. `batch_size` new prompts join the pool (G sequences each), drawn from the data order;
   2. every unfinished sequence of the pool generates up to `partial_tokens` more tokens with v_j's
      weights: the new ones from their prompts (one sampler call), the carried ones from prompt +
      their tokens so far (another), *re-prefilled* with v_j's weights (no KV cache survives a
@@ -29,7 +30,7 @@ batches, and so the run, are the loop's without partial rollouts (tested at S = 
 go into each checkpoint (`state_dict`, saved by the queue's sources: a resume is exact); those
 still in flight when the run ends are never trained.
 
-The trainer treats the tokens as it treats a stale batch (online.prepare_batch): with
+The trainer treats the tokens as it treats a stale batch (the GRPO loop's prepare_batch): with
 is_correction = tis | mis it weighs each by π_old / μ, μ the log-prob of the version that drew it;
 without, they are trained as if fresh. Metrics:
 `partial/token_staleness/{mean,max}` (versions the trained tokens lag the trainer),
@@ -48,7 +49,7 @@ from tether import distributed
 from tether.config import ConfigError
 from tether.rollout import Rollout
 from tether.rollout.finish import StopChecker
-from tether.trainers.online_sampling import StepBatch, sum_stats
+from tether.trajectories.sampling import GroupSampler, StepBatch, sum_stats
 
 
 @dataclass
@@ -96,8 +97,13 @@ class PartialRollouts:
         self.seed, self.start, self.S = cfg.run.seed, start, cfg.queue.max_staleness
         self.pool: list[Group] = []
 
+    @classmethod
+    def of(cls, groups: GroupSampler, cfg, start: int) -> "PartialRollouts":
+        """Partial rollouts of `groups`' prompt stream and scoring (a trainer's GroupSampler)."""
+        return cls(groups.prompts, groups.scoring, cfg, start, epoch=groups.prompts.epoch)
+
     def version(self, step: int) -> int:
-        """The weights batch `step` is sampled with (the queue's schedule, online_async)."""
+        """The weights batch `step` is sampled with (the queue's schedule, asynchronous.py)."""
         return max(self.start, step - self.S)
 
     def __call__(self, step: int, sampler) -> StepBatch:
@@ -186,7 +192,7 @@ class PartialRollouts:
                        versions=_pad([g.versions[k] for g, k in seqs], width, -1, torch.long).to(device))
 
     def state_dict(self) -> list:
-        """The groups in flight (checkpointed by the queue's sources, online_async): plain lists."""
+        """The groups in flight (checkpointed by the queue's sources, asynchronous.py): plain lists."""
         return [(g.row, [list(x) for x in g.ids], [list(x) for x in g.logps], [list(x) for x in g.versions],
                  list(g.reasons)) for g in self.pool]
 

@@ -1,4 +1,13 @@
-"""Collecting one step's scored rollouts, with DAPO dynamic sampling (Yu et al. 2025, §3.2).
+"""A step's scored rollouts: prompts in the data order -> G completions of each -> rewards, with
+DAPO dynamic sampling (Yu et al. 2025, §3.2). `GroupSampler` is the producer the trajectory
+queue's sources call (`produce(step, sampler)`), built by a trainer from its pieces:
+
+- `PromptStream`: the prompts' order (the run's resumable EpochSampler) and, under torchrun, the
+  rank's share of each global batch;
+- `Scoring`: the reward functions and weights (tether.rewards.scoring.score_rollout) with DAPO's
+  overlong shaping; a scoring that reads the sampling policy (online DPO's self-judge) binds it
+  per sampler (`for_sampler`);
+- the rollout config (completions per prompt, the sampler's settings) and the run's seed.
 
 Without dynamic sampling a step is one round: `batch_size` prompts × G completions, scored.
 With it, a group whose scored rewards are all equal (zero variance: every completion right, or
@@ -17,17 +26,23 @@ on all, and so do the collective forwards that follow. One round (all groups kep
 `max_sampling_rounds=1`) keeps exactly the groups one process keeps. When a step needs more rounds
 it does not: one process fills the batch with the first groups with signal of the next global
 batch, each rank with the first of its own part, so the kept groups (and the step) differ.
+
+A multi-turn producer (an episode loop over an environment: the policy's turns and the
+environment's replies in one transcript) is another producer beside `GroupSampler`, with the same
+call and the same `StepBatch`, so every source, the queue and the trainers take it unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from tether import distributed
 from tether.objectives import group_stats
-from tether.rollout import Rollout
+from tether.rewards.scoring import score_rollout
+from tether.rollout import Rollout, Sampler
 
 
 def _pad_to(x: torch.Tensor, width: int, value) -> torch.Tensor:
@@ -118,9 +133,14 @@ def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
     return out
 
 
+def one_process(flag: bool) -> bool:
+    """`every_rank` of one process: the flag itself."""
+    return flag
+
+
 def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
             dynamic: bool = False, max_rounds: int = 1,
-            every_rank: Callable[[bool], bool] = lambda flag: flag) -> StepBatch:
+            every_rank: Callable[[bool], bool] = one_process) -> StepBatch:
     """`next_prompts() -> (rows, mine)`: a batch's rows and the indices of this rank's share
     (None: all of them); `sample(prompt_ids, seed, mine) -> Rollout`: G completions of each of
     `mine`'s prompts, keyed as in the whole batch (Sampler.sample's `only`);
@@ -166,3 +186,86 @@ def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
     return StepBatch(rollout, [r for k in kept for r in k[1]], torch.cat([k[2] for k in kept]),
                      torch.cat([k[3] for k in kept]), torch.cat(all_r), torch.cat(all_f), torch.cat(all_g),
                      rollout.stats["tokens"], metrics, filler)
+
+
+# ---- the producer ------------------------------------------------------------------------------
+
+class PromptStream:
+    """The prompts in the run's data order: each call draws the next global batch of `rows`
+    (`order`: the resumable EpochSampler, its position checkpointed) and, under torchrun, the
+    indices of this rank's share of it (None: all of them)."""
+
+    def __init__(self, rows: list[dict], order):
+        self.rows, self.order = rows, order
+
+    def __call__(self) -> tuple[list[dict], Optional[list[int]]]:
+        batch = [self.rows[i] for i in self.order.global_batch_at(self.order.position)]
+        self.order.next()
+        mine = self.order.part(list(range(len(batch))), distributed.rank()) if distributed.active() else None
+        return batch, mine
+
+    def epoch(self) -> float:
+        """The data order's epoch after the prompts drawn so far."""
+        return self.order.epoch
+
+
+@dataclass
+class Scoring:
+    """Reward functions -> per-function rewards [N, F] and total reward [N] of a rollout
+    (rewards.scoring.score_rollout: weighted sum, None = not scored), + DAPO's overlong shaping
+    over the last `overlong_buffer` tokens before `max_new_tokens` (0 = off)."""
+    funcs: Sequence
+    weights: Sequence[float]
+    max_new_tokens: int
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __call__(self, seq_rows: list[dict], rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        return score_rollout(self.funcs, self.weights, seq_rows, rollout, max_new_tokens=self.max_new_tokens,
+                             buffer=self.overlong_buffer, coef=self.overlong_penalty)
+
+    def for_sampler(self, sampler: Sampler) -> "Scoring":
+        """The scoring of completions `sampler` drew: this one (a reward that reads the sampling
+        policy returns itself bound to `sampler.model`)."""
+        return self
+
+
+class GroupSampler:
+    """The producer of the GRPO family and online DPO: step j's batch is `per_rank` prompts of the
+    stream (this rank's share) × `rollout.num_generations` completions, sampled with the seed of
+    (seed, j), scored, with dynamic sampling's extra rounds when `dynamic` (module doc).
+
+    `rollout`: the rollout config section (num_generations, sampling()); `refresh()`: brings the
+    weights the trainer's sampler reads up to date (Training.rollout_model: the replica after an
+    update, or after its memory was lent), before ReMax's greedy baseline."""
+
+    def __init__(self, prompts: PromptStream, scoring: Scoring, rollout, tokenizer, seed: int, per_rank: int,
+                 dynamic: bool = False, max_rounds: int = 1, every_rank: Callable[[bool], bool] = one_process,
+                 refresh: Callable[[], object] = lambda: None):
+        self.prompts, self.scoring, self.rollout, self.tokenizer = prompts, scoring, rollout, tokenizer
+        self.seed, self.per_rank, self.G = seed, per_rank, rollout.num_generations
+        self.dynamic, self.max_rounds, self.every_rank, self.refresh = dynamic, max_rounds, every_rank, refresh
+
+    def make_sampler(self, model) -> Sampler:
+        """A sampler of `model` with the rollout's settings (the trainer's, or a sampler thread's
+        on its own copy of the policy)."""
+        return Sampler(model, self.tokenizer, self.rollout.sampling())
+
+    def __call__(self, step: int, sampler: Sampler) -> StepBatch:
+        """Step `step`'s scored groups, sampled with `sampler` (its weights: the version the source's
+        schedule gives the step). The seed is a function of (seed, step): a resumed run draws the
+        same completions."""
+        def sample(prompt_ids, seed, mine):
+            return sampler.sample(prompt_ids, n=self.G, seed=seed, only=mine)
+        collected = collect(sample, self.prompts, self.scoring.for_sampler(sampler), self.per_rank, self.G,
+                            seed=self.seed * 1_000_003 + step, dynamic=self.dynamic, max_rounds=self.max_rounds,
+                            every_rank=self.every_rank)
+        collected.epoch = self.prompts.epoch()
+        return collected
+
+    def greedy_scores(self, sampler: Sampler, prompt_rows: list[dict]) -> torch.Tensor:
+        """[prompts] the score of each prompt's greedy completion, no KL term (ReMax's baseline),
+        sampled with the trainer's `sampler` once its weights are back (`refresh`)."""
+        self.refresh()
+        greedy = sampler.sample([p["prompt_ids"] for p in prompt_rows], n=1, temperature=0.0)
+        return torch.nan_to_num(self.scoring.for_sampler(sampler)(prompt_rows, greedy)[1])

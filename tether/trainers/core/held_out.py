@@ -37,7 +37,7 @@ from tether.rewards.scoring import fn_name, resolve_reward_funcs
 # What a generation eval point logs (under eval/greedy/), besides eval/greedy/rewards/<fn>/mean.
 GENERATION_METRICS = ("pass@1", "reward", "frac_unscored", "completions/mean_length",
                       "completions/clipped_ratio")
-# Short names keep_best accepts for the greedy numbers (the issue's `keep_best=eval/pass@1`).
+# Short names keep_best accepts for the greedy numbers (`keep_best=eval/pass@1`).
 ALIASES = {"eval/pass@1": "eval/greedy/pass@1", "eval/reward": "eval/greedy/reward"}
 # The metric shown in the progress bar when keep_best names none: the first one logged of these.
 SHOWN = ("eval/greedy/pass@1", "eval/rewards/accuracies", "eval/accuracy", "eval/loss")

@@ -2,194 +2,53 @@
 
 The loop, top to bottom (docs/ppo.md; Ziegler et al. 2019, Stiennon et al. 2020, InstructGPT):
     load policy (+ LoRA), a frozen reference (the initial policy; under LoRA the base with the
-    adapters disabled), the value model (from the reward model or the policy: `value_model`),
-    reward functions (a learned RM is `rm:<dir>`)
+    adapters disabled), the value model (from the reward model or the policy: `value_model`,
+    critic.py), reward functions (a learned RM is `rm:<dir>`)
     -> for each step: draw `batch_size` prompts, sample completions (tether.rollout)
     -> score: R = Σ_f w_f r_f(x, y) − length_penalty·|y|   (a sequence-level scalar)
     -> storage, no-grad forwards: log π_old (the policy as sampled), log π_ref, V_old
     -> per-token reward  r̃_t = 1[t = last]·R − β·(log π_old,t − log π_ref,t)   (k1 in the reward)
     -> GAE(γ, λ) → advantages A_t and returns R_t = A_t + V_old,t; A whitened over the batch
-    -> `ppo_epochs` passes over shuffled minibatches:
+    -> `ppo_epochs` passes over shuffled minibatches (update.py):
            loss = clipped surrogate(A) + vf_coef · clipped value loss(R) − ent_coef · entropy
     -> β update (fixed, or adaptive toward `kl_target`), KL-budget early stop, log, checkpoint;
-       at eval points greedy pass@1 / rewards of held-out prompts (`data.eval_data`, held_out.py).
+       at eval points greedy pass@1 / rewards of held-out prompts (`data.eval_data`, core/held_out.py).
 
 Why the value is read one position early: log π at input position t is the probability of token t
 given tokens < t, so the state that chooses token t is the hidden state at t − 1. V is taken
 there too (as TRL/OpenRLHF do), so V_t and log π_t describe the same decision.
 
 Under torchrun (many processes, one run) each rank samples and trains on its part of every batch
-while whitening, minibatch losses and the logged numbers stay the global batch's: ppo_update.py.
-
-Why the policy and value are two networks: sharing a body makes the value loss pull on the
-policy's features (InstructGPT and TRL keep them separate); one AdamW covers both. Under LoRA
-only the policy gets adapters; the critic is trained in full.
+while whitening, minibatch losses and the logged numbers stay the global batch's: update.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
-from torch import nn
 
 from tether import distributed
-from tether.config import flat_init
-from tether.constraints import Fraction, NonNegative, Positive, PositiveInt
 from tether.errors import UserError
-from tether.models.heads import ScalarHeadModel
-from tether.models.load import compile_layers
 from tether.models.logprobs import completion_token_logps
-from tether.objectives import AdaptiveKLController, FixedKLController, gae, kl_penalized_rewards
+from tether.objectives import gae, kl_penalized_rewards
 from tether.rewards.learned import LearnedReward
 from tether.rewards.scoring import fn_name, resolve_reward_funcs
 from tether.rewards.scoring import score as score_completions
 from tether.rollout import Sampler, logprob_mismatch
 from tether.rollout.types import SEQ_MULTIPLE
-from tether.trainers.common import lend_gradients
-from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, generation_metrics
-from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
-                                      RolloutSection, RunSection)
-from tether.trainers.ppo_process import dense_process_rewards, process_reward_index
-from tether.trainers.ppo_update import Shares, ppo_epochs
-from tether.trainers.ppo_update import whiten as globally_whitened
-from tether.trainers.ppo_update import values_of as _values
-from tether.trainers.setup import load_policy, load_prompt_data, setup_training, releases_process_state
-from tether.trainers.sharding import shard_model
-
-
-@dataclass
-class PPOSection:
-    value_model: str = ""
-    "value init: a reward-model dir, 'policy' (fresh head on the policy), or '' = first rm:<dir> else policy"
-    kl_coef: NonNegative = 0.05
-    "β: per-token KL penalty in the reward, r̃_t = −β·KL_t (+ the score at the last token)"
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    "KL estimator in the reward: k1 = log π − log π_ref (classic RLHF), k3 = non-negative, low variance"
-    adaptive_kl: bool = False
-    "adapt β toward kl_target (Ziegler et al. 2019) instead of keeping it fixed"
-    kl_target: Positive = 6.0
-    "adaptive β: target mean sequence KL (nats)"
-    kl_horizon: Positive = 10000.0
-    "adaptive β: horizon in samples"
-    kl_budget: NonNegative = 0.0
-    "stop the run early once the mean sequence KL to the reference exceeds this (nats; 0 = no budget)"
-    length_penalty: float = 0.0
-    "subtract this × completion length (tokens) from each score"
-    process_reward: bool = False
-    "dense rewards from the one 'prm:<run>' reward: each step's score at the step's last token instead of one score at the end (trainers/ppo_process.py)"
-    gamma: Fraction = 1.0
-    "GAE discount γ"
-    lam: Fraction = 0.95
-    "GAE λ"
-    whiten_advantages: bool = True
-    "normalize advantages to mean 0, std 1 over the batch's completion tokens"
-    ppo_epochs: PositiveInt = 4
-    "passes over each rollout batch"
-    num_minibatches: PositiveInt = 4
-    "minibatches per pass (one optimizer step each)"
-    cliprange: Positive = 0.2
-    "ε of the clipped policy ratio"
-    cliprange_value: Positive = 0.2
-    "clip of the value update around V_old"
-    vf_coef: NonNegative = 0.1
-    "weight of the value loss"
-    ent_coef: NonNegative = 0.0
-    "entropy bonus weight (loss −= ent_coef · mean token entropy)"
-
-
-@flat_init
-@dataclass
-class PPOConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    "the policy to train (the SFT model), also the frozen reference; compile also compiles the critic"
-    data: PromptSection = field(default_factory=lambda: PromptSection(batch_size=32))
-    "prompts; batch_size prompts per step (the rollout batch)"
-    rollout: RolloutSection = field(default_factory=lambda: RolloutSection(num_generations=1, max_new_tokens=128))
-    "sampling"
-    reward: RewardSection = field(default_factory=RewardSection)
-    "rewards: 'rm:<dir>[,<dir>...]' (learned RM / ensemble), built-in names, or 'module:function'"
-    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, schedule="constant", max_steps=100))
-    "one AdamW over policy and critic; max_steps counts rollout batches, warmup counts optimizer updates"
-    run: RunSection = field(default_factory=lambda: RunSection(name="ppo", log_every=1, num_samples=2))
-    "run directory, seed (prompt order, sampling, minibatch shuffling), logging, checkpoints"
-    ppo: PPOSection = field(default_factory=PPOSection)
-    "reward shaping, GAE, the PPO update, β"
-
-    def __post_init__(self):
-        check_eval(self, funcs_need_data=False)  # eval_every needs data.eval_data
-        self.rollout.check_release()
-        if self.ppo.num_minibatches > self.data.batch_size * self.rollout.num_generations:
-            raise ValueError("num_minibatches cannot exceed batch_size × num_generations")
-
-
-# -- setup ---------------------------------------------------------------------------------------
-
-def _rm_dirs(specs: Sequence) -> list[Path]:
-    """Model directories of the `rm:` specs (run directories resolve to their newest checkpoint)."""
-    from tether.rewards.learned import parse_rm_spec, resolve_rm_path
-
-    return [resolve_rm_path(d) for s in specs if isinstance(s, str) and s.startswith("rm:")
-            for d in parse_rm_spec(s)[0]]
-
-
-def load_value_model(cfg: PPOConfig, ckpt: Path | None) -> ScalarHeadModel:
-    """The critic: from the checkpoint on resume; else from a reward model (default when there is
-    one: it already reads the responses the way the score does, so early values are informed) or
-    from the policy with a fresh head."""
-    value_model = cfg.ppo.value_model
-    if ckpt is not None:
-        src = ckpt / "value"
-    elif value_model and value_model != "policy":
-        from tether.rewards.learned import resolve_rm_path
-        src = resolve_rm_path(value_model)
-    else:
-        rms = _rm_dirs(cfg.reward.reward_funcs)
-        src = Path(rms[0]) if rms and value_model != "policy" else Path(cfg.model.path)
-    value = ScalarHeadModel.from_pretrained(src, kind="value", dtype=cfg.model.dtype, device=_load_device(cfg))
-    value.offset = 0.0  # reward centering is an RM property; returns are learned from scratch anyway
-    return value
-
-
-def _load_device(cfg: PPOConfig) -> str:
-    """Under torchrun on GPUs the models load into CPU memory and sharding moves each rank's shards
-    to its GPU (as setup_training's own build does): policy and critic never sit whole on a GPU."""
-    return "cpu" if distributed.active() and distributed.uses_cuda() else cfg.model.device
-
-
-def build_policy_and_critic(cfg: PPOConfig, ckpt: Path | None):
-    """(policy, {policy, value}): one optimizer, one clip and one step cover both networks, while
-    the checkpoint holds the policy (its adapter under LoRA) and `save_ppo_state` adds the critic."""
-    policy = load_policy(dataclasses.replace(cfg.model, device=_load_device(cfg)), ckpt)
-    critic = load_value_model(cfg, ckpt)  # a fresh head draws from the RNG after the policy loads
-    if cfg.model.compile:  # setup_training compiles the policy and the reference
-        compile_layers(critic)
-    if distributed.active():  # setup_training shards the policy and the reference, then builds the
-        shard_model(critic, cfg)  # optimizer over both networks: the critic's shards must exist by then
-    return policy, nn.ModuleDict({"policy": policy, "value": critic})
-
-
-def kl_controller(spec: PPOSection, ckpt: Path | None):
-    """β, fixed or adaptive; on resume the value the checkpoint left (an adaptive β has moved)."""
-    control = AdaptiveKLController(spec.kl_coef, spec.kl_target, spec.kl_horizon) if spec.adaptive_kl \
-        else FixedKLController(spec.kl_coef)
-    if ckpt is not None:
-        control.value = json.loads((ckpt / "ppo_state.json").read_text())["kl_coef"]
-    return control
-
-
-def save_ppo_state(path: Path, critic: ScalarHeadModel, control) -> None:
-    """The critic and the (possibly adapted) β are part of the state a resume needs. Every rank
-    calls this: a sharded critic is gathered (collective), rank 0 writes."""
-    gathered = distributed.full_state_dict(critic) if distributed.is_sharded(critic) else None
-    if distributed.is_main():
-        critic.save_pretrained(path / "value", state_dict=gathered)
-        (path / "ppo_state.json").write_text(json.dumps({"kl_coef": control.value}) + "\n")
+from tether.trainers.core.common import lend_gradients
+from tether.trainers.core.held_out import HeldOut, check_keep_best, generation_metrics
+from tether.trainers.core.setup import load_prompt_data, releases_process_state, report_summary, setup_training
+from tether.trainers.core.sharding import shard_model
+from tether.trainers.ppo.config import PPOConfig
+from tether.trainers.ppo.critic import build_policy_and_critic, kl_controller, save_ppo_state
+from tether.trainers.ppo.process import dense_process_rewards, process_reward_index
+from tether.trainers.ppo.update import Shares, ppo_epochs
+from tether.trainers.ppo.update import values_of as _values
+from tether.trainers.ppo.update import whiten as globally_whitened
 
 
 @dataclass
@@ -224,6 +83,21 @@ class Rewards:
         scores = torch.nan_to_num(scores) - length_penalty * rollout.lengths.float().cpu()
         return {"scores": scores, "per_function": per_function, "unscored": unscored, "evals": evals}
 
+    def held_out(self) -> tuple[list, list[float]]:
+        """(functions, weights) scoring held-out prompts: the eval rewards (each weight 1.0), else
+        the trained ones (length_penalty is shaping, not part of the score)."""
+        return (self.evals, [1.0] * len(self.evals)) if self.evals else (self.funcs, self.weights)
+
+    def process_rewards(self, scored: dict, prm_at: Optional[int], rows: list[dict], rollout, width: int,
+                        tokenizer) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(scores [N], dense [N, width] or None): with a PRM at `prm_at` (ppo.process_reward) its
+        reward moves from the last token to every step's end (process.py); else R as scored."""
+        if prm_at is None:
+            return scored["scores"], None
+        w = self.weights[prm_at]
+        scores = scored["scores"] - w * torch.nan_to_num(scored["per_function"][:, prm_at])
+        return scores, dense_process_rewards(self.funcs[prm_at], w, rows, rollout, width, tokenizer)
+
     def shard(self, cfg: PPOConfig) -> None:
         """Under torchrun, FSDP2 over the learned reward models: each rank scores its own
         completions, every rank with as many forwards (equal shares, equal chunks)."""
@@ -242,7 +116,7 @@ def ppo_advantages(scores, old_logps, ref_logps, old_values, mask, beta: float, 
     (A, R_t) = GAE_{γ,λ}(r̃, V_old)  (Schulman et al. 2016 eq. 16);  A ← whiten(A) (returns are
     not whitened: the critic regresses the real return). All [B, T] aligned with input_ids. GAE is
     per sequence; the whitening statistics are the global batch's under torchrun. `dense` [B, T]:
-    per-token rewards added to r̃ (a PRM's step scores, ppo_process.py).
+    per-token rewards added to r̃ (a PRM's step scores, process.py).
     """
     token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, beta, estimator)
     if dense is not None:
@@ -280,6 +154,25 @@ def step_metrics(t, seen: dict, rewards: Rewards, mismatch: dict, beta: float, u
     return metrics
 
 
+def sequence_values(scored: dict, rollout, rows: list[dict], mask, old_logps, sequence_kl) -> dict:
+    """A step's per-sequence numbers, as Shares.gather joins them over the ranks for the log row."""
+    return {"scores": scored["scores"], "per_function": scored["per_function"], "unscored": scored["unscored"],
+            "sequence_kl": sequence_kl, "logp_sums": torch.where(mask, old_logps, 0.0).sum(1),
+            "lengths": rollout.lengths, "finish_reasons": rollout.finish_reasons, "texts": rollout.texts,
+            "prompts": [row["prompt"] for row in rows],
+            **({"evals": scored["evals"]} if scored["evals"] is not None else {})}
+
+
+def ppo_summary(t, final_eval: dict, last: dict, stopped_early: Optional[int], kl_control,
+                rewards: Rewards) -> dict:
+    """summary.json's PPO entries (Training.finish adds steps, skipped steps and the checkpoint)."""
+    return {**final_eval, "prompts": len(t.data.train), "stopped_early_at": stopped_early,
+            "final_kl": last.get("objective/kl"), "final_scores": last.get("objective/scores"),
+            "final_rlhf_reward": last.get("objective/rlhf_reward"), "final_kl_coef": kl_control.value,
+            "final_eval_rewards": {fn_name(f): last.get(f"eval_rewards/{fn_name(f)}/mean") for f in rewards.evals},
+            "data": report_summary(t.data.report)}
+
+
 @releases_process_state
 def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
               reward_weights: Optional[Sequence[float]] = None,
@@ -291,10 +184,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     as CleanRL's ppo.py: rollouts into storage -> GAE -> `ppo_epochs` passes of minibatch updates."""
     distributed.init()  # under torchrun, before the reward models load: each rank on its own device
     rewards, spec = Rewards.resolve(cfg, reward_funcs, reward_weights, eval_reward_funcs), cfg.ppo
-    # held-out prompts (held_out.py) are scored with the eval rewards, else the trained ones
-    # (their weights; length_penalty is shaping, not part of the score)
-    eval_funcs, eval_weights = (rewards.evals, [1.0] * len(rewards.evals)) if rewards.evals else \
-        (rewards.funcs, rewards.weights)
+    eval_funcs, eval_weights = rewards.held_out()  # held-out prompts (core/held_out.py)
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
     t = setup_training(cfg, lambda tokenizer: load_prompt_data(cfg, tokenizer), build=build_policy_and_critic,
                        reference=True, updates_per_step=spec.ppo_epochs * spec.num_minibatches,
@@ -316,28 +206,19 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         started, gathered = time.perf_counter(), t.gather_seconds
         # 1. rollouts; the seed is a function of (seed, step) so a resumed run draws the same ones.
         # Every rank knows the whole global batch (its sampling keys and logged numbers span it)
-        # and samples its own part of it (ppo_update.Shares)
+        # and samples its own part of it (update.Shares)
         prompts = [t.data.train[i] for i in t.order.global_batch_at(t.order.position)]
         shares = Shares.of(t.order, len(prompts), generations)
         t.order.next()
-        t.rollout_model()  # under torchrun: the sampler's copy refreshed from the shards (collective)
-        policy.eval()
-        rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations,
-                                 seed=cfg.run.seed * 1_000_003 + t.step, only=shares.prompts)
-        policy.train()
-        # rollout.release_replica: the copy's memory to the reward model's, the reference's and the
-        # critic's forwards and the update
-        t.lend_rollout_memory(sampler)
+        with t.replica_turn(sampler):  # (the replica refreshed first; after, its memory lent to training)
+            rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations,
+                                     seed=cfg.run.seed * 1_000_003 + t.step, only=shares.prompts)
         sampling_seconds = time.perf_counter() - started
         rows = [prompts[shares.prompts[i // generations]] for i in range(len(rollout))]
         scored = rewards.score(rows, rollout, spec.length_penalty)
         batch = {k: v.to(t.device) for k, v in rollout.training_batch(SEQ_MULTIPLE).items()}
         mask, temperature = batch["completion_mask"], rollout.logprob_temperature
-        dense, scores = None, scored["scores"]
-        if prm_at is not None:  # the PRM's reward moves from the last token to every step's end
-            w = rewards.weights[prm_at]
-            scores = scores - w * torch.nan_to_num(scored["per_function"][:, prm_at])
-            dense = dense_process_rewards(rewards.funcs[prm_at], w, rows, rollout, mask.shape[1], t.tokenizer)
+        scores, dense = rewards.process_rewards(scored, prm_at, rows, rollout, mask.shape[1], t.tokenizer)
 
         # 2. storage: log π_old, log π_ref, V_old (no grad), then GAE
         with torch.no_grad():
@@ -352,12 +233,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                 spec.kl_estimator, spec.gamma, spec.lam, spec.whiten_advantages, dense)
             sequence_kl = torch.where(mask, old_logps - ref_logps, 0.0).sum(1)  # k1 per sequence
         # the global batch's per-sequence numbers, in its order, on every rank
-        seen = shares.gather({"scores": scored["scores"], "per_function": scored["per_function"],
-                              "unscored": scored["unscored"], "sequence_kl": sequence_kl,
-                              "logp_sums": torch.where(mask, old_logps, 0.0).sum(1),
-                              "lengths": rollout.lengths, "finish_reasons": rollout.finish_reasons,
-                              "texts": rollout.texts, "prompts": [row["prompt"] for row in rows],
-                              **({"evals": scored["evals"]} if scored["evals"] is not None else {})})
+        seen = shares.gather(sequence_values(scored, rollout, rows, mask, old_logps, sequence_kl))
         token_mask, sampled_logps, trained_logps = shares.tokens(mask, batch["logprobs"], old_logps)
         mismatch = logprob_mismatch(sampled_logps, trained_logps, token_mask)
 
@@ -370,10 +246,9 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         mean_kl = float(seen["sequence_kl"].mean())
         kl_control.update(mean_kl, sequences)
 
-        # 4. log, samples, KL budget, checkpoint
-        last = step_metrics(t, seen, rewards, mismatch, beta, updates, started, sampling_seconds)
-        if t.replica is not None:  # under torchrun: the seconds spent gathering the sampler's copy
-            last["gather_time"] = t.gather_seconds - gathered
+        # 4. log, samples, KL budget, checkpoint (gather_time: the seconds spent refreshing the replica)
+        last = {**step_metrics(t, seen, rewards, mismatch, beta, updates, started, sampling_seconds),
+                **t.gather_time(gathered)}
         if t.log_due():
             t.log(last)
             t.add_samples([{"prompt": prompt, "completion": text, "score": float(value)}
@@ -390,12 +265,4 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
             t.checkpoint()
     final_eval = held_out(t, sampler)
     t.log_eval(final_eval)
-    report = t.data.report
-    return t.finish({**final_eval, "prompts": len(t.data.train), "stopped_early_at": stopped_early,
-                     "final_kl": last.get("objective/kl"), "final_scores": last.get("objective/scores"),
-                     "final_rlhf_reward": last.get("objective/rlhf_reward"),
-                     "final_kl_coef": kl_control.value,
-                     "final_eval_rewards": {fn_name(f): last.get(f"eval_rewards/{fn_name(f)}/mean")
-                                            for f in rewards.evals},
-                     "data": {"summary": report.summary(), "rows": report.total,
-                              "truncated": report.truncated, "dropped": report.dropped}})
+    return t.finish(ppo_summary(t, final_eval, last, stopped_early, kl_control, rewards))

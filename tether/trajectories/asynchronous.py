@@ -1,121 +1,49 @@
-"""Where the online trainer's batches come from: the trajectory queue (tether/rollout/queue.py),
-its placements, and the off-policy correction of what it hands over (issue 19; docs/grpo.md).
+"""The trajectory queue's synchronous and interleaved sources, and `batch_source`, which picks a
+trainer's source from its `queue` section (docs/grpo.md).
 
-The loop (online.train_grpo) asks a *source* for step k's scored batch (`get`), updates on it
-between `before_update` and `after_update` (its GPU work inside `trainer_turn`, its evaluation
-inside `alone`: where a sampler thread shares the GPU, no graph capture overlaps the one and no
-sampling the other), and the source decides who sampled it, with which weights:
+The trainer's loop asks a *source* for step k's scored batch (`get`), updates on it between
+`before_update` and `after_update` (its GPU work inside `trainer_turn`, its evaluation inside
+`alone`: where a sampler thread shares the GPU, no graph capture overlaps the one and no sampling
+the other), and the source decides who sampled it, with which weights:
 
 - **synchronous** (max_staleness 0, placement auto): sampled right there, with the weights about to
-  be trained — the loop as it always was.
+  be trained.
 - **interleaved** (one process): a producer thread samples on its own copy of the policy while the
   trainer updates; batch j is sampled with version max(start, j − S) (S = max_staleness), the
   copy refreshed in place between batches. The schedule is fixed, not timing-dependent: the trainer
   does not start update k (which changes the weights) before the producer copied the weights of
   every batch ≤ k + S that needs them, and the producer does not copy before the version it needs
   is published, so each batch's version — and with it the run — is the same whatever the speeds.
-  At S = 0 it computes exactly what the synchronous loop does (the test); at S = 1 batch k+1's
+  At S = 0 it computes exactly what the synchronous loop does (tested); at S = 1 batch k+1's
   generation overlaps batch k's update. On CUDA the producer runs on its own stream.
-- **disaggregated** (online_disaggregated.py; torchrun: the first processes train — FSDP2 among them as under plain
-  torchrun, each on its share of the sampler's batch — and the last one samples): the sampler
-  process runs the same schedule; batches go through torchrun's key-value store (bounded by the
-  schedule to S + 1 in flight), weights come back after each update by a broadcast (gloo on CPU,
-  NCCL on GPUs) over a process group of their own.
+- **disaggregated** (disaggregated.py; torchrun: the first processes train — FSDP2 among them as
+  under plain torchrun, each on its share of the sampler's batch — and the last one samples): the
+  sampler process runs the same schedule; batches go through torchrun's key-value store (bounded
+  by the schedule to S + 1 in flight), weights come back after each update by a broadcast (gloo on
+  CPU, NCCL on GPUs) over a process group of their own.
 
 Resume (interleaved, and the synchronous loop with partial rollouts): each checkpoint holds what
 its weights cannot reproduce (`save_state`: the batches sampled with older versions but not yet
 trained, the data position after them, partial rollouts' groups in flight), so a run that dies and
 resumes computes what the uninterrupted run does (tested). A *finished* run extended by a resume
 has no batches in flight: its first S batches are sampled with the resumed weights.
-
-Off-policy correction (`correct_off_policy`): with is_correction = tis | mis the sampler's
-log-probs μ are the behaviour policy, the trainer's own (recomputed before the update, prepare_batch)
-π_old; every advantage is weighted by objectives.importance_weights(π_old / μ), which corrects both
-the staleness and the sampler–trainer numeric mismatch.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
 from tether import distributed
 from tether.config import ConfigError
-from tether.constraints import NonNegativeInt, PositiveInt
-from tether.objectives import importance_weights, is_metrics
-from tether.rollout import graphs
-from tether.rollout.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
-from tether.trainers.online_disaggregated import Disaggregated
-from tether.trainers.online_source import Source, after_eval
-
-
-@dataclass
-class QueueSection:
-    max_staleness: NonNegativeInt = 0
-    "policy versions a trained batch may lag the trainer (0 = sample, then train on the same weights: the synchronous loop)"
-    placement: Literal["auto", "interleaved", "disaggregated"] = "auto"
-    "auto: synchronous at max_staleness 0, else interleaved; interleaved: one process, a sampler thread on a copy of the policy; disaggregated: under torchrun the last sampler_ranks processes sample, the others train (FSDP2 among them)"
-    sampler_ranks: PositiveInt = 1
-    "disaggregated: how many of torchrun's processes sample (the last ones; batch j is sampler j mod sampler_ranks's)"
-    partial: bool = False
-    "partial rollouts (online_partial): each round generates at most partial_tokens more tokens per unfinished completion; finished groups are the batch, the others continue with the next version's weights, every token tagged with the version that sampled it"
-    partial_tokens: PositiveInt = 64
-    "partial rollouts: the tokens a completion may grow per round (batch); a completion of L tokens spans ceil(L / partial_tokens) rounds"
-
-
-def check_queue(cfg) -> None:
-    """Config combinations the queue refuses (one-line errors, before anything loads)."""
-    q, grpo = cfg.queue, cfg.grpo
-    if q.partial:
-        for key, bad, why in (("grpo.dynamic_sampling", grpo.dynamic_sampling, "its refill rounds"),
-                              ("grpo.advantage", grpo.advantage == "remax", "remax's greedy baseline"),
-                              ("queue.sampler_ranks", q.sampler_ranks > 1, "several sampler processes")):
-            if bad:
-                raise ConfigError(f"config key '{key}': partial rollouts do not work with {why} yet")
-        # (PartialRollouts refuses these too, but only once the model has loaded: say it up front)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        trainers = world - q.sampler_ranks if q.placement == "disaggregated" else world
-        if trainers > 1:
-            raise ConfigError("config key 'queue.partial': partial rollouts run in one process, or "
-                              "placement=disaggregated with one trainer process (torchrun --nproc-per-node 2)")
-    if cfg.rollout.release_replica and (q.partial or q.placement != "auto" or q.max_staleness > 0):
-        raise ConfigError("config key 'rollout.release_replica': only the synchronous loop (placement=auto, "
-                          "max_staleness=0, no partial rollouts) leaves the sampler idle during the update")
-    if q.placement == "auto" and q.max_staleness == 0:
-        return
-    if grpo.advantage == "remax":
-        raise ConfigError("config key 'queue.placement': advantage=remax needs the synchronous loop "
-                          "(max_staleness=0, placement=auto): its greedy baseline is sampled by the trainer")
-    if q.placement == "disaggregated" and q.sampler_ranks > 1 and grpo.dynamic_sampling:
-        # each sampler skips the others' batches in the data order: it must know how many prompts they draw
-        raise ConfigError("config key 'queue.sampler_ranks' must be 1 with dynamic_sampling (its rounds "
-                          "draw a data-dependent number of prompts)")
-
-
-# ---- off-policy correction --------------------------------------------------------------------------
-
-def correct_off_policy(batch, grpo) -> dict:
-    """Weight `batch.advantages` by the IS correction of π_old (batch.old_logps, the trainer's)
-    against the sampler's log-probs; returns the weights' metrics over every rank's tokens."""
-    if grpo.is_correction == "none":
-        return {}
-    mask = batch.mask
-    c = importance_weights(grpo.is_correction, batch.old_logps, batch.tensors["logprobs"], mask,
-                           grpo.is_level, grpo.is_cap)
-    batch.advantages = batch.advantages * c.weights
-    if not distributed.active():
-        return {k: float(v) for k, v in is_metrics(grpo.is_correction, c, mask).items()}
-    m = mask.bool()
-    tokens, total, capped = distributed.sum_floats([m.sum(), c.weights[m].sum(), c.capped[m].sum()])
-    top = distributed.max_float(float(c.weights[m].max()) if m.any() else float("-inf"))
-    name = [k for k in is_metrics(grpo.is_correction, c, mask) if k.startswith("is_weight/frac")][0]
-    return {"is_weight/mean": total / max(tokens, 1), "is_weight/max": top, name: capped / max(tokens, 1)}
+from tether.rollout import Sampler, graphs
+from tether.trajectories.disaggregated import Disaggregated
+from tether.trajectories.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
+from tether.trajectories.source import Source, after_eval
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -159,7 +87,8 @@ class Interleaved(Source):
     lends_gradients = False
     refreshes_replica = False  # the thread's copy is; the trainer's replica only at eval points
 
-    def __init__(self, t, produce: Callable, make_sampler: Callable, max_staleness: int):
+    def __init__(self, t, produce: Callable, sampler: Sampler, max_staleness: int):
+        """`sampler`: the trainer's; the thread samples with its settings on a copy of its own."""
         if distributed.active():
             raise ConfigError("config key 'queue.placement': interleaved runs in one process; under "
                               "torchrun use placement=disaggregated")
@@ -168,12 +97,12 @@ class Interleaved(Source):
         # its own copy of the policy, in the sampling dtype (t.replica's with rollout.sampler_copy).
         # t.replica stays for held-out evaluation, freed between eval points (alone; a point's
         # peak holds both copies): evaluation must sample with the numerics the policy is trained
-        # to sample with. Session 16 (SmolLM2, bf16 copy, staleness 4, 30 steps): the fp32
-        # weights scored greedy pass@1 0.1575 where the same weights rounded to bf16 scored
-        # 0.4025 (`tether eval` of the bf16 checkpoint: 0.39) — sessions 14-15's "wrong eval points".
+        # to sample with (SmolLM2, bf16 copy, staleness 4, 30 steps: the fp32 weights score greedy
+        # pass@1 0.1575 where the same weights rounded to bf16 score 0.4025; `tether eval` of the
+        # bf16 checkpoint: 0.39).
         self.model = copy.deepcopy(t.replica if t.replica is not None else t.model).requires_grad_(False).eval()
         t.free_replica()
-        self.sampler = make_sampler(self.model)
+        self.sampler = Sampler(self.model, sampler.tokenizer, sampler.config)
         self.queue = TrajectoryQueue(max_staleness + 1)
         # On resume the batches the checkpoint had in flight (sampled with versions older than its
         # weights) go back in the queue, and sampling goes on after them (save_state).
@@ -240,13 +169,10 @@ class Interleaved(Source):
     def alone(self, sampler=None):
         """The producer paused between batches (its current one finished) while the trainer
         evaluates with `sampler`, whose graphs and cache are released afterwards (they are not held
-        through training; the next eval point captures anew). Session 15, CUDA: beside the running
-        producer an eval point's graph capture failed, and eval points after the first scored
-        held-out pass@1 0.14-0.16 where `tether eval` scores the same weights 0.39. Neither was a
-        race: evaluation sampled the fp32 weights while training samples a bf16 copy (__init__).
-        The pause stays, as does the capture fix (graphs.capture: each Sampler on its own stream):
-        two threads' graph captures must not overlap. The replica evaluated is freed again
-        afterwards (t.free_replica), as it is outside eval points."""
+        through training; the next eval point captures anew). Two threads' CUDA graph captures must
+        not overlap (graphs.capture: each Sampler captures on a stream of its own), and evaluation
+        samples the numerics training samples with (the bf16 copy, __init__). The replica evaluated
+        is freed again afterwards (t.free_replica), as it is outside eval points."""
         with self.cond:
             self.paused = True
             self.cond.wait_for(lambda: not self.busy)
@@ -309,17 +235,19 @@ class Interleaved(Source):
         self.thread.join(timeout=60)
 
 
-def batch_source(cfg, t, produce: Callable, sampler, make_sampler: Callable, link=None):
-    """The source the loop takes its batches from, per cfg.queue (module doc). It also becomes the
-    run's `save_extra`: what a source has in flight goes into each checkpoint (exact resume), for
-    every trainer that samples through it."""
+def batch_source(cfg, t, produce: Callable, sampler: Sampler, link=None):
+    """The source the loop takes its batches from, per cfg.queue (module doc): `produce(step,
+    sampler)` makes step j's batch, `sampler` is the trainer's, `link` this process's side of the
+    disaggregated placement (disaggregated.split_world). The source also becomes the run's
+    `save_extra`: what it has in flight goes into each checkpoint (exact resume), for every
+    trainer that samples through it."""
     q = cfg.queue
     if q.partial and not hasattr(produce, "state_dict"):  # a trainer whose rounds are not PartialRollouts
         raise ConfigError("config key 'queue.partial': this trainer does not sample partial rollouts")
-    if link is not None:  # (online_disaggregated.Link)
+    if link is not None:  # (disaggregated.Link)
         source = Disaggregated(t, link, q.max_staleness, cfg.rollout.num_generations)
     elif q.placement == "interleaved" or q.max_staleness > 0:
-        source = Interleaved(t, produce, make_sampler, q.max_staleness)
+        source = Interleaved(t, produce, sampler, q.max_staleness)
     else:
         source = Synchronous(t, produce, sampler)
     t.save_extra = getattr(source, "save_state", None)

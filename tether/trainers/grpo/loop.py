@@ -6,11 +6,13 @@ The loop, top to bottom (docs/grpo.md):
     -> for each step: draw `batch_size` prompts, sample `num_generations` completions of each
        (tether.rollout: exact per-token log-probs come with the tokens)
     -> score every completion with the reward functions (weighted sum; None = skipped), + DAPO's
-       overlong shaping; with dynamic sampling drop zero-variance groups and refill (online_sampling)
+       overlong shaping; with dynamic sampling drop zero-variance groups and refill — the
+       producer (tether/trajectories/sampling.py: GroupSampler), behind the trajectory queue's
+       source (tether/trajectories: sampled here, by a thread ahead, or by another process)
     -> advantages from the registry (tether.objectives.ADVANTAGE_ESTIMATORS), within each group,
        of the score, or of score − β·Σ k1 when the KL goes in the reward (kl_in=reward)
     -> `num_iterations` (μ) optimizer updates on that batch with the clipped surrogate
-       (objectives.policy_loss; online_update), + β·k3 KL to the reference in the loss (kl_in=loss)
+       (objectives.policy_loss; update.py), + β·k3 KL to the reference in the loss (kl_in=loss)
     -> log (TRL's metric names) / samples / checkpoint (exactly resumable).
 
 Old log-probs: with μ = 1 (and no is_correction) π_old is the update's own forward, detached (the
@@ -24,154 +26,38 @@ step's prompts and samples them from a whole copy of the policy (`Training.rollo
 gathered from the shards after each update; its time is logged as gather_time), scores them,
 computes its groups' advantages and trains on its rows; the per-sequence sampling streams make
 its completions the ones one process draws for those prompts. The loss's denominators, the
-whole-batch advantage statistics and every metric are over all ranks (online_global), so the run
-logs and learns what one process does with the same config (up to float rounding), except with
-dynamic sampling over more than one round (online_sampling).
+whole-batch advantage statistics and every metric are over all ranks (Training's rank methods,
+core/ranks.py), so the run logs and learns what one process does with the same config (up to
+float rounding), except with dynamic sampling over more than one round
+(tether/trajectories/sampling.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from tether import distributed
-from tether.config import ConfigError, flat_init
-from tether.constraints import NonNegative, NonNegativeInt, Positive, PositiveInt
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps
-from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, SURROGATES, compute_advantages, group_stats
+from tether.objectives import ADVANTAGE_ESTIMATORS, compute_advantages, group_stats
 from tether.objectives.policy import kl_penalized_rewards
-from tether.rewards.scoring import fn_name, resolve_reward_funcs, score_rollout
-from tether.rollout import Sampler
+from tether.rewards.scoring import fn_name, resolve_reward_funcs
 from tether.rollout.types import SEQ_MULTIPLE
-from tether.trainers.common import lend_gradients
-from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
-from tether.trainers.online_async import QueueSection, batch_source, check_queue, correct_off_policy
-from tether.trainers.online_disaggregated import finish_sampler, sampler_config, serve, split_world
-from tether.trainers.online_partial import PartialRollouts, partial_metrics
-from tether.trainers.online_global import every_rank, gather_for_advantages, gather_rows, turns, unique_groups
-from tether.trainers.online_sampling import StepBatch, collect
-from tether.trainers.online_update import _slices, update_policy
-from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
-                                      RolloutSection, RunSection)
-from tether.trainers.setup import load_prompt_data, setup_training, releases_process_state
-
-# The choices are the registries' names, written once there (config checks and --help read these).
-Advantage = Literal[tuple(ADVANTAGE_ESTIMATORS)]
-ImportanceLevel = Literal[tuple(SURROGATES)]
-ISCorrection = Literal[("none", *IS_CORRECTIONS)]
-
-
-@dataclass
-class GRPOSection:
-    advantage: Advantage = "grpo"
-    "advantage estimator (objectives.ADVANTAGE_ESTIMATORS); remax costs one greedy rollout per prompt"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    "grpo only: divide by the group std, the batch std, or nothing (= dr_grpo)"
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    "loss aggregation: DAPO token-mean, GRPO seq-mean-token-mean, Dr.GRPO seq-mean-token-sum-norm (/max_new_tokens)"
-    clip_low: Positive = 0.2
-    "ε_low of the clipped ratio"
-    clip_high: Optional[Positive] = None
-    "ε_high (default ε_low; DAPO clip-higher uses 0.28)"
-    importance_level: ImportanceLevel = "token"
-    "ratio + clip (objectives.SURROGATES): per token (PPO/GRPO), one sequence ratio (GSPO: use clip 3e-4/4e-4), or gmpo (geometric mean of token ratios clipped in log space: clip 0.4)"
-    beta: NonNegative = 0.0
-    "KL-to-reference coefficient (0 = no reference model is loaded); where it goes: kl_in"
-    kl_in: Literal["loss", "reward"] = "loss"
-    "'loss': + β·k3 per token in the loss (GRPO); 'reward': − β·k1 per token in the reward (PPO, RLOO, REINFORCE++)"
-    num_iterations: PositiveInt = 1
-    "μ: optimizer updates per sampled batch (>1 recomputes old log-probs once per batch)"
-    micro_batch_size: NonNegativeInt = 0
-    "sequences per forward/backward (0 = the whole batch at once)"
-    mask_truncated_completions: bool = False
-    "exclude completions cut at max_new_tokens from the loss (DAPO)"
-    skip_zero_advantage: bool = True
-    "leave completions whose advantage is 0 at every token out of the forward/backward: their gradient is exactly 0 (not with a KL term in the loss), the update is the same, the step cheaper"
-    overlong_buffer: NonNegativeInt = 0
-    "DAPO soft overlong punishment: the reward ramps down over the last N tokens before max_new_tokens (0 = off)"
-    overlong_penalty: NonNegative = 1.0
-    "the overlong punishment at max_new_tokens (it is 0 at max_new_tokens − overlong_buffer)"
-    dynamic_sampling: bool = False
-    "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill the batch"
-    max_sampling_rounds: PositiveInt = 3
-    "dynamic sampling: most rounds of batch_size prompts per step (then the step trains on what it has)"
-    log_entropy: bool = True
-    "log the policy's mean token entropy over completions (one extra pass over the logits)"
-    is_correction: ISCorrection = "none"
-    "off-policy correction of the sampler's tokens (objectives.IS_CORRECTIONS): tis = truncated IS weights min(π_old/μ, cap), mis = masked IS (weights above the cap set to 0); costs one no-grad forward (π_old recomputed)"
-    is_level: Literal[tuple(IS_LEVELS)] = "token"
-    "IS weight per token, or per sequence (the product of its token ratios)"
-    is_cap: Positive = 2.0
-    "the IS weight's cap C (TIS truncates to it, MIS rejects above it)"
-
-    def __post_init__(self):
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
-        if self.importance_level not in SURROGATES:
-            raise ValueError(f"importance_level must be one of {sorted(SURROGATES)}")
-
-
-@flat_init
-@dataclass
-class GRPOConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    "the policy to train (also the frozen reference when beta > 0) and how it runs"
-    data: PromptSection = field(default_factory=PromptSection)
-    "prompt-only rows; batch_size prompts per step"
-    optim: OptimSection = field(default_factory=lambda: OptimSection(
-        lr=1e-6, adam_betas=[0.9, 0.99], schedule="constant", warmup_steps=0, max_steps=100))
-    "optimizer, schedule (warmup counts optimizer updates: μ per step), steps (sampled batches)"
-    run: RunSection = field(default_factory=lambda: RunSection(name="grpo", log_every=1, num_samples=2))
-    "run directory, seed (prompt order and sampling), logging, checkpoints"
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    "sampling; num_generations completions per prompt are the group the advantages are relative to"
-    reward: RewardSection = field(default_factory=RewardSection)
-    "reward functions and weights"
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-    "the algorithm: estimator, surrogate, KL, reuse, DAPO options, off-policy correction"
-    queue: QueueSection = field(default_factory=QueueSection)
-    "the trajectory queue: staleness bound and where sampling runs (online_async)"
-
-    def __post_init__(self):
-        check_eval(self)
-        check_queue(self)  # eval_every / eval_reward_funcs need data.eval_data
-        self.rollout.check_release()
-        if not 0 <= self.grpo.overlong_buffer < self.rollout.max_new_tokens:
-            raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
-        if self.grpo.dynamic_sampling and self.rollout.num_generations < 2:
-            raise ValueError("dynamic_sampling needs num_generations >= 2")
-        if ADVANTAGE_ESTIMATORS[self.grpo.advantage].grouped and self.rollout.num_generations < 2:
-            # A lone completion is its own group baseline: every advantage is 0, so is the loss.
-            raise ConfigError(f"config key 'rollout.num_generations' must be >= 2 for advantage="
-                             f"{self.grpo.advantage!r} (a group of one has advantage 0: nothing "
-                             f"would be learned); use advantage=reinforce_pp or remax for one sample")
-
-
-@flat_init
-@dataclass
-class RLOOConfig(GRPOConfig):
-    """`tether rloo`: REINFORCE leave-one-out (Ahmadian et al. 2024) with a per-token k1 KL penalty
-    in the reward, as TRL's RLOOTrainer (whose defaults beta=0.05 these follow)."""
-    run: RunSection = field(default_factory=lambda: RunSection(name="rloo", log_every=1, num_samples=2))
-    grpo: GRPOSection = field(default_factory=lambda: GRPOSection(advantage="rloo", beta=0.05, kl_in="reward"))
-
-
-@flat_init
-@dataclass
-class ReMaxConfig(GRPOConfig):
-    """`tether remax`: REINFORCE with the greedy completion's reward as baseline (Li et al. 2023):
-    one sample per prompt (no group), one extra greedy rollout per prompt, KL in the reward; 64
-    prompts a step, as many sequences as GRPO's 8 × 8, plus as many greedy ones."""
-    data: PromptSection = field(default_factory=lambda: PromptSection(batch_size=64))
-    run: RunSection = field(default_factory=lambda: RunSection(name="remax", log_every=1, num_samples=2))
-    rollout: RolloutSection = field(default_factory=lambda: RolloutSection(num_generations=1))
-    grpo: GRPOSection = field(default_factory=lambda: GRPOSection(advantage="remax", beta=0.05, kl_in="reward"))
-
+from tether.trainers.core.common import lend_gradients
+from tether.trainers.core.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
+from tether.trainers.core.setup import load_prompt_data, releases_process_state, report_summary, setup_training
+from tether.trainers.grpo.config import GRPOConfig, GRPOSection
+from tether.trainers.grpo.update import correct_off_policy, micro_slices, update_policy
+from tether.trajectories.asynchronous import batch_source
+from tether.trajectories.disaggregated import finish_sampler, sampler_config, serve, split_world
+from tether.trajectories.partial import PartialRollouts, partial_metrics
+from tether.trajectories.sampling import GroupSampler, PromptStream, Scoring, StepBatch
 
 @dataclass
 class Batch:
@@ -226,11 +112,12 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
     truncated = torch.tensor([f == "length" for f in rollout.finish_reasons], dtype=torch.bool)
     if grpo.mask_truncated_completions:
         mask &= ~truncated.to(device).unsqueeze(1)
-    micro_batches = [{k: v[part] for k, v in tensors.items()} for part in _slices(len(rollout), grpo.micro_batch_size)]
+    micro_batches = [{k: v[part] for k, v in tensors.items()}
+                     for part in micro_slices(len(rollout), grpo.micro_batch_size)]
 
     def forwards(fn) -> torch.Tensor:  # fn's outputs on the micro-batches, concatenated
         out = []
-        for micro in turns(micro_batches):
+        for micro in t.turns(micro_batches):
             result = fn(filler if micro is None else micro)
             if micro is not None:
                 out.append(result)
@@ -246,20 +133,20 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
     # the loss takes the update's own log-probs, detached (ratio ≡ 1; TRL does the same). Not the
     # sampler's: on CUDA they differ by the training–inference mismatch (bf16 autocast vs the
     # sampler's kernels), and a ratio against them reweighs every token by exp(mismatch) — on
-    # SmolLM2-135M (fp32 master weights, bf16 autocast) that fed back into the policy and collapsed
-    # it within 50 steps (mismatch max 0.3 -> 16 nats, clip fraction 0.28), while TRL's identical
-    # recipe learned. The mismatch stays logged (sampling/*); grpo.is_correction corrects for it.
-    # The same holds for a stale batch (queue.max_staleness > 0, partial rollouts): a ratio against
-    # the sampler's log-probs mixes the staleness with the mismatch, and the trajectory queue's
-    # disaggregated placement collapsed SmolLM2 just so on 2 H200s (staleness 1: clipped on 25 % of
-    # tokens, held-out pass@1 0.42 -> 0.00 in 100 steps, 2 of 3 seeds). So with one update and no
+    # SmolLM2-135M (fp32 master weights, bf16 autocast) that feeds back into the policy and
+    # collapses it within 50 steps (mismatch max 0.3 -> 16 nats, clip fraction 0.28), where TRL's
+    # identical recipe learns. The mismatch stays logged (sampling/*); grpo.is_correction corrects
+    # for it. The same holds for a stale batch (queue.max_staleness > 0, partial rollouts): a ratio
+    # against the sampler's log-probs mixes the staleness with the mismatch, and collapses SmolLM2
+    # just so under the disaggregated placement on 2 H200s (staleness 1: clipped on 25 % of tokens,
+    # held-out pass@1 0.42 -> 0.00 in 100 steps, 2 of 3 seeds). So with one update and no
     # correction the ratio is 1 whatever the staleness (it goes uncorrected, as in the synchronous
     # loop's mismatch); is_correction = tis | mis weights by π_old / μ for both (decoupled PPO).
     on_policy = grpo.num_iterations == 1 and grpo.is_correction == "none"
     return Batch(collected, tensors, valid, mask, truncated, old, ref, filler=filler, on_policy=on_policy)
 
 
-def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
+def assign_advantages(t, batch: Batch, grpo: GRPOSection, greedy_scores: Callable) -> None:
     """Advantages within each prompt's group over the scored completions, as the estimator's
     registry entry asks. KL in the reward: r_t = −β·(log π_old − log π_ref)_t + [t = last]·R (k1, as
     PPO/REINFORCE++); estimators of sequence rewards take its sum R − β·Σ_t k1_t, those of token
@@ -286,7 +173,7 @@ def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
     groups = rollout.group[valid].to(device) if estimator.grouped else None
     inputs = (rewards[on_device], groups, batch.mask[on_device], options)
     if whole:
-        *inputs, mine = gather_for_advantages(*inputs)
+        *inputs, mine = gather_for_advantages(t, *inputs)
         if not len(inputs[0]):  # no rank has a scored row
             return
     advantages = compute_advantages(grpo.advantage, *inputs[:3], **inputs[3])
@@ -296,22 +183,42 @@ def assign_advantages(batch: Batch, grpo: GRPOSection, greedy_scores) -> None:
         .expand(-1, batch.mask.shape[1]).float()
 
 
+def gather_for_advantages(t, rewards: torch.Tensor, groups: Optional[torch.Tensor], mask: torch.Tensor,
+                          options: dict) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, dict,
+                                                  Callable[[torch.Tensor], torch.Tensor]]:
+    """An estimator's inputs (rewards [n] or [n, T], group ids, mask [n, T], per-row options such
+    as greedy_rewards) over every rank's rows, and the function that takes this rank's rows (and
+    width) back out of the estimator's output over them all (estimators normalised over the batch:
+    REINFORCE++'s whitening, GRPO's scale=batch; group-relative ones need only the rank's groups)."""
+    width = mask.shape[1]
+    counts = [int(c) for c in distributed.sum_floats(
+        [len(rewards) if r == distributed.rank() else 0 for r in range(distributed.world_size())])]
+    start = sum(counts[:distributed.rank()])
+    per_row = {k: t.gather_rows(v) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    all_groups = None if groups is None else t.gather_rows(t.unique_groups(groups))
+
+    def mine(advantages: torch.Tensor) -> torch.Tensor:
+        out = advantages[start:start + len(rewards)]
+        return out[:, :width] if out.dim() == 2 else out
+    return t.gather_rows(rewards, 0.0), all_groups, t.gather_rows(mask, False), per_row, mine
+
+
 def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float) -> dict:
     """TRL's names. The reward statistics are over everything sampled this step (with dynamic
     sampling the kept groups are a biased subset); the rest over the trained batch."""
     collected, rollout = batch.collected, batch.collected.rollout
     # Under torchrun every rank's rows (gather_rows) and counts: the whole batch's statistics.
-    sampled, per_fn = gather_rows(collected.sampled_rewards), gather_rows(collected.sampled_per_fn)
-    valid, truncated, lengths = (gather_rows(x) for x in (batch.valid, batch.truncated, rollout.lengths))
+    sampled, per_fn = t.gather_rows(collected.sampled_rewards), t.gather_rows(collected.sampled_per_fn)
+    valid, truncated, lengths = (t.gather_rows(x) for x in (batch.valid, batch.truncated, rollout.lengths))
     lengths, scored = lengths.float(), ~sampled.isnan()
     counts = dict(collected.metrics, tokens=collected.sampled_tokens)
     if distributed.active():  # kept / dropped groups, generated tokens (the rounds are every rank's)
-        summed = distributed.sum_floats(counts.values())
-        counts = {k: v if k == "num_sampling_rounds" else int(x) for (k, v), x in zip(counts.items(), summed)}
+        summed = t.sum_over_ranks(counts)
+        counts = {k: v if k == "num_sampling_rounds" else int(summed[k]) for k, v in counts.items()}
     tokens = counts.pop("tokens")
-    group_ids = gather_rows(unique_groups(collected.sampled_groups))
+    group_ids = t.gather_rows(t.unique_groups(collected.sampled_groups))
     groups = group_stats(torch.nan_to_num(sampled[scored]), group_ids[scored]) if scored.any() else None
-    penalty = None if batch.kl_penalty is None else gather_rows(batch.kl_penalty)
+    penalty = None if batch.kl_penalty is None else t.gather_rows(batch.kl_penalty)
     kl_penalty = {"rewards/kl_penalty/mean": float(penalty[valid.to(penalty.device)].mean())} \
         if penalty is not None and valid.any() else {}
     return {"reward": float(sampled[scored].mean()) if scored.any() else float("nan"),
@@ -329,7 +236,7 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "rollout/seconds": rollout.stats.get("total_s", 0.0),
             # a sampler process: its wait for this batch's weights (the trainer's update and the
             # broadcast), kept out of rollout/seconds; its sampling + scoring of the batch; the
-            # packing + storing of its previous batch — together its cycle (online_disaggregated.serve);
+            # packing + storing of its previous batch — together its cycle (trajectories.disaggregated.serve);
             # 1 where the next version's weights arrived while this batch was produced (Incoming)
             **{f"queue/{k}_seconds": rollout.stats[f"{k}_s"] for k in ("weights_wait", "produce", "send")
                if f"{k}_s" in rollout.stats},
@@ -370,11 +277,12 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     """
     grpo, rollout_cfg, prompts_per_step = cfg.grpo, cfg.rollout, cfg.data.batch_size
     funcs, weights, names = reward_functions(cfg, reward_funcs, reward_weights)
-    # held-out scoring (held_out.py): eval_reward_funcs, else the training rewards
+    # held-out scoring (core/held_out.py): eval_reward_funcs, else the training rewards
     eval_funcs, eval_weights = eval_rewards(cfg.reward.eval_reward_funcs, funcs, weights)
     check_keep_best(cfg, generation_metrics(eval_funcs), held_out=bool(cfg.data.eval_data))
 
-    # placement=disaggregated: torchrun's processes split into the trainer and a sampler (online_disaggregated)
+    # placement=disaggregated: torchrun's processes split into trainers and samplers
+    # (trajectories/disaggregated.py)
     link = split_world(cfg)
     # Under torchrun each rank samples, scores and trains its share of each step's prompts (whole
     # groups), sampling from a whole copy of the policy (rollout_model: gathered after each update)
@@ -382,52 +290,28 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                        lambda tokenizer: load_prompt_data(cfg, tokenizer),
                        reference=grpo.beta > 0, rows_per_step=prompts_per_step,
                        updates_per_step=grpo.num_iterations, rollout_replica=True)
-    prompts, share = t.data.train, prompts_per_step // distributed.world_size()
-
-    def make_sampler(model):
-        return Sampler(model, t.tokenizer, rollout_cfg.sampling())
-    sampler = make_sampler(t.rollout_model())
-
-    def score_completions(seq_rows, rollout):
-        return score_rollout(funcs, weights, seq_rows, rollout, max_new_tokens=rollout_cfg.max_new_tokens,
-                             buffer=grpo.overlong_buffer, coef=grpo.overlong_penalty)
-
-    def greedy_scores(prompt_rows):  # ReMax's baseline: the greedy completion's score, no KL term
-        t.rollout_model()  # (rollout.release_replica: the copy brought back, same weights)
-        greedy = sampler.sample([p["prompt_ids"] for p in prompt_rows], n=1, temperature=0.0)
-        return torch.nan_to_num(score_completions(prompt_rows, greedy)[1])
-
-    def next_prompts():  # the global batch and, under torchrun, this rank's share of it
-        batch = [prompts[i] for i in t.order.global_batch_at(t.order.position)]
-        t.order.next()
-        mine = t.order.part(list(range(len(batch))), distributed.rank()) if distributed.active() else None
-        return batch, mine
-
-    def produce(step, sampler):
-        # 1-2. sample G completions per prompt and score them (+ overlong shaping). The seed is a
-        #    function of (seed, step) so a resumed run draws the same completions. Dynamic sampling
-        #    drops groups with no reward variance and samples more prompts (online_sampling.collect).
-        def sample(prompt_ids, seed, mine):
-            return sampler.sample(prompt_ids, n=rollout_cfg.num_generations, seed=seed, only=mine)
-        collected = collect(sample, next_prompts, score_completions, share, rollout_cfg.num_generations,
-                            seed=cfg.run.seed * 1_000_003 + step, dynamic=grpo.dynamic_sampling,
-                            max_rounds=grpo.max_sampling_rounds, every_rank=every_rank)
-        collected.epoch = t.order.epoch
-        return collected
-    # partial rollouts: completions continue across weight updates (online_partial)
-    produce = PartialRollouts(next_prompts, score_completions, cfg, start=t.step, epoch=lambda: t.order.epoch) \
-        if cfg.queue.partial else produce
-
+    # 1-2. the producer of step k's batch (trajectories/sampling.py): the data order's next prompts
+    #    (this rank's share), G completions of each, sampled with a seed of (seed, k) so a resumed
+    #    run draws the same ones, scored (+ overlong shaping); dynamic sampling drops groups with
+    #    no reward variance and samples more prompts. Partial rollouts continue completions across
+    #    weight updates (trajectories/partial.py).
+    scoring = Scoring(funcs, weights, rollout_cfg.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
+    groups = GroupSampler(PromptStream(t.data.train, t.order), scoring, rollout_cfg, t.tokenizer, cfg.run.seed,
+                          per_rank=prompts_per_step // distributed.world_size(), dynamic=grpo.dynamic_sampling,
+                          max_rounds=grpo.max_sampling_rounds, every_rank=t.every_rank, refresh=t.rollout_model)
+    sampler = groups.make_sampler(t.rollout_model())
+    produce = PartialRollouts.of(groups, cfg, start=t.step) if cfg.queue.partial else groups
     if link is not None and link.samples:  # a sampler process: batches to the trainer until the last
         return finish_sampler(t, serve(t, link, produce, sampler, cfg.queue.max_staleness))
     # Where step k's batch comes from: sampled here and now (max_staleness 0), by a thread ahead of
-    # the trainer (interleaved) or by another process (disaggregated); online_async.
-    source = batch_source(cfg, t, produce, sampler, make_sampler, link)  # (and its in-flight batches in each checkpoint)
+    # the trainer (interleaved) or by another process (disaggregated); trajectories/asynchronous.py.
+    source = batch_source(cfg, t, produce, sampler, link)  # (and its in-flight batches in each checkpoint)
     # Sampling and the update never overlap: the KV cache lives in the gradient buffer (one of the
     # two held, not both; common.flat_grad_buffer), which is zeroed after sampling. Only if it fits.
     grad_buffer = lend_gradients(sampler, t.model, prompts_per_step * rollout_cfg.num_generations,
-                                 max(len(p["prompt_ids"]) for p in prompts) + rollout_cfg.max_new_tokens) \
+                                 max(len(p["prompt_ids"]) for p in t.data.train) + rollout_cfg.max_new_tokens) \
         if source.lends_gradients else None
+    greedy_scores = functools.partial(groups.greedy_scores, sampler)  # ReMax's baseline
 
     held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
     history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
@@ -442,7 +326,7 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 # 3. masks, old / reference log-probs (no grad);  4. advantages, as the estimator
                 #    asks, weighted by the off-policy correction (is_correction)
                 batch = prepare_batch(t, collected, cfg)
-                assign_advantages(batch, grpo, greedy_scores)
+                assign_advantages(t, batch, grpo, greedy_scores)
                 correction = correct_off_policy(batch, grpo)
                 if grad_buffer is not None:  # (it held the sampler's KV cache until now)
                     grad_buffer.zero_()
@@ -457,8 +341,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
                 # 6. log / samples / checkpoint
                 last = {**step_metrics(t, batch, update, names, time.perf_counter() - started), **correction,
                         **queue_stats, **partial_metrics(batch, t.step - 1)}
-            if t.replica is not None and source.refreshes_replica:
-                last["gather_time"] = t.gather_seconds - gathered
+            if source.refreshes_replica:
+                last.update(t.gather_time(gathered))
             history.append(last["reward"])
             if t.log_due():
                 t.log(last)
@@ -475,7 +359,5 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
 
     final_eval = held_out(t, sampler)
     t.log_eval(final_eval)
-    report = t.data.report
-    return t.finish({**final_eval, "prompts": len(prompts), "final_reward": last.get("reward"),
-                     "reward_history": history, "data": {"summary": report.summary(), "rows": report.total,
-                                                         "truncated": report.truncated, "dropped": report.dropped}})
+    return t.finish({**final_eval, "prompts": len(t.data.train), "final_reward": last.get("reward"),
+                     "reward_history": history, "data": report_summary(t.data.report)})

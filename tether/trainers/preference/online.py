@@ -4,9 +4,9 @@ The loop, top to bottom (one *round* = one step of the run, `optim.max_steps` ro
     setup_training: the policy (+ LoRA) + a frozen copy of the initial policy (the reference of
        reference=fixed, and what `kl` is measured against) + tokenizer + encoded prompt rows
     -> sample k = rollout.num_generations completions of each of data.batch_size prompts from the
-       CURRENT policy: the GRPO family's sampler and collection step (online_sampling.collect)
-       behind the trajectory queue's source (online_async.batch_source: synchronous at
-       queue.max_staleness 0, a sampler thread ahead of the trainer otherwise)
+       CURRENT policy: the GRPO family's producer (tether/trajectories/sampling.py: GroupSampler)
+       behind the trajectory queue's source (trajectories.asynchronous.batch_source: synchronous
+       at queue.max_staleness 0, a sampler thread ahead of the trainer otherwise)
     -> score them with the reward registry (functions, `rm:<run>`, ...) or `self`, the policy as its
        own judge (SelfJudge below; Yuan et al. 2024)
     -> pairs: per prompt the best vs the worst of its scored completions (build_pairs); a prompt whose
@@ -16,10 +16,10 @@ The loop, top to bottom (one *round* = one step of the run, `optim.max_steps` ro
        Yuan et al. 2024), computed in the very batches the first epoch trains on, so under reset the
        round's first loss is exactly ln 2 (sigmoid loss; policy = reference)
     -> odpo.dpo_epochs passes over the pairs, odpo.pairs_per_step pairs per optimizer step, each
-       step the offline trainer's (offline.train_step: the same DPO-family losses, metrics, guard)
+       step the offline trainer's (offline.py's train_step: the same DPO-family losses, metrics, guard)
     -> log (TRL's names; the round's means) / held-out greedy eval / checkpoint.
 
-One process (no torchrun yet). A step of the run is a round, so `resume` restarts at a round boundary.
+One process (torchrun is refused). A step of the run is a round, so `resume` restarts at a round boundary.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -40,17 +40,17 @@ from tether.feedback.lm import answer_contexts, answer_logprobs, chat_text
 from tether.models.lora import adapters_off
 from tether.objectives import group_stats
 from tether.rewards.registry import load_reward
-from tether.rewards.scoring import fn_name, score_rollout
-from tether.rollout import Sampler
-from tether.trainers.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
-from tether.trainers.offline import PreferenceSection, train_step
-from tether.trainers.offline_objective import PAIR_OBJECTIVES, REFERENCE_FREE
-from tether.trainers.offline_reference import reference_logps
-from tether.trainers.online_async import QueueSection, batch_source
-from tether.trainers.online_sampling import StepBatch, collect
-from tether.trainers.sections import (ModelSection, OptimSection, PromptSection, RewardSection, RolloutSection,
-                                      RunSection)
-from tether.trainers.setup import load_prompt_data, setup_training, releases_process_state
+from tether.rewards.scoring import fn_name
+from tether.trainers.core.held_out import HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics
+from tether.trainers.core.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
+                                           RolloutSection, RunSection)
+from tether.trainers.core.setup import load_prompt_data, releases_process_state, report_summary, setup_training
+from tether.trainers.preference.objective import PAIR_OBJECTIVES, REFERENCE_FREE
+from tether.trainers.preference.offline import PreferenceSection, train_step
+from tether.trainers.preference.reference import reference_logps
+from tether.trajectories.asynchronous import batch_source
+from tether.trajectories.sampling import GroupSampler, PromptStream, Scoring, StepBatch
+from tether.trajectories.source import QueueSection
 
 SELF = "self"  # the reward spec that makes the policy its own judge
 
@@ -158,6 +158,19 @@ class SelfJudge:
         contexts = contexts if chat else [bos_ids(self.tokenizer) + c for c in contexts]
         lp = answer_logprobs(self.model, contexts, ids, pad_id=self.tokenizer.pad_token_id or 0)
         return (lp[:, 0] - lp[:, 1]).tolist()
+
+
+@dataclass
+class JudgedScoring(Scoring):
+    """The round's rewards, where a None among `funcs` is `self`: bound per sampler to a SelfJudge
+    over the policy that sampled (under a sampler thread, its copy of the weights)."""
+    tokenizer: object = None
+    template: str = ""
+    answers: Sequence[str] = ()
+
+    def for_sampler(self, sampler) -> Scoring:
+        judge = SelfJudge(sampler.model, self.tokenizer, self.template, list(self.answers))
+        return Scoring([judge if f is None else f for f in self.funcs], self.weights, self.max_new_tokens)
 
 
 def _text(value) -> str:
@@ -275,33 +288,15 @@ def train_odpo(cfg: ODPOConfig) -> dict:
     per_round = math.ceil(cfg.data.batch_size / (cfg.odpo.pairs_per_step or cfg.data.batch_size))
     t = setup_training(cfg, lambda tokenizer: load_prompt_data(cfg, tokenizer), reference=True, rows_per_step=cfg.data.batch_size,
                        updates_per_step=per_round * cfg.odpo.dpo_epochs)
-    prompts = t.data.train
     names = [SELF if f is None else fn_name(f) for f in resolved]
-
-    def make_sampler(model):
-        return Sampler(model, t.tokenizer, rollout_cfg.sampling())
-
-    def next_prompts():
-        batch = [prompts[i] for i in t.order.global_batch_at(t.order.position)]
-        t.order.next()
-        return batch, None
-
-    def produce(step, sampler):
-        # The judge is the policy that sampled (under a sampler thread, its copy of the weights).
-        judge = SelfJudge(sampler.model, t.tokenizer, cfg.odpo.judge_template, cfg.odpo.judge_answers)
-        funcs = [judge if f is None else f for f in resolved]
-
-        def score(seq_rows, rollout):
-            return score_rollout(funcs, weights, seq_rows, rollout, max_new_tokens=rollout_cfg.max_new_tokens)
-
-        def sample(prompt_ids, seed, mine):
-            return sampler.sample(prompt_ids, n=k, seed=seed, only=mine)
-        collected = collect(sample, next_prompts, score, cfg.data.batch_size, k, seed=cfg.run.seed * 1_000_003 + step)
-        collected.epoch = t.order.epoch
-        return collected
-
-    sampler = make_sampler(t.model)
-    source = batch_source(cfg, t, produce, sampler, make_sampler, None)  # (rounds sampled ahead: in each checkpoint)
+    # 1-2. the producer (tether/trajectories/sampling.py): the data order's next prompts, k
+    #    completions each, sampled with a seed of (seed, round), scored (`self`: the sampling policy)
+    scoring = JudgedScoring(resolved, weights, rollout_cfg.max_new_tokens, tokenizer=t.tokenizer,
+                            template=cfg.odpo.judge_template, answers=cfg.odpo.judge_answers)
+    producer = GroupSampler(PromptStream(t.data.train, t.order), scoring, rollout_cfg, t.tokenizer, cfg.run.seed,
+                            per_rank=cfg.data.batch_size)
+    sampler = producer.make_sampler(t.model)
+    source = batch_source(cfg, t, producer, sampler)  # (rounds sampled ahead: in each checkpoint)
     held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)
     history = t.history.setdefault("reward", [])
     last: dict = {}
@@ -334,12 +329,9 @@ def train_odpo(cfg: ODPOConfig) -> dict:
         source.close()
     final_eval = held_out(t, sampler)
     t.log_eval(final_eval)
-    report = t.data.report
-    return t.finish({**final_eval, "prompts": len(prompts), "reference": cfg.odpo.reference,
+    return t.finish({**final_eval, "prompts": len(t.data.train), "reference": cfg.odpo.reference,
                      "final_reward": last.get("reward"), "final_kl": last.get("kl"), "reward_history": history,
-                     "model": str(t.run.checkpoint_dir(t.step)),
-                     "data": {"summary": report.summary(), "rows": report.total,
-                              "truncated": report.truncated, "dropped": report.dropped}})
+                     "model": str(t.run.checkpoint_dir(t.step)), "data": report_summary(t.data.report)})
 
 
 def _pool_metrics(collected: StepBatch, names: list[str]) -> dict:

@@ -12,13 +12,14 @@ The order is part of the contract:
        state (metrics window, histories), the log rows after the checkpoint -> config.yaml.
 Before any of it, the cheap refusals: another run holding the directory, a previous run there
 (without resume or overwrite), a resume whose config differs from the checkpointed run's in a
-field its section does not declare RESUMABLE. Every trainer thereby gets LoRA, compile, gradient
+field its section does not declare RESUMABLE (`check_resumable`). Every trainer thereby gets LoRA, compile, gradient
 checkpointing, exact resume, TensorBoard, samples, plots, the non-finite guard and (on CUDA)
 the attention-backward guard from this one place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tether import distributed
-from tether.config import ConfigError
+from tether.config import ConfigError, load_config, to_dict
 from tether.errors import NonFiniteLossError, TrainingDiverged, UserError
 from tether.models import load_model, load_tokenizer
 from tether.models.attention import guard_attention_backward
@@ -44,13 +45,13 @@ from tether.plots import plot_metrics
 from tether.rollout.hf import generate
 from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weights, refuse_previous_run,
                         seed_everything)
-from tether.trainers.common import (EpochSampler, Progress, Window, all_finite, autocast_context,
-                                    guarded_step, make_optimizer, make_scheduler, restore_training,
-                                    save_training)
-from tether.trainers.held_out import Best, load_eval_prompts, shown
-from tether.trainers.resume_check import check_resumable
-from tether.trainers import sharding
-from tether.trainers.sharding import sampling_copy, shard_model, state_hint
+from tether.trainers.core import sharding
+from tether.trainers.core.common import (EpochSampler, Progress, Window, all_finite, autocast_context,
+                                         guarded_step, make_optimizer, make_scheduler, restore_training,
+                                         save_training)
+from tether.trainers.core.held_out import Best, load_eval_prompts, shown
+from tether.trainers.core.ranks import Ranks
+from tether.trainers.core.sharding import sampling_copy, shard_model, state_hint
 
 
 @dataclass
@@ -73,6 +74,12 @@ def load_prompt_data(cfg, tokenizer) -> Data:
     if not rows:
         raise UserError(f"{data.path}: no prompts left after encoding")
     return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
+
+
+def report_summary(report) -> dict:
+    """A prompt loader's report (load_prompt_data's Data.report) as summary.json's `data`."""
+    return {"summary": report.summary(), "rows": report.total, "truncated": report.truncated,
+            "dropped": report.dropped}
 
 
 def load_policy(spec, ckpt: Optional[Path]):
@@ -102,8 +109,9 @@ def checkpoint_dtype(cfg, model) -> Optional[torch.dtype]:
 
 
 @dataclass
-class Training:
-    """The handles a training loop needs, and the few things every loop does the same way."""
+class Training(Ranks):
+    """The handles a training loop needs, and the few things every loop does the same way (with the
+    rank idioms of ranks.py: turns, rows and sums over torchrun's ranks)."""
     cfg: Any
     run: RunDir
     tokenizer: Any
@@ -190,6 +198,23 @@ class Training:
             self.gather_seconds += time.perf_counter() - started
             self.replica_stale = False
         return self.replica
+
+    @contextlib.contextmanager
+    def replica_turn(self, sampler):
+        """Around sampling with `sampler` from rollout_model(): the replica brought up to date first
+        (collective under torchrun), the trained model in eval mode meanwhile (dropout off), and
+        after it, with rollout.release_replica, the replica's memory and `sampler`'s cache lent to
+        the training pass (lend_rollout_memory)."""
+        self.rollout_model()
+        self.model.eval()
+        yield
+        self.model.train()
+        self.lend_rollout_memory(sampler)
+
+    def gather_time(self, since: float) -> dict:
+        """{'gather_time': the seconds spent refreshing the replica since `since` (a reading of
+        gather_seconds)} when there is a replica, else {}."""
+        return {"gather_time": self.gather_seconds - since} if self.replica is not None else {}
 
     def lend_rollout_memory(self, sampler) -> None:
         """rollout.release_replica, before a training pass: the replica's weights and `sampler`'s KV
@@ -324,7 +349,8 @@ class Training:
         finally:  # also when the last checkpoint fails
             self.release()
         if self.run.is_main:
-            plot_metrics(self.run.path)
+            with self.run.writing("plots"):
+                plot_metrics(self.run.path)
         self.run.close()
         return summary
 
@@ -455,6 +481,42 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         run.close()  # the lock goes with a start that failed
         restore()
         raise
+
+
+# -- resume guard -----------------------------------------------------------------------------------
+
+def check_resumable(cfg, run_path: Path) -> None:
+    """A resume continues the checkpointed run, so its config must be that run's, except the
+    fields a section declares RESUMABLE (length, logging, saving). Else one line listing every
+    difference. The saved config.yaml may be flat (keys without sections): load_config routes them."""
+    saved_file = run_path / "config.yaml"
+    if not saved_file.exists():
+        return
+    try:
+        saved = load_config(type(cfg), str(saved_file))
+    except (ConfigError, UserError, ValueError) as e:
+        raise UserError(f"{cfg.run.name}: cannot check the resume against {saved_file}: {e}") from None
+    resumable, now, then = set(), _flat_config(cfg), _flat_config(saved)
+    for f in dataclasses.fields(cfg):
+        resumable |= {f"{f.name}.{k}" for k in getattr(getattr(cfg, f.name), "RESUMABLE", ())}
+    changed = [f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(then))
+               if k not in resumable and now.get(k) != then.get(k)]
+    if changed:
+        raise UserError(f"{cfg.run.name}: resume=true with a config that differs from {saved_file}: "
+                        f"{'; '.join(changed)}. Resume with the run's settings (only "
+                        f"{', '.join(sorted(resumable))} may change), or start a new run (another "
+                        f"name=, or overwrite=true)")
+
+
+def _flat_config(cfg) -> dict:
+    """{"section.key": value} (top-level non-section fields by their own name)."""
+    out = {}
+    for key, value in to_dict(cfg).items():
+        if dataclasses.is_dataclass(getattr(cfg, key)):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def _set_process_state(head_fp32: bool, device: torch.device) -> Callable[[], None]:

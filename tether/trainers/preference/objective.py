@@ -114,7 +114,7 @@ def _tensors(x) -> dict:
     return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if getattr(x, f.name) is not None}
 
 
-def _concat(parts: list):
+def concat(parts: list):
     """A step's inputs from its micro-batches' (the loss metrics are over the whole batch)."""
     return dataclasses.replace(parts[0], **{k: torch.cat([getattr(p, k) for p in parts])
                                             for k in _tensors(parts[0])})

@@ -30,7 +30,7 @@ from tether.models import load_model
 from tether.models.load import hf_progress
 from tether.models.logprobs import completion_token_logps, packing_layout
 from tether.models.lora import adapters_off
-from tether.trainers.offline_data import KL_PAIRING_SEED, collate, collate_mismatched, kl_partners
+from tether.trainers.preference.data import KL_PAIRING_SEED, collate, collate_mismatched, kl_partners
 
 logger = logging.getLogger("tether.offline")
 CACHE_FILE, CACHE_META = "reference_logps.safetensors", "reference_logps.json"
@@ -131,7 +131,7 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
     ref_model, spec = cfg.preference.ref_model, cfg.model
     ref_source = ref_model or spec.path
     precision = f"{spec.dtype}/{spec.mixed_precision if device.type == 'cuda' else 'no'}/{device.type}"
-    from tether.trainers.sharding import sharding_bf16
+    from tether.trainers.core.sharding import sharding_bf16
     if distributed.active() and spec.fsdp and sharding_bf16(cfg, device):
         precision += "/fsdp-bf16"  # FSDP2's bf16 policy rounds otherwise than one process's autocast
     if cfg.data.packing:  # packed forwards round differently (~1e-7): step 1's zero margins need them
@@ -158,7 +158,7 @@ def get_reference(cfg, run_path: Path, model, fresh: bool, splits: dict, paired:
                                  attn_implementation=spec.attn_implementation)
             net.eval().requires_grad_(False)  # frozen: under the bf16 policy sharded from bf16 weights
             if distributed.active():
-                from tether.trainers.sharding import shard_model
+                from tether.trainers.core.sharding import shard_model
                 shard_model(net, cfg)  # each rank holds its shard only, as of the policy
             tensors, how = reference_logps(net, splits, paired, cfg, pad_id, device, amp, forwards), \
                 "reference model"

@@ -4,7 +4,7 @@ Preference rows (`prompt`, `chosen`, `rejected`, or implicit-prompt `chosen`/`re
 for DPO / SimPO / ORPO; KTO also takes unpaired rows (`prompt`, `completion`, `label`) and turns
 preference rows into two unpaired ones (chosen → desirable, rejected → undesirable), as TRL does.
 Examples are token lists; `idx` is an example's position in its split, the key into the
-reference cache (offline_reference.py).
+reference cache (reference.py).
 """
 
 from __future__ import annotations

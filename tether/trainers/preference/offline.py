@@ -34,16 +34,16 @@ from tether.constraints import NonNegative, Positive, PositiveInt, Range
 from tether.errors import NonFiniteLossError
 from tether.models.logprobs import packing_layout
 from tether.objectives import PREFERENCE_LOSSES, PairLogps, kto_kl_reference_point
-from tether.trainers.common import StepClock, guarded_step
-from tether.trainers.held_out import check_keep_best
-from tether.trainers.offline_data import collate, collate_mismatched, kl_partners, load_offline_data
+from tether.trainers.core.common import StepClock, guarded_step
+from tether.trainers.core.held_out import check_keep_best
+from tether.trainers.core.sections import DataSection, ModelSection, OptimSection, RunSection
+from tether.trainers.core.setup import Data, releases_process_state, setup_training
+from tether.trainers.preference.data import collate, collate_mismatched, kl_partners, load_offline_data
 # train_step looks `objective` up in this module (a test patches offline.objective); PAIR_OBJECTIVES
 # names PreferenceSection.method's choices
-from tether.trainers.offline_objective import (DRIFT_WARNING, PAIR_OBJECTIVES, REFERENCE_FREE, UnpairedLogps,
-                                               _concat, detached, gather_rows, objective, on_cpu, split_rows)
-from tether.trainers.offline_reference import completion_logps, get_reference, training_forwards
-from tether.trainers.sections import DataSection, ModelSection, OptimSection, RunSection
-from tether.trainers.setup import Data, setup_training, releases_process_state
+from tether.trainers.preference.objective import (DRIFT_WARNING, PAIR_OBJECTIVES, REFERENCE_FREE, UnpairedLogps,
+                                                  concat, detached, gather_rows, objective, on_cpu, split_rows)
+from tether.trainers.preference.reference import completion_logps, get_reference, training_forwards
 
 
 @dataclass
@@ -181,7 +181,7 @@ def train_step(cfg, model, optimizer, scheduler, micro: list[list[dict]], paired
         # batch-mean losses: weight each micro-batch by its share, so accumulation = one big batch
         (loss * (len(rows) / n_total)).backward()
         inputs.append(detached(x))
-    loss, metrics = objective(cfg, gather_rows(_concat(inputs)), z0)
+    loss, metrics = objective(cfg, gather_rows(concat(inputs)), z0)
     # the loss and every metric to Python in one transfer (one sync, not one per number)
     loss, *values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).reshape(())
                                  for v in (loss.detach(), *metrics.values())]).tolist()
@@ -213,7 +213,7 @@ def evaluate_preferences(cfg, model, examples: list[dict], paired: bool, referen
             mine.append(on_cpu(split_rows(paired, chunk, logps, lengths, reference, "eval")))
     parts = distributed.rank_unshare(mine, -(-len(examples) // batch_size))
     model.train(was)
-    loss, m = objective(cfg, _concat(parts), 0.0)
+    loss, m = objective(cfg, concat(parts), 0.0)
     m.pop("kl", None)
     return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in m.items()}}
 

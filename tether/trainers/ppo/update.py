@@ -142,9 +142,9 @@ def ppo_epochs(t, spec, critic, batch: dict, old_logps, old_values, advantages, 
             loss = (policy_term + spec.vf_coef * value_term - spec.ent_coef * entropy) * share
             loss.backward()
             means = token_means(policy_term, policy_stats, value_term, value_stats, entropy)
-            summed = distributed.sum_floats([float(loss.detach()), *(v * n_local for v in means.values())])
-            grad_norm = t.optimizer_step(summed[0], keep_grads=keep_grads)
-            for k, v in zip(means, summed[1:]):
+            summed = t.sum_over_ranks({"loss": float(loss.detach()), **{k: v * n_local for k, v in means.items()}})
+            grad_norm = t.optimizer_step(summed.pop("loss"), keep_grads=keep_grads)
+            for k, v in summed.items():
                 updates.setdefault(k, []).append(v / max(n_global, 1))
             updates.setdefault("grad_norm", []).append(grad_norm)
     return updates

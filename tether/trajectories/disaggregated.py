@@ -1,4 +1,4 @@
-"""The disaggregated placement of the trajectory queue (online_async's module doc): under torchrun
+"""The disaggregated placement of the trajectory queue (asynchronous.py's module doc): under torchrun
 the first processes train (FSDP2 among them, as under plain torchrun) and the last
 `queue.sampler_ranks` sample; batches travel through torchrun's key-value store, weights come back
 after each update by a bucketed broadcast over a process group of their own (gloo on CPU, NCCL on
@@ -20,8 +20,9 @@ import torch
 from tether import distributed
 from tether.config import ConfigError
 from tether.errors import UserError
-from tether.rollout.queue import Trajectories
-from tether.trainers.online_source import Source, after_eval
+from tether.trajectories.queue import Trajectories
+from tether.trajectories.sampling import StepBatch, select_groups
+from tether.trajectories.source import Source, after_eval
 
 
 @dataclass
@@ -128,8 +129,8 @@ def _tensors(model) -> list:
 def _broadcast(link: Link, model) -> None:
     """The trainers' side of the weight broadcast: from trainer rank 0 to the sampler(s) in
     state_dict order (the same names on both sides: FSDP2 keeps them), a bucket of tensors a
-    broadcast: one flat buffer each instead of one collective per tensor (~270 for SmolLM2: their
-    launch costs were most of the sampler's 15-20 ms wait for the weights, session 16). Each sharded
+    broadcast: one flat buffer each instead of one collective per tensor (~270 for SmolLM2, whose
+    launch costs make most of a 15-20 ms wait for the weights on the sampler's side). Each sharded
     tensor is gathered first (collective among the trainers, every rank in the same order). The
     samplers' side is Incoming."""
     for bucket in _buckets(_tensors(model)):
@@ -194,7 +195,6 @@ def _my_part(collected, G: int):
     step_metrics adds over the ranks (tokens, dynamic sampling's groups) stay with rank 0."""
     if not distributed.active():
         return collected
-    from tether.trainers.online_sampling import StepBatch, select_groups
     rank, world = distributed.rank(), distributed.world_size()
     groups = list(range(len(collected.prompt_rows)))[rank::world]
     rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)

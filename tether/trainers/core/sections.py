@@ -3,8 +3,9 @@
 algorithm's own section, and sets its own defaults for a shared section with
 `field(default_factory=lambda: OptimSection(lr=1e-6))`.
 
-Field names are the flat names of the old flat configs, so `lr=1e-5` on the command line, a flat
-YAML file and `SFTConfig(lr=1e-5)` in Python all still work (tether.config.route).
+A field is also reachable by its last name alone where one section has it, so `lr=1e-5` on the
+command line, a flat YAML file and `SFTConfig(lr=1e-5)` in Python all set `optim.lr`
+(tether.config.route).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class OptimSection:
     def __post_init__(self):
         if len(self.adam_betas) != 2:
             raise ValueError("adam_betas must be two numbers")
-        if self.max_steps == 0 or self.max_steps < -1:  # 0 used to mean "a full epoch", silently
+        if self.max_steps == 0 or self.max_steps < -1:  # 0 is no length: -1 says "from epochs"
             raise ValueError(f"max_steps must be >= 1, or -1 to derive it from epochs; got {self.max_steps}")
 
 

@@ -1,6 +1,6 @@
 """How a trainer's models are laid out over the GPUs under torchrun: FSDP2 sharding (or plain
 replication with `fsdp=false`), the bf16 policy, the rollout sampler's whole copy of the policy, and
-the note that says when replication would be faster. trainers/setup.py calls these while it builds
+the note that says when replication would be faster. core/setup.py calls these while it builds
 a run (docs/distributed.md, "What is sharded where")."""
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
 def state_hint(models, gpu_bytes: int) -> str | None:
     """replication_hint for `models` (None entries skipped), each parameter counted once. A function
     of its own so that nothing here outlives the count: fully_shard moves each parameter's whole
-    tensor to the GPU before it shards it, and a list of the parameters kept in setup's frame (as
-    until session 17) held the whole fp32 model on every GPU through sharding — 28.4 GiB of the
-    7B runs' 35.5 GiB (DPO) and 49.6 GiB (GRPO) peaks."""
+    tensor to the GPU before it shards it, and a list of the parameters kept in setup's frame
+    would hold the whole fp32 model on every GPU through sharding (28.4 GiB of a 7B run's 35.5 GiB
+    DPO and 49.6 GiB GRPO peaks)."""
     seen: set[int] = set()
     trained = frozen = 0
     for m in models:
@@ -51,8 +51,8 @@ def replication_hint(trainable_params: int, frozen_bytes: int, gpu_bytes: int) -
     two AdamW moments: 16 B a trained parameter, plus the frozen weights) would fill at most a
     quarter of one GPU. Replication (fsdp=false) is then faster: FSDP2's per-layer hooks make a
     small model's step CPU-bound (0.5B DPO on 2 H200s: 0.84 s a step sharded, 0.41-0.46 replicated;
-    docs/distributed.md, session 13; replicated and compiled, 1.84x one GPU's throughput on 2 and
-    3.32x on 4, session 18). A quarter leaves room for activations and rollouts."""
+    replicated and compiled, 1.84x one GPU's throughput on 2 and 3.32x on 4; docs/distributed.md).
+    A quarter leaves room for activations and rollouts."""
     need = 16 * trainable_params + frozen_bytes
     if need > gpu_bytes / 4:
         return None
@@ -75,10 +75,10 @@ def shard_model(model, cfg) -> torch.nn.Module:
     if not cfg.model.fsdp:
         return distributed.replicate(model)
     # The device it will compute on, not where its weights are now: under torchrun on GPUs the
-    # model is still in CPU memory here (setup_training; fully_shard moves the shards). Until
-    # session 16 this read the weights' device, so every FSDP2 run on GPUs went without the bf16
-    # policy: fp32 all-gathers, autocast casting each gathered weight at each use, fp32 activations
-    # between layers (the 7B DPO trace: fp32 [18944, 3584] weights into aten::linear).
+    # model is still in CPU memory here (setup_training; fully_shard moves the shards). The weights'
+    # device would leave every FSDP2 run on GPUs without the bf16 policy: fp32 all-gathers,
+    # autocast casting each gathered weight at each use, fp32 activations between layers (a 7B DPO
+    # trace: fp32 [18944, 3584] weights into aten::linear).
     device = distributed.device() if distributed.uses_cuda() else next(model.parameters()).device
     bf16 = sharding_bf16(cfg, device)
     if bf16 and not any(p.requires_grad for p in model.parameters()):
