@@ -20,12 +20,15 @@ model sees (the environment adapter's job); an environment whose `reset` raises 
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
+
 from tether.config import ConfigError
 from tether.constraints import NonNegativeInt, PositiveInt
-from tether.envs import (Episode, EnvError, EnvResetError, end_of_turn_ids, load_env,
+from tether.envs import (Episode, EnvError, EnvResetError, end_of_turn_ids, env_rows, load_env,
                          observation_ids, prompt_ids)
 from tether.rollout import Rollout, Sampler
 from tether.rollout.engine import Episodes
@@ -35,6 +38,10 @@ from tether.rollout.engine import Episodes
 class EnvSection:
     env: str = ""
     "environment: a built-in (calculator, python, wordle, guess_number), 'module:Class' or './file.py:Class'; empty = single-turn prompts"
+    train_rows: PositiveInt = 2000
+    "data=env: rows drawn from the environment's own rows(size, seed) for training (seed: run.seed)"
+    eval_rows: PositiveInt = 200
+    "data.eval_data=env: held-out rows drawn likewise with another seed (training prompts left out), played greedily at eval points (eval/env/...)"
     max_turns: PositiveInt = 8
     "most model turns per episode (its last turn's tool calls, if any, are not run)"
     tool_format: str = "auto"
@@ -107,14 +114,24 @@ class EpisodeBatch(Episodes):
             reward = ep.final_reward()
         except EnvError:
             reward, self.env_errors[seq] = None, self.env_errors[seq] + 1
+        if reward is None and ep.step_based and self.reasons[seq] != "done":
+            reward = 0.0  # a step-based episode that never reached its end earned nothing (not: skipped)
         return {"messages": copy.deepcopy(ep.messages), "turns": self.turns[seq],
                 "tool_calls": self.tool_calls[seq], "tool_errors": self.tool_errors[seq],
                 "env_errors": self.env_errors[seq], "turn_rewards": list(self.turn_rewards[seq]),
                 "env_reward": reward}
 
 
-def env_factory(section: EnvSection) -> Callable[[], Any]:
-    return load_env(section.env)
+def episode_columns(record: dict) -> dict:
+    """What a reward function gets of an episode besides the row's columns: `messages` (the
+    transcript) and `env_reward` (the environment's own reward, None where it gives none)."""
+    return {"messages": record["messages"], "env_reward": record["env_reward"]}
+
+
+def env_reward(prompts, completions, completion_ids, env_reward=None, **_) -> list:
+    """The environment's reward of each episode (:meth:`tether.envs.Episode.final_reward`): the
+    first reward of every run with an environment; `reward_funcs` add to it, weighted."""
+    return list(env_reward) if env_reward is not None else [None] * len(completions)
 
 
 def start_episodes(factory: Callable[[], Any], tokenizer, rows: list[dict], n: int, section: EnvSection,
@@ -172,9 +189,65 @@ def sample_episodes(sampler: Sampler, tokenizer, factory: Callable[[], Any], row
     if not order:
         raise EnvError(f"every row's environment reset raised ({len(skipped)} rows)")
     ro = sampler.sample(keyed, n=n, seed=seed, only=order, episodes=batch, stop_token_ids=stop_ids, **overrides)
-    ro.episodes = [batch.record(i) for i in range(len(flat))]
+    ro.episodes = [{**batch.record(i), "segments": segments(ro, i, tokenizer)} for i in range(len(flat))]
     ro.stats["env/reset_errors"] = len([i for i in skipped if only is None or i in set(only)])
     return ro, order
+
+
+def env_data(section: EnvSection, seed: int, held_out: bool = False) -> list[dict]:
+    """data=env: the training rows from the environment's rows(size, seed); `held_out`
+    (data.eval_data=env): rows of another seed, with any training prompt left out."""
+    train = env_rows(section.env, section.train_rows, seed=seed)
+    if not held_out:
+        return train
+    seen = {repr(r["prompt"]) for r in train}
+    return [r for r in env_rows(section.env, section.eval_rows, seed=seed + 1_000_003) if repr(r["prompt"]) not in seen]
+
+
+class EpisodeEval:
+    """Held-out episodes at eval points: each row played once, greedily, scored by the run's
+    scoring (the environment's reward + reward_funcs). `eval/env/success` is the fraction of
+    episodes whose reward is > 0 (the built-in environments give 0 to a failed episode),
+    `eval/env/reward` the mean reward, `eval/env/turns` ... as episode_metrics."""
+
+    def __init__(self, rows: list[dict], factory: Callable[[], Any], section: EnvSection, scoring):
+        self.rows, self.factory, self.section, self.scoring = rows, factory, section, scoring
+
+    def __call__(self, t, sampler) -> dict:
+        if not self.rows:
+            return {}
+        start = time.perf_counter()
+        t.rollout_model()  # (up to date; collective under torchrun: every rank calls)
+        ro, kept = sample_episodes(sampler, t.tokenizer, self.factory, self.rows, 1, self.section, temperature=0.0)
+        total = self.scoring([self.rows[i] for i in kept], ro)[1]
+        reward = torch.nan_to_num(total)
+        out = {"eval/env/reward": float(reward.mean()), "eval/env/success": float((reward > 0).float().mean()),
+               **{f"eval/{k}": v for k, v in episode_metrics(ro).items()}}
+        return {**out, "eval/seconds": time.perf_counter() - start}
+
+
+def segments(ro: Rollout, i: int, tokenizer) -> list[list]:
+    """Sequence i's completion as it was trained: [[kind, text], ...] in order, kind 'model' (the
+    sampled tokens, loss on) or 'env' (the environment's, masked), decoded with special tokens."""
+    ids, model, real = (x[i].tolist() for x in (ro.completion_ids, ro.completion_mask, ro.token_mask))
+    runs: list[list] = []
+    for t, m, r in zip(ids, model, real):
+        if not r:
+            continue
+        kind = "model" if m else "env"
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(t)
+        else:
+            runs.append([kind, [t]])
+    return [[k, tokenizer.decode(v, skip_special_tokens=False)] for k, v in runs]
+
+
+def episode_sample(ro: Rollout, i: int) -> dict:
+    """What samples.jsonl keeps of episode i beside its prompt and rewards: the transcript, the
+    counts, the per-turn rewards and the trained / masked segments."""
+    ep = ro.episodes[i]
+    keys = ("messages", "turns", "tool_calls", "tool_errors", "turn_rewards", "env_reward", "segments")
+    return {**{k: ep[k] for k in keys}, "finish_reason": ro.finish_reasons[i]}
 
 
 def episode_metrics(ro: Rollout) -> dict[str, float]:

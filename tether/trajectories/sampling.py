@@ -43,6 +43,7 @@ from tether import distributed
 from tether.objectives import group_stats
 from tether.rewards.scoring import score_rollout
 from tether.rollout import Rollout, Sampler
+from tether.trajectories.episodes import EnvSection, episode_columns, load_env, sample_episodes
 
 
 def _pad_to(x: torch.Tensor, width: int, value) -> torch.Tensor:
@@ -58,7 +59,9 @@ def select_groups(ro: Rollout, groups: list[int], G: int) -> Rollout:
                    texts=[ro.texts[i] for i in idx], finish_reasons=[ro.finish_reasons[i] for i in idx],
                    group=torch.arange(len(groups)).repeat_interleave(G),
                    logprob_temperature=ro.logprob_temperature, pad_token_id=ro.pad_token_id,
-                   stats=dict(ro.stats))
+                   stats=dict(ro.stats),
+                   observation_mask=None if ro.observation_mask is None else ro.observation_mask[t],
+                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in idx])
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -71,6 +74,7 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         groups.append(p.group + offset)
         offset += int(p.group.max()) + 1 if len(p) else 0
     first = parts[0]
+    episodes = first.episodes is not None
     return Rollout(prompt_ids=[ids for p in parts for ids in p.prompt_ids],
                    completion_ids=torch.cat([_pad_to(p.completion_ids, T, first.pad_token_id) for p in parts]),
                    completion_mask=torch.cat([_pad_to(p.completion_mask, T, False) for p in parts]),
@@ -78,7 +82,10 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
                    texts=[s for p in parts for s in p.texts],
                    finish_reasons=[f for p in parts for f in p.finish_reasons], group=torch.cat(groups),
                    logprob_temperature=first.logprob_temperature, pad_token_id=first.pad_token_id,
-                   stats=sum_stats([p.stats for p in parts]))
+                   stats=sum_stats([p.stats for p in parts]),
+                   observation_mask=torch.cat([_pad_to(p.observation_mask, T, False) for p in parts])
+                   if episodes else None,
+                   episodes=[e for p in parts for e in p.episodes] if episodes else None)
 
 
 def sum_stats(stats: list[dict]) -> dict:
@@ -142,8 +149,9 @@ def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
             dynamic: bool = False, max_rounds: int = 1,
             every_rank: Callable[[bool], bool] = one_process) -> StepBatch:
     """`next_prompts() -> (rows, mine)`: a batch's rows and the indices of this rank's share
-    (None: all of them); `sample(prompt_ids, seed, mine) -> Rollout`: G completions of each of
-    `mine`'s prompts, keyed as in the whole batch (Sampler.sample's `only`);
+    (None: all of them); `sample(rows, seed, mine) -> (Rollout, rows sampled)`: G completions of
+    each of `mine`'s prompts, keyed as in the whole batch (Sampler.sample's `only`), and the rows
+    they belong to (an environment whose reset raised leaves its row out);
     `score(seq_rows, rollout) -> (per_fn [N, F], rewards [N])`; see the module doc.
     `every_rank(flag)`: whether `flag` holds on every rank (under torchrun; `batch_size` is then
     this rank's share)."""
@@ -151,8 +159,7 @@ def collect(sample, next_prompts, score, batch_size: int, G: int, seed: int,
     all_r, all_f, all_g, stats, n_kept, n_signal, rounds = [], [], [], [], 0, 0, 0
     while True:
         batch, mine = next_prompts()
-        rows = batch if mine is None else [batch[i] for i in mine]
-        ro = sample([r["prompt_ids"] for r in batch], seed + rounds * (1 << 32), mine)
+        ro, rows = sample(batch, seed + rounds * (1 << 32), mine)
         per_fn, rewards = score([rows[i // G] for i in range(len(ro))], ro)
         all_r.append(rewards), all_f.append(per_fn), all_g.append(torch.arange(len(ro)) // G + rounds * len(rows))
         stats.append({**ro.stats, "tokens": int(ro.lengths.sum())})
@@ -221,6 +228,8 @@ class Scoring:
     overlong_penalty: float = 1.0
 
     def __call__(self, seq_rows: list[dict], rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        if rollout.episodes is not None:  # multi-turn: each function also gets the episode's transcript
+            seq_rows = [{**row, **episode_columns(ep)} for row, ep in zip(seq_rows, rollout.episodes)]
         return score_rollout(self.funcs, self.weights, seq_rows, rollout, max_new_tokens=self.max_new_tokens,
                              buffer=self.overlong_buffer, coef=self.overlong_penalty)
 
@@ -241,8 +250,11 @@ class GroupSampler:
 
     def __init__(self, prompts: PromptStream, scoring: Scoring, rollout, tokenizer, seed: int, per_rank: int,
                  dynamic: bool = False, max_rounds: int = 1, every_rank: Callable[[bool], bool] = one_process,
-                 refresh: Callable[[], object] = lambda: None):
+                 refresh: Callable[[], object] = lambda: None, env: Optional[EnvSection] = None):
         self.prompts, self.scoring, self.rollout, self.tokenizer = prompts, scoring, rollout, tokenizer
+        # multi-turn: each completion is an episode of this environment (episodes.py), else one turn
+        self.env = env if env is not None and env.env else None
+        self.env_factory = load_env(self.env.env) if self.env else None
         self.seed, self.per_rank, self.G = seed, per_rank, rollout.num_generations
         self.dynamic, self.max_rounds, self.every_rank, self.refresh = dynamic, max_rounds, every_rank, refresh
 
@@ -255,8 +267,13 @@ class GroupSampler:
         """Step `step`'s scored groups, sampled with `sampler` (its weights: the version the source's
         schedule gives the step). The seed is a function of (seed, step): a resumed run draws the
         same completions."""
-        def sample(prompt_ids, seed, mine):
-            return sampler.sample(prompt_ids, n=self.G, seed=seed, only=mine)
+        def sample(rows, seed, mine):
+            if self.env is not None:
+                ro, kept = sample_episodes(sampler, self.tokenizer, self.env_factory, rows, self.G, self.env,
+                                           seed=seed, only=mine)
+                return ro, [rows[i] for i in kept]
+            ro = sampler.sample([r["prompt_ids"] for r in rows], n=self.G, seed=seed, only=mine)
+            return ro, rows if mine is None else [rows[i] for i in mine]
         collected = collect(sample, self.prompts, self.scoring.for_sampler(sampler), self.per_rank, self.G,
                             seed=self.seed * 1_000_003 + step, dynamic=self.dynamic, max_rounds=self.max_rounds,
                             every_rank=self.every_rank)
@@ -267,5 +284,11 @@ class GroupSampler:
         """[prompts] the score of each prompt's greedy completion, no KL term (ReMax's baseline),
         sampled with the trainer's `sampler` once its weights are back (`refresh`)."""
         self.refresh()
+        if self.env is not None:  # the greedy episode of each prompt
+            greedy, kept = sample_episodes(sampler, self.tokenizer, self.env_factory, prompt_rows, 1, self.env,
+                                           temperature=0.0)
+            scores = torch.zeros(len(prompt_rows))
+            scores[kept] = torch.nan_to_num(self.scoring.for_sampler(sampler)([prompt_rows[i] for i in kept], greedy)[1])
+            return scores
         greedy = sampler.sample([p["prompt_ids"] for p in prompt_rows], n=1, temperature=0.0)
         return torch.nan_to_num(self.scoring.for_sampler(sampler)(prompt_rows, greedy)[1])

@@ -52,6 +52,7 @@ from tether.trainers.core.common import (EpochSampler, Progress, Window, all_fin
 from tether.trainers.core.held_out import Best, load_eval_prompts, shown
 from tether.trainers.core.ranks import Ranks
 from tether.trainers.core.sharding import sampling_copy, shard_model, state_hint
+from tether.trajectories.episodes import env_data
 
 
 @dataclass
@@ -68,12 +69,20 @@ def load_prompt_data(cfg, tokenizer) -> Data:
     """The sampling trainers' data (grpo, ppo, odpo): `data.path`'s prompt-only rows with their token
     ids (+ every extra column, for the reward functions), and the held-out prompts (data.eval_data)."""
     from tether.data import encode_prompts, load_data
-    data = cfg.data
-    rows, report = encode_prompts(load_data(data.path, expect="prompt-only", split=data.split, rename=data.columns),
-                                  tokenizer, data.max_prompt_length, data.truncation, source=data.path)
+    data, env = cfg.data, getattr(cfg, "environment", None)
+
+    from_env = env is not None and bool(env.env)  # data=env / data.eval_data=env: the environment's own rows
+    train = env_data(env, cfg.run.seed) if from_env and data.path == "env" else \
+        load_data(data.path, expect="prompt-only", split=data.split, rename=data.columns)
+    rows, report = encode_prompts(train, tokenizer, data.max_prompt_length, data.truncation, source=data.path)
     if not rows:
         raise UserError(f"{data.path}: no prompts left after encoding")
-    return Data(rows, eval=load_eval_prompts(cfg, tokenizer), report=report)
+    if from_env and data.eval_data == "env":
+        held = encode_prompts(env_data(env, cfg.run.seed, held_out=True), tokenizer, data.max_prompt_length,
+                              data.truncation, source="env")[0]
+    else:
+        held = load_eval_prompts(cfg, tokenizer)
+    return Data(rows, eval=held, report=report)
 
 
 def report_summary(report) -> dict:

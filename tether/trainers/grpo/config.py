@@ -14,6 +14,7 @@ from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, S
 from tether.trainers.core.held_out import check_eval
 from tether.trainers.core.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
+from tether.trajectories.episodes import EnvSection
 from tether.trajectories.source import QueueSection
 
 # The choices are the registries' names, written once there (config checks and --help read these).
@@ -92,10 +93,13 @@ class GRPOConfig:
     "the algorithm: estimator, surrogate, KL, reuse, DAPO options, off-policy correction"
     queue: QueueSection = field(default_factory=QueueSection)
     "the trajectory queue: staleness bound and where sampling runs (tether/trajectories)"
+    environment: EnvSection = field(default_factory=EnvSection)
+    "multi-turn episodes of an environment instead of one completion per prompt (docs/environments.md)"
 
     def __post_init__(self):
         check_eval(self)  # eval_every / eval_reward_funcs need data.eval_data
         check_queue(self)
+        check_env(self)
         self.rollout.check_release()
         if not 0 <= self.grpo.overlong_buffer < self.rollout.max_new_tokens:
             raise ValueError("overlong_buffer must be in [0, max_new_tokens)")
@@ -127,6 +131,20 @@ class ReMaxConfig(GRPOConfig):
     run: RunSection = field(default_factory=lambda: RunSection(name="remax", log_every=1, num_samples=2))
     rollout: RolloutSection = field(default_factory=lambda: RolloutSection(num_generations=1))
     grpo: GRPOSection = field(default_factory=lambda: GRPOSection(advantage="remax", beta=0.05, kl_in="reward"))
+
+
+def check_env(cfg) -> None:
+    """What an environment's episodes do not combine with (one-line errors, before anything loads)."""
+    if not cfg.environment.env:
+        if cfg.data.path == "env":
+            raise ConfigError("data=env draws the rows from the environment: set env=<environment>")
+        return
+    if getattr(cfg, "queue", None) is not None and cfg.queue.partial:
+        raise ConfigError("config key 'queue.partial': partial rollouts continue single-turn completions; "
+                          "an environment's episodes run whole")
+    if cfg.rollout.stop:
+        raise ConfigError("config key 'rollout.stop': an episode's turns end at the chat template's end of "
+                          "turn; stop strings do not combine with env=")
 
 
 def check_queue(cfg: GRPOConfig) -> None:

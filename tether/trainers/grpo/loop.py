@@ -57,6 +57,7 @@ from tether.trainers.grpo.update import correct_off_policy, micro_slices, update
 from tether.trajectories.asynchronous import batch_source
 from tether.trajectories.disaggregated import finish_sampler, sampler_config, serve, split_world
 from tether.trajectories.partial import PartialRollouts, partial_metrics
+from tether.trajectories.episodes import EpisodeEval, env_reward, episode_metrics, episode_sample
 from tether.trajectories.sampling import GroupSampler, PromptStream, Scoring, StepBatch
 
 @dataclass
@@ -88,13 +89,17 @@ class Batch:
 
 
 def reward_functions(cfg: GRPOConfig, funcs: Optional[Sequence], weights: Optional[Sequence[float]]):
-    """(functions, weights, metric names): the callables given, else cfg.reward's, resolved."""
+    """(functions, weights, metric names): the callables given, else cfg.reward's, resolved; with
+    an environment its own reward comes first (weight 1) and reward_funcs add to it."""
     funcs = resolve_reward_funcs(funcs if funcs is not None else cfg.reward.reward_funcs)
-    if not funcs:
+    env = bool(cfg.environment.env)
+    if not funcs and not env:
         raise UserError(f"{cfg.run.name}: at least one reward function is required (reward_funcs=module:function)")
     weights = list(weights if weights is not None else cfg.reward.reward_weights) or [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise UserError(f"{cfg.run.name}: {len(weights)} reward_weights for {len(funcs)} reward functions")
+    if env:
+        funcs, weights = [env_reward, *funcs], [1.0, *weights]
     return funcs, weights, [fn_name(f) for f in funcs] + (["overlong_penalty"] if cfg.grpo.overlong_buffer else [])
 
 
@@ -230,6 +235,7 @@ def step_metrics(t, batch: Batch, update: dict, names: list[str], seconds: float
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(truncated.float().mean()),
+            **episode_metrics(rollout),
             **update, "lr": t.lr, "skipped_steps": t.skipped, "epoch": collected.epoch, "step_time": seconds,
             "tokens_per_second": tokens / seconds,
             "rollout/tokens_per_second": rollout.stats.get("tokens_per_s", 0.0),
@@ -259,10 +265,12 @@ def samples(batch: Batch, count: int, names: Sequence[str] = ()) -> list[dict]:
     def num(v) -> float | None:
         v = float(v)
         return None if math.isnan(v) else v
+    episodes = collected.rollout.episodes
     return [{"prompt": rows[i]["prompt"], "completion": texts[i],
              "reward": None if not batch.valid[i] else float(collected.rewards[i]),
              **{f"rewards/{name}": num(per_fn[i, j]) for j, name in enumerate(names)},
-             **({} if adv is None or not batch.valid[i] else {"advantage": float(adv[i])})}
+             **({} if adv is None or not batch.valid[i] else {"advantage": float(adv[i])}),
+             **({} if episodes is None else episode_sample(collected.rollout, i))}
             for i in range(n)]
 
 
@@ -298,7 +306,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
     scoring = Scoring(funcs, weights, rollout_cfg.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
     groups = GroupSampler(PromptStream(t.data.train, t.order), scoring, rollout_cfg, t.tokenizer, cfg.run.seed,
                           per_rank=prompts_per_step // distributed.world_size(), dynamic=grpo.dynamic_sampling,
-                          max_rounds=grpo.max_sampling_rounds, every_rank=t.every_rank, refresh=t.rollout_model)
+                          max_rounds=grpo.max_sampling_rounds, every_rank=t.every_rank, refresh=t.rollout_model,
+                          env=cfg.environment)
     sampler = groups.make_sampler(t.rollout_model())
     produce = PartialRollouts.of(groups, cfg, start=t.step) if cfg.queue.partial else groups
     if link is not None and link.samples:  # a sampler process: batches to the trainer until the last
@@ -313,7 +322,8 @@ def train_grpo(cfg: GRPOConfig, reward_funcs: Optional[Sequence] = None,
         if source.lends_gradients else None
     greedy_scores = functools.partial(groups.greedy_scores, sampler)  # ReMax's baseline
 
-    held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
+    held_out = EpisodeEval(t.data.eval, groups.env_factory, cfg.environment, scoring) if groups.env else \
+        HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
     history = t.history.setdefault("reward", [])  # checkpointed: a resume keeps the earlier steps'
     last: dict = {}
     try:
