@@ -1,4 +1,4 @@
-"""The episode loop (tether.trajectories.episodes) over the engine: environments' replies rendered
+"""The episode loop (tether.envs.rollouts) over the engine: environments' replies rendered
 by the chat template and fed as tokens, the transcript's ids never re-tokenized, the counts."""
 
 import pytest
@@ -8,7 +8,7 @@ from tether.data.chat import encode_text, render
 from tether.models import make_tiny_model
 from tether.objectives.logprobs import token_logps
 from tether.rollout import Sampler
-from tether.trajectories.episodes import EnvSection, episode_metrics, sample_episodes
+from tether.envs.rollouts import EnvSection, episode_metrics, sample_episodes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -120,3 +120,63 @@ def test_max_turns_ends_the_episode(lm):
                             n=2, section=EnvSection(max_turns=2), seed=2)
     assert max(e["turns"] for e in ro.episodes) <= 2
     assert "turns" in ro.finish_reasons
+
+
+class Parity:
+    """One turn: reward 1 when the model's reply has an even number of characters."""
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, text):
+        return [], float(len(text) % 2 == 0), True
+
+    @classmethod
+    def rows(cls, size, seed=0):
+        return [{"prompt": f"row {seed}-{i}"} for i in range(size)]
+
+
+def test_eval_gives_pass_at_k_of_episodes(lm, tmp_path):
+    from tether.evaluation.command import EvalConfig, run_eval
+    from tether.evaluation.estimators import pass_at_k
+
+    model, tok = lm
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    out = run_eval(EvalConfig(model=str(tmp_path / "m"), env="tests.test_env_rollouts:Parity", data="env",
+                              eval_rows=6, n=4, k=[1, 2, 4], max_new_tokens=40, device="cpu",
+                              out=str(tmp_path / "ev"), table=False))
+    import json
+    records = [json.loads(line) for line in (tmp_path / "ev" / "completions.jsonl").read_text().splitlines()]
+    sampled = [r for r in records if r["decoding"] == "sampled"]
+    assert len(sampled) == 24 and {r["prompt_index"] for r in sampled} == set(range(6))
+    for r in sampled:
+        assert r["passed"] == (r["reward"] == 1.0)
+    for k in (1, 2, 4):
+        want = sum(pass_at_k(4, sum(r["passed"] for r in sampled if r["prompt_index"] == i), k)
+                   for i in range(6)) / 6
+        assert out["metrics"][f"sampled/pass@{k}"] == pytest.approx(want)
+    assert 0 < out["metrics"]["sampled/pass@1"] < 1  # a random model passes some and fails some
+    assert out["metrics"]["greedy/episodes"] == 6
+
+
+def test_the_training_forward_puts_no_loss_on_the_environments_tokens(lm):
+    """The trainers' log-prob forward (models.logprobs.completion_token_logps) over an episode
+    batch: non-zero, and equal to the sampler's, exactly on the model's tokens; 0 with no gradient
+    on the environment's (they are in the input, attended, and out of every loss)."""
+    import contextlib
+
+    from tether.models.logprobs import completion_token_logps
+
+    model, tok = lm
+    ro, _ = sample_episodes(Sampler(model, tok, max_new_tokens=120, temperature=1.0), tok, Echo, ROWS,
+                            n=2, section=EnvSection(), seed=5)
+    assert ro.observation_mask.any()
+    b = ro.training_batch()
+    model.train()
+    logps, _ = completion_token_logps(model, b, ro.logprob_temperature, contextlib.nullcontext())
+    model.eval()
+    P = ro.prompt_width
+    env, own = ro.observation_mask, ro.completion_mask
+    assert (logps[:, P:][env] == 0).all() and (logps[:, P:][own] != 0).all()
+    assert (logps[:, P:][own] - ro.logprobs[own]).abs().max() <= 1e-4

@@ -4,6 +4,7 @@
     tether eval model=rm:<dir> data=pairs.jsonl                              # reward model: accuracy
     tether eval policy=<dir> ref=<dir> data=pairs.jsonl beta=0.1             # DPO implicit rewards
     tether eval model=<dir> data=sft.jsonl                                   # perplexity
+    tether eval model=<dir> env=calculator data=env                          # episodes: pass@k
 
 The mode follows from the model and the data (mode=auto): a reward model or a policy/ref pair
 needs preference pairs; a causal LM is sampled on prompt-only data and scored on SFT data
@@ -24,6 +25,7 @@ from tether.constraints import DirPath, NonNegativeInt, Positive, PositiveInt, R
 from tether.data.pipeline import load_data
 from tether.errors import UserError
 from tether.evaluation.generation import GenerationSettings
+from tether.envs.rollouts import EnvSection, env_data
 from tether.evaluation.report import print_table, write_eval
 
 MODES = ("auto", "generation", "preference", "perplexity")
@@ -141,6 +143,8 @@ class EvalConfig:
     "preference mode with policy + ref"
     output: EvalOutputSection = field(default_factory=EvalOutputSection)
     "where the results go"
+    environment: EnvSection = field(default_factory=EnvSection)
+    "episodes of an environment instead of one completion per prompt: pass@k of episodes (data=env: the environment's own rows)"
 
     def __post_init__(self):
         m, g = self.model, self.generation
@@ -219,12 +223,19 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     started = time.time()
     d = cfg.data
-    # read and validated once (file:row:field); implicit-prompt pairs come back explicit
-    rows = load_data(d.path, split=d.split, rename=d.columns)
-    fmt = rows.format
-    mode = resolve_mode(cfg, fmt)
+    if cfg.environment.env:  # episodes: the data's prompt rows, or data=env the environment's held-out rows
+        rows = env_data(cfg.environment, cfg.generation.seed, held_out=True) if d.path == "env" else \
+            load_data(d.path, split=d.split, rename=d.columns, expect="prompt-only")
+        fmt, mode = "prompt-only", "episodes"
+    else:
+        # read and validated once (file:row:field); implicit-prompt pairs come back explicit
+        rows = load_data(d.path, split=d.split, rename=d.columns)
+        fmt = rows.format
+        mode = resolve_mode(cfg, fmt)
     rows = list(rows)[:d.limit] if d.limit else rows
-    if mode == "generation":
+    if mode == "episodes":
+        result = runners.run_episodes(cfg, rows)
+    elif mode == "generation":
         result = runners.run_generation(cfg, rows)
     elif mode == "perplexity":
         result = runners.run_perplexity(cfg, rows)

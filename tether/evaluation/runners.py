@@ -107,3 +107,61 @@ def run_dpo(cfg, rows) -> dict:
             "metrics": preference_stats(chosen.tolist(), rejected.tolist()),
             "settings": {"beta": beta, "max_length": cfg.data.max_length, "truncation": cfg.data.truncation,
                          "ties": "count as failures"}}
+
+
+def run_episodes(cfg, rows) -> dict:
+    """pass@k of an environment's episodes (greedy and / or n sampled per row): an episode passes
+    when its reward — the environment's, plus the weighted reward_funcs on its transcript — is
+    >= generation.threshold; also the mean reward and the episodes' turns, tool calls and errors."""
+    import torch
+
+    from tether.envs import load_env
+    from tether.envs.rollouts import env_reward, episode_columns, episode_metrics, sample_episodes
+    from tether.evaluation.estimators import mean_pass_at_k
+    from tether.rewards.scoring import score
+
+    funcs = [env_reward, *resolve_reward_funcs(cfg.reward.reward_funcs)]
+    weights = [1.0, *(list(cfg.reward.reward_weights) or [1.0] * (len(funcs) - 1))]
+    names = [fn_name(f) for f in funcs]
+    settings = cfg.settings()
+    factory = load_env(cfg.environment.env)
+    tokenizer = load_tokenizer(cfg.model.path)
+    prompts, rep = encode_prompts(rows, tokenizer, cfg.data.max_prompt_length, cfg.data.truncation,
+                                  source=cfg.data.path)
+    if not prompts:
+        raise _nothing_left(cfg, "prompts")
+    model = _load(cfg, cfg.model.path)
+    sampler = Sampler(model, tokenizer, SamplingConfig(max_new_tokens=settings.max_new_tokens))
+    metrics, records = {}, []
+    try:
+        for decoding in settings.decoding:
+            greedy = decoding == "greedy"
+            n = 1 if greedy else settings.n
+            opts = {"temperature": 0.0} if greedy else {"temperature": settings.temperature,
+                                                       "top_p": settings.top_p, "top_k": settings.top_k}
+            ro, kept = sample_episodes(sampler, tokenizer, factory, prompts, n, cfg.environment,
+                                       seed=settings.seed, **opts)
+            seq_rows = [{**prompts[kept[i // n]], **episode_columns(ro.episodes[i])} for i in range(len(ro))]
+            per_fn, total = score(funcs, weights, seq_rows, ro.texts, ro.completion_lists())
+            passed = (total >= settings.threshold) & ~total.isnan()
+            counts = [(n, int(passed[j * n:(j + 1) * n].sum())) for j in range(len(kept))]
+            counts += [(n, 0)] * (len(prompts) - len(kept))  # a row whose reset raised: no pass
+            scored = ~total.isnan()
+            out = {f"pass@{k}": mean_pass_at_k(counts, k) for k in ([1] if greedy else settings.ks())}
+            out.update({"reward": float(total[scored].mean()) if scored.any() else float("nan"),
+                        **{f"rewards/{name}/mean": float(per_fn[:, j].nanmean()) for j, name in enumerate(names)},
+                        **episode_metrics(ro), "prompts": len(prompts), "episodes": len(ro)})
+            metrics.update({f"{decoding}/{k}": v for k, v in out.items()})
+            for i in range(len(ro)):
+                ep = ro.episodes[i]
+                records.append({"decoding": decoding, "prompt_index": kept[i // n], "sample": i % n,
+                                "prompt": prompts[kept[i // n]]["prompt"], "messages": ep["messages"],
+                                "reward": None if not scored[i] else float(total[i]), "passed": bool(passed[i]),
+                                "turns": ep["turns"], "tool_calls": ep["tool_calls"],
+                                "tool_errors": ep["tool_errors"], "finish_reason": ro.finish_reasons[i]})
+    finally:
+        sampler.release()
+    return {"kind": "causal-lm", "metrics": metrics, "records": records, "data": _report(rep),
+            "settings": {**settings.record(), "env": cfg.environment.env, "max_turns": cfg.environment.max_turns,
+                         "reward_funcs": list(cfg.reward.reward_funcs), "reward_names": names,
+                         "reward_weights": weights}}

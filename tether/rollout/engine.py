@@ -460,7 +460,7 @@ class Sampler:
 
 class Episodes:
     """What a multi-turn :meth:`Sampler.sample` asks of its caller (the episode loop,
-    ``tether.trajectories.episodes``), indexed by sequence (prompt-major, after ``only``)."""
+    ``tether.envs.rollouts``), indexed by sequence (prompt-major, after ``only``)."""
 
     def turn_ended(self, seq: int, ids: list[int]) -> list[int] | None:
         """Sequence ``seq``'s model turn ended with these sampled ids (its end token included):

@@ -43,7 +43,8 @@ from tether import distributed
 from tether.objectives import group_stats
 from tether.rewards.scoring import score_rollout
 from tether.rollout import Rollout, Sampler
-from tether.trajectories.episodes import EnvSection, episode_columns, load_env, sample_episodes
+from tether.envs import load_env
+from tether.envs.rollouts import EnvSection, episode_columns, sample_episodes
 
 
 def _pad_to(x: torch.Tensor, width: int, value) -> torch.Tensor:

@@ -52,7 +52,7 @@ from tether.trainers.core.common import (EpochSampler, Progress, Window, all_fin
 from tether.trainers.core.held_out import Best, load_eval_prompts, shown
 from tether.trainers.core.ranks import Ranks
 from tether.trainers.core.sharding import sampling_copy, shard_model, state_hint
-from tether.trajectories.episodes import env_data
+from tether.envs.rollouts import env_data
 
 
 @dataclass

@@ -14,7 +14,7 @@ from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, S
 from tether.trainers.core.held_out import check_eval
 from tether.trainers.core.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
-from tether.trajectories.episodes import EnvSection
+from tether.envs.rollouts import EnvSection
 from tether.trajectories.source import QueueSection
 
 # The choices are the registries' names, written once there (config checks and --help read these).

@@ -57,7 +57,8 @@ from tether.trainers.grpo.update import correct_off_policy, micro_slices, update
 from tether.trajectories.asynchronous import batch_source
 from tether.trajectories.disaggregated import finish_sampler, sampler_config, serve, split_world
 from tether.trajectories.partial import PartialRollouts, partial_metrics
-from tether.trajectories.episodes import EpisodeEval, env_reward, episode_metrics, episode_sample
+from tether.envs.rollouts import env_reward, episode_metrics
+from tether.trajectories.episodes import EpisodeEval, episode_sample
 from tether.trajectories.sampling import GroupSampler, PromptStream, Scoring, StepBatch
 
 @dataclass
