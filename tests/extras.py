@@ -16,7 +16,8 @@ import pytest
 
 # the package -> the extra that carries it
 EXTRA = {"peft": "lora", "gguf": "gguf", "accelerate": "gguf", "tensorboard": "tensorboard",
-         "fastapi": "studio", "uvicorn": "studio", "httpx": "test", "playwright": "test"}
+         "fastapi": "studio", "uvicorn": "studio", "httpx": "test", "playwright": "test",
+         "reasoning_gym": "reasoning-gym"}
 
 
 def reason(*missing: str) -> str:

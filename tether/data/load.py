@@ -1,4 +1,5 @@
-"""Load rows from local files, ``save_to_disk`` directories, or the Hugging Face hub.
+"""Load rows from local files, ``save_to_disk`` directories, the Hugging Face hub, or a
+reasoning-gym task (``reasoning_gym:<task>?size=N&seed=S``, tether.data.reasoning_gym).
 
 ``load_rows(source, split=None, streaming=False)`` returns :class:`~tether.data.rows.Rows`
 (or :class:`~tether.data.rows.StreamingRows`) whose rows are plain dicts, with 1-based row
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DataError
+from .reasoning_gym import is_reasoning_gym, reasoning_gym_rows
 from .rows import Rows, StreamingRows
 
 __all__ = ["load_rows", "parse_split", "SUFFIXES"]
@@ -65,7 +67,9 @@ def _looks_local(source: str) -> bool:
 def load_rows(source: str, split: str | None = None, *, streaming: bool = False) -> Rows | StreamingRows:
     """Load rows from ``source``: a .jsonl/.json/.csv/.parquet file (optionally .gz, except
     parquet), a ``save_to_disk`` directory (Dataset or DatasetDict), a directory holding
-    ``<split>.<ext>`` files, or else a hub dataset name through ``datasets.load_dataset``.
+    ``<split>.<ext>`` files, a reasoning-gym task (``reasoning_gym:<task>?size=N&seed=S``: its
+    generated entries, in memory even with ``streaming=True``), or else a hub dataset name
+    through ``datasets.load_dataset``.
 
     ``split`` picks the split (default "train") and may carry a slice: ``"train[:1000]"``.
     ``streaming=True`` reads lazily (a :class:`StreamingRows`; one pass per iteration).
@@ -74,7 +78,12 @@ def load_rows(source: str, split: str | None = None, *, streaming: bool = False)
     source = str(source)
     name, sl = parse_split(split)
     path = Path(source).expanduser()
-    if path.is_file():
+    if is_reasoning_gym(source):
+        if name not in (None, "train"):
+            raise DataError(source, None, None, f"split {name!r} requested but a reasoning-gym "
+                            "task has only one split")
+        rows = reasoning_gym_rows(source)
+    elif path.is_file():
         if name not in (None, "train"):
             raise DataError(source, None, None,
                             f"split {name!r} requested but a single file has only one split")

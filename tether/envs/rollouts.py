@@ -193,12 +193,13 @@ def sample_episodes(sampler: Sampler, tokenizer, factory: Callable[[], Any], row
 
 def env_data(section: EnvSection, seed: int, held_out: bool = False) -> list[dict]:
     """data=env: the training rows from the environment's rows(size, seed); `held_out`
-    (data.eval_data=env): rows of another seed, with any training prompt left out."""
+    (data.eval_data=env): rows of another seed, with any row equal to a training row left out."""
     train = env_rows(section.env, section.train_rows, seed=seed)
     if not held_out:
         return train
-    seen = {repr(r["prompt"]) for r in train}
-    return [r for r in env_rows(section.env, section.eval_rows, seed=seed + 1_000_003) if repr(r["prompt"]) not in seen]
+    seen = {repr(sorted(r.items())) for r in train}
+    return [r for r in env_rows(section.env, section.eval_rows, seed=seed + 1_000_003)
+            if repr(sorted(r.items())) not in seen]
 
 
 def segments(ro: Rollout, i: int, tokenizer) -> list[list]:

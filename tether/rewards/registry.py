@@ -63,8 +63,9 @@ def builtin_rewards() -> dict[str, Callable[..., RewardFn]]:
     """Built-in name -> factory (called with keyword options, or none for the default)."""
     # Imported here so that importing the registry never pulls in the sandbox machinery; by
     # module path, since the package __init__ (which imports this module) would be a cycle.
+    from tether.rewards.reasoning_gym import make_reasoning_gym
     from tether.rewards.verifiers import BUILTINS
-    return dict(BUILTINS)
+    return {**BUILTINS, "reasoning_gym": make_reasoning_gym}
 
 
 def load_reward(spec: str | RewardFn, **options) -> RewardFn:

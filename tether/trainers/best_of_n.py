@@ -10,6 +10,11 @@ The command, top to bottom:
        with `data.eval_data` the policy's greedy pass@1 / rewards on the held-out prompts before
        RFT, and the RFT run's eval points after (core/held_out.py, as every trainer's).
 
+With an environment (`env=`, docs/environments.md) each sample is a multi-turn episode
+(tether.envs.rollouts.sample_episodes; data=env draws the prompts from the environment): the
+proxy is the environment's reward first, then reward_funcs (which get the transcript), the kept
+sample is the episode with the highest proxy, and samples.jsonl holds its transcript.
+
 Under torchrun each rank samples and scores a consecutive block of the prompts with its own whole
 copy of the policy (no collective while sampling), drawing what one process draws for them (the
 streams are keyed by the whole prompt list: Sampler.sample(only=...)); the blocks are gathered in
@@ -42,6 +47,7 @@ import numpy as np
 
 from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegativeInt, Positive, PositiveInt
+from tether.envs.rollouts import EnvSection, episode_columns
 from tether.errors import UserError
 from tether.objectives.policy import best_of_n_kl
 from tether.rewards.registry import as_completions
@@ -49,6 +55,7 @@ from tether.trainers.core.held_out import (HeldOut, check_eval, check_keep_best,
                                            load_eval_prompts)
 from tether.trainers.core.sections import (DataSection, ModelSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
+from tether.trainers.grpo.config import check_env
 
 __all__ = ["BoNConfig", "run_bon", "bon_distribution", "bon_brute_force", "bon_kl", "bon_kl_uniform",
            "bon_curve", "best_of_n_kl", "select_best"]
@@ -175,6 +182,8 @@ class BoNConfig:
     "run directory and sampling seed; logging, checkpoints, num_samples, eval_every and keep_best apply to the RFT run"
     bon: BoNSection = field(default_factory=BoNSection)
     "best-of-n and rejection-sampling fine-tuning"
+    environment: EnvSection = field(default_factory=EnvSection)
+    "multi-turn episodes of an environment instead of one completion per prompt (docs/environments.md)"
 
     UNUSED: ClassVar[dict] = {"rollout.num_generations": "set the samples per prompt with bon.n",
                               "rollout.sampler_copy": "bon samples from the loaded policy, which does not train",
@@ -194,13 +203,22 @@ class BoNConfig:
             if self.bon.rft_min_reward is not None:
                 raise ConfigError("config key 'bon.rft_min_reward' needs bon.rft=true (it filters what RFT trains on)")
         check_eval(self)  # eval_every / eval_reward_funcs need data.eval_data
+        check_env(self)
+        if self.environment.env and self.bon.rft:
+            raise ConfigError("config key 'bon.rft': RFT fine-tunes on single-turn completions; an episode's "
+                              "transcript holds the environment's messages too")
 
 
 def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tuple[list, list | None]:
-    """Proxy (and gold) reward of every sample, prompt-major: n consecutive samples per prompt."""
+    """Proxy (and gold) reward of every sample, prompt-major: n consecutive samples per prompt.
+    Multi-turn: each function also gets the episode's transcript (`messages`) and the environment's
+    reward (`env_reward`)."""
     n = cfg.bon.n
-    prompts = [r["prompt"] for r in rows for _ in range(n)]
-    columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    seq_rows = [r for r in rows for _ in range(n)]
+    if rollout.episodes is not None:
+        seq_rows = [{**r, **episode_columns(ep)} for r, ep in zip(seq_rows, rollout.episodes)]
+    prompts = [r["prompt"] for r in seq_rows]
+    columns = {k: [r.get(k) for r in seq_rows] for k in seq_rows[0] if k not in ("prompt", "prompt_ids")}
     ids = rollout.completion_lists()
     completions = as_completions(prompts, rollout.texts)  # chat prompts: message lists, as TRL passes them
     proxies = proxy.score(prompts, completions, ids, columns).total
@@ -208,13 +226,15 @@ def score_samples(cfg: BoNConfig, rows: list[dict], rollout, proxy, gold) -> tup
     return proxies, golds
 
 
-def keep_best(rows: list[dict], texts: list[str], proxies, golds, n: int, ns: list[int]):
-    """The proxy-best sample of each prompt, and each prompt's best-of-n' curve (:func:`bon_curve`)."""
+def keep_best(rows: list[dict], texts: list[str], proxies, golds, n: int, ns: list[int],
+              episodes: Optional[list[dict]] = None):
+    """The proxy-best sample of each prompt, and each prompt's best-of-n' curve (:func:`bon_curve`).
+    `episodes`: per sample, what samples.jsonl keeps of its episode (multi-turn), added to the kept."""
     kept, curves = [], []
     for group, best in enumerate(select_best(proxies, n)):
         i = group * n + best
         kept.append({"prompt": rows[group]["prompt"], "completion": texts[i], "reward": proxies[i],
-                     **({"gold": golds[i]} if golds else {})})
+                     **({"gold": golds[i]} if golds else {}), **(episodes[i] if episodes else {})})
         window = slice(group * n, (group + 1) * n)
         curves.append(bon_curve(proxies[window], golds[window] if golds else None, ns))
     return kept, curves
@@ -259,18 +279,28 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     from tether.data import encode_prompts, load_data
     from tether.models import load_model, load_tokenizer
     from tether.rewards import RewardSet, load_reward
+    from tether.envs import load_env
+    from tether.envs.rollouts import env_data, env_reward, sample_episodes
     from tether.rollout import Sampler
     from tether.run import RunDir, check_lock, refuse_previous_run, seed_everything
+    from tether.trainers.ppo.update import episode_metrics_over_ranks
+    from tether.trajectories.episodes import episode_sample
 
     if not cfg.model.path:
         raise UserError("bon: `model` is required")
     if not cfg.data.path:
         raise UserError("bon: `data` is required (prompts)")
+    env = cfg.environment if cfg.environment.env else None  # multi-turn episodes of an environment
     funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.reward.reward_funcs)
-    if not funcs:
+    if not funcs and env is None:
         raise UserError("bon: at least one reward function is required (reward_funcs=[...])")
     distributed.init()  # under torchrun: the process group (and each rank's GPU) before any model loads
-    proxy = RewardSet(funcs, cfg.reward.reward_weights or None)
+    weights = cfg.reward.reward_weights or None
+    if env is not None:  # the environment's own reward first (weight 1); reward_funcs add to it
+        if weights is not None and len(weights) != len(funcs):
+            raise UserError(f"bon: {len(weights)} reward_weights for {len(funcs)} reward functions")
+        funcs, weights = [env_reward, *funcs], [1.0, *(weights or [1.0] * len(funcs))]
+    proxy = RewardSet(funcs, weights)
     gold_spec = gold_reward if gold_reward is not None else cfg.bon.gold_reward
     gold = RewardSet([load_reward(gold_spec)]) if gold_spec else None
     # held-out prompts are scored with eval_reward_funcs (each weight 1.0), else the proxy
@@ -284,9 +314,9 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     distributed.on_main(refusals)
     seed_everything(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
-    rows, _ = encode_prompts(load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split,
-                                       rename=cfg.data.columns), tokenizer,
-                             cfg.data.max_prompt_length, cfg.data.truncation, source=cfg.data.path)
+    source = env_data(env, cfg.run.seed) if env is not None and cfg.data.path == "env" else \
+        load_data(cfg.data.path, expect="prompt-only", split=cfg.data.split, rename=cfg.data.columns)
+    rows, _ = encode_prompts(source, tokenizer, cfg.data.max_prompt_length, cfg.data.truncation, source=cfg.data.path)
     rows = rows[:cfg.bon.max_prompts or None]
     if not rows:
         raise UserError(f"bon: no prompts left in {cfg.data.path}")
@@ -301,20 +331,30 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     lo, hi = (len(rows) * distributed.rank() // distributed.world_size(),
               len(rows) * (distributed.rank() + 1) // distributed.world_size())  # this rank's prompts
     texts, proxies, golds, lengths = [], [], None if gold is None else [], torch.zeros(0, dtype=torch.long)
+    rollout, mine, episodes = None, list(range(lo, hi)), []  # mine: this rank's prompts that were sampled
     if hi > lo:
-        rollout = sampler.sample([r["prompt_ids"] for r in rows], n=n, seed=cfg.run.seed, only=range(lo, hi))
+        if env is None:
+            rollout = sampler.sample([r["prompt_ids"] for r in rows], n=n, seed=cfg.run.seed, only=mine)
+        else:  # a prompt whose environment's reset raised is left out (env/reset_errors)
+            rollout, mine = sample_episodes(sampler, tokenizer, load_env(env.env), rows, n, env, seed=cfg.run.seed,
+                                            only=mine)
+            episodes = [episode_sample(rollout, i) for i in range(len(rollout))]
         try:
-            proxies, golds = score_samples(cfg, rows[lo:hi], rollout, proxy, gold)
+            proxies, golds = score_samples(cfg, [rows[i] for i in mine], rollout, proxy, gold)
         except UserError as e:  # under torchrun: about this rank's completions, the others may not fail
             raise distributed.rank_local(e)
         texts, lengths = rollout.texts, rollout.lengths.cpu()
     sample_seconds = time.time() - started
-    parts = distributed.all_gather_object((texts, proxies, golds, lengths))  # prompt order: rank order
+    env_metrics = episode_metrics_over_ranks(rollout) if env is not None else {}  # (collective)
+    # prompt order: rank order
+    parts = distributed.all_gather_object((texts, proxies, golds, lengths, mine, episodes))
     texts, proxies = [x for p in parts for x in p[0]], [x for p in parts for x in p[1]]
     golds = None if gold is None else [x for p in parts for x in p[2]]
     lengths = torch.cat([p[3] for p in parts])
+    sampled = [rows[i] for p in parts for i in p[4]]
     ns = [2 ** j for j in range(int(math.log2(n)) + 1)] + ([n] if n & (n - 1) else [])
-    kept, curves = keep_best(rows, texts, proxies, golds, n, ns)
+    kept, curves = keep_best(sampled, texts, proxies, golds, n, ns,
+                             [x for p in parts for x in p[5]] if env is not None else None)
     run.add_samples(0, kept)
 
     curve = []
@@ -325,10 +365,10 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
             point["gold"] = float(np.mean([c[m][1] for c in curves]))
         curve.append(point)
         run.log(m, {k: v for k, v in point.items() if k != "n"})
-    summary = {"n": n, "prompts": len(rows), "kl_bon": best_of_n_kl(n), "d": math.sqrt(best_of_n_kl(n)),
+    summary = {"n": n, "prompts": len(sampled), "kl_bon": best_of_n_kl(n), "d": math.sqrt(best_of_n_kl(n)),
                "proxy/best_mean": float(np.mean([r["reward"] for r in kept])),
                "proxy/mean": float(np.mean(proxies)), "sample_seconds": round(sample_seconds, 2),
-               "completions/mean_length": float(lengths.float().mean()), "curve": curve}
+               "completions/mean_length": float(lengths.float().mean()), "curve": curve, **env_metrics}
     if golds:
         summary["gold/best_mean"] = float(np.mean([r["gold"] for r in kept]))
         summary["gold/mean"] = float(np.mean(golds))

@@ -144,6 +144,10 @@
     stepSel.replaceChildren(T.el("option", {value: ""}, "all"),
                             ...d.steps.map(s => T.el("option", {value: String(s), selected: String(s) === step}, String(s))));
     document.getElementById("samples-count").textContent = `${d.total} samples`;
+    // multi-turn samples (a run over an environment) open on the Episodes page, at this step
+    const link = document.getElementById("episodes-link");
+    link.hidden = !(d.columns.includes("segments") && d.columns.includes("messages"));
+    link.href = `/episodes?run=${encodeURIComponent(id)}` + (step !== "" ? `&step=${step}` : "");
     const cols = d.columns.filter(c => c !== "step");
     const columns = [{key: "step", label: "step", sortable: true, numeric: true}].concat(cols.map(c => {
       const numeric = d.rows.some(r => typeof r[c] === "number");

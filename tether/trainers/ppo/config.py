@@ -1,16 +1,18 @@
-"""PPO-RLHF's config: the algorithm's section (`ppo`: reward shaping, GAE, the update, β) and the
-run's sections (docs/ppo.md)."""
+"""PPO-RLHF's config: the algorithm's section (`ppo`: reward shaping, GAE, the update, β), the
+run's sections (docs/ppo.md) and, for multi-turn episodes, the environment (docs/environments.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tether.config import flat_init
+from tether.config import ConfigError, flat_init
 from tether.constraints import Fraction, NonNegative, Positive, PositiveInt
+from tether.envs.rollouts import EnvSection
 from tether.trainers.core.held_out import check_eval
 from tether.trainers.core.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
+from tether.trainers.grpo.config import check_env
 
 
 @dataclass
@@ -70,9 +72,15 @@ class PPOConfig:
     "run directory, seed (prompt order, sampling, minibatch shuffling), logging, checkpoints"
     ppo: PPOSection = field(default_factory=PPOSection)
     "reward shaping, GAE, the PPO update, β"
+    environment: EnvSection = field(default_factory=EnvSection)
+    "multi-turn episodes of an environment instead of one completion per prompt (docs/environments.md)"
 
     def __post_init__(self):
         check_eval(self, funcs_need_data=False)  # eval_every needs data.eval_data
+        check_env(self)
+        if self.environment.env and self.ppo.process_reward:
+            raise ConfigError("config key 'ppo.process_reward': a PRM scores the steps of one completion's "
+                              "text; an episode's transcript holds the environment's messages too")
         self.rollout.check_release()
         if self.ppo.num_minibatches > self.data.batch_size * self.rollout.num_generations:
             raise ValueError("num_minibatches cannot exceed batch_size × num_generations")

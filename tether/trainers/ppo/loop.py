@@ -20,6 +20,19 @@ there too (as TRL/OpenRLHF do), so V_t and log π_t describe the same decision.
 
 Under torchrun (many processes, one run) each rank samples and trains on its part of every batch
 while whitening, minibatch losses and the logged numbers stay the global batch's: update.py.
+
+With an environment (`env=`, docs/environments.md) each completion is a multi-turn episode
+(tether.envs.rollouts.sample_episodes): the model's turns with the environment's replies between
+them, in one sequence. R is the environment's reward first, then reward_funcs (which get the
+transcript). The environment's tokens are attended to and are neither actions nor states of the
+MDP the critic learns: the mask every piece above takes is the model's tokens alone
+(`completion_mask`), so the KL is summed over the model's tokens, R sits on the model's last
+token, GAE's recursion runs over each sequence's model tokens in order with the observation
+positions skipped (objectives.gae: masked-out positions are transparent — the advantages and
+returns are those of the sequence with the observations cut out, tests/test_env_ppo.py), the
+whitening and the policy, value and entropy terms are over the model's tokens. V of a model
+token after a reply is read at the reply's last token: the state that chooses it includes what
+the environment said.
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ from typing import Optional, Sequence
 import torch
 
 from tether import distributed
+from tether.envs import load_env
+from tether.envs.rollouts import env_reward, episode_columns, sample_episodes
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps
 from tether.objectives import gae, kl_penalized_rewards
@@ -46,9 +61,11 @@ from tether.trainers.core.sharding import shard_model
 from tether.trainers.ppo.config import PPOConfig
 from tether.trainers.ppo.critic import build_policy_and_critic, kl_controller, save_ppo_state
 from tether.trainers.ppo.process import dense_process_rewards, process_reward_index
-from tether.trainers.ppo.update import Shares, ppo_epochs
+from tether.trainers.ppo.update import Shares, episode_metrics_over_ranks, ppo_epochs
 from tether.trainers.ppo.update import values_of as _values
 from tether.trainers.ppo.update import whiten as globally_whitened
+from tether.trajectories.episodes import EpisodeEval, episode_sample
+from tether.trajectories.sampling import Scoring
 
 
 @dataclass
@@ -60,18 +77,25 @@ class Rewards:
 
     @classmethod
     def resolve(cls, cfg: PPOConfig, funcs=None, weights=None, evals=None) -> "Rewards":
-        """Callables given to train_ppo override the config's specs."""
+        """Callables given to train_ppo override the config's specs. With an environment its own
+        reward comes first (weight 1) and reward_funcs add to it."""
         funcs = resolve_reward_funcs(funcs if funcs is not None else cfg.reward.reward_funcs)
-        if not funcs:
+        env = bool(cfg.environment.env)
+        if not funcs and not env:
             raise UserError("ppo: at least one reward is required (reward_funcs=rm:<dir> or a function)")
         weights = list(weights if weights is not None else cfg.reward.reward_weights) or [1.0] * len(funcs)
         if len(weights) != len(funcs):
             raise UserError(f"ppo: {len(weights)} reward_weights for {len(funcs)} reward functions")
+        if env:
+            funcs, weights = [env_reward, *funcs], [1.0, *weights]
         return cls(funcs, weights, resolve_reward_funcs(evals if evals is not None else cfg.reward.eval_reward_funcs))
 
     def score(self, rows: list[dict], rollout, length_penalty: float) -> dict:
         """R per completion ([N], CPU; no score from any function = 0, counted) and the
-        per-function rewards behind it."""
+        per-function rewards behind it. Multi-turn: each function also gets the episode's
+        transcript (`messages`) and the environment's reward (`env_reward`)."""
+        if rollout.episodes is not None:
+            rows = [{**row, **episode_columns(ep)} for row, ep in zip(rows, rollout.episodes)]
         completion_ids = rollout.completion_lists()
         try:
             per_function, scores = score_completions(self.funcs, self.weights, rows, rollout.texts, completion_ids)
@@ -116,7 +140,9 @@ def ppo_advantages(scores, old_logps, ref_logps, old_values, mask, beta: float, 
     (A, R_t) = GAE_{γ,λ}(r̃, V_old)  (Schulman et al. 2016 eq. 16);  A ← whiten(A) (returns are
     not whitened: the critic regresses the real return). All [B, T] aligned with input_ids. GAE is
     per sequence; the whitening statistics are the global batch's under torchrun. `dense` [B, T]:
-    per-token rewards added to r̃ (a PRM's step scores, process.py).
+    per-token rewards added to r̃ (a PRM's step scores, process.py). `mask`: the tokens that are
+    actions (the model's); anything else — prompt, padding, an environment's reply inside a
+    multi-turn completion — is skipped by the KL, the score's position, GAE and the whitening.
     """
     token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, beta, estimator)
     if dense is not None:
@@ -160,7 +186,9 @@ def sequence_values(scored: dict, rollout, rows: list[dict], mask, old_logps, se
             "sequence_kl": sequence_kl, "logp_sums": torch.where(mask, old_logps, 0.0).sum(1),
             "lengths": rollout.lengths, "finish_reasons": rollout.finish_reasons, "texts": rollout.texts,
             "prompts": [row["prompt"] for row in rows],
-            **({"evals": scored["evals"]} if scored["evals"] is not None else {})}
+            **({"evals": scored["evals"]} if scored["evals"] is not None else {}),
+            **({"episodes": [episode_sample(rollout, i) for i in range(len(rollout))]}
+               if rollout.episodes is not None else {})}
 
 
 def ppo_summary(t, final_eval: dict, last: dict, stopped_early: Optional[int], kl_control,
@@ -192,6 +220,8 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     rewards.shard(cfg)
     prm_at = process_reward_index(rewards.funcs) if spec.process_reward else None
     policy, critic, amp = t.model, t.trainable["value"], t.amp
+    env = cfg.environment if cfg.environment.env else None  # multi-turn episodes of an environment
+    factory = load_env(env.env) if env else None
     generations, sequences = cfg.rollout.num_generations, cfg.data.batch_size * cfg.rollout.num_generations
     sampler = Sampler(t.rollout_model(), t.tokenizer, cfg.rollout.sampling())
     # The KV cache lives in the (policy + critic) gradient buffer, idle while sampling, when it fits
@@ -200,7 +230,10 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
                                      max(len(row["prompt_ids"]) for row in t.data.train))
     kl_control = kl_controller(spec, t.ckpt)
     t.save_extra = lambda path: save_ppo_state(path, critic, kl_control)
-    held_out = HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)  # {} without eval_data
+    # held-out prompts played greedily ({} without eval_data); an environment's: episodes scored as in training
+    held_out = EpisodeEval(t.data.eval, factory, env, Scoring(rewards.funcs, rewards.weights,
+                                                              cfg.rollout.max_new_tokens)) if env else \
+        HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)
     last, stopped_early = {}, None
     while t.step < t.total_steps:
         started, gathered = time.perf_counter(), t.gather_seconds
@@ -210,9 +243,16 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         prompts = [t.data.train[i] for i in t.order.global_batch_at(t.order.position)]
         shares = Shares.of(t.order, len(prompts), generations)
         t.order.next()
+        seed = cfg.run.seed * 1_000_003 + t.step
         with t.replica_turn(sampler):  # (the replica refreshed first; after, its memory lent to training)
-            rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations,
-                                     seed=cfg.run.seed * 1_000_003 + t.step, only=shares.prompts)
+            if env is None:
+                rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations, seed=seed,
+                                         only=shares.prompts)
+            else:  # a prompt whose environment's reset raised leaves the batch (env/reset_errors)
+                rollout, kept = sample_episodes(sampler, t.tokenizer, factory, prompts, generations, env,
+                                                seed=seed, only=shares.prompts)
+        if env is not None:
+            shares = shares.keep(kept, generations)
         sampling_seconds = time.perf_counter() - started
         rows = [prompts[shares.prompts[i // generations]] for i in range(len(rollout))]
         scored = rewards.score(rows, rollout, spec.length_penalty)
@@ -248,11 +288,12 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
 
         # 4. log, samples, KL budget, checkpoint (gather_time: the seconds spent refreshing the replica)
         last = {**step_metrics(t, seen, rewards, mismatch, beta, updates, started, sampling_seconds),
-                **t.gather_time(gathered)}
+                **(episode_metrics_over_ranks(rollout) if env else {}), **t.gather_time(gathered)}
         if t.log_due():
             t.log(last)
-            t.add_samples([{"prompt": prompt, "completion": text, "score": float(value)}
-                           for prompt, text, value in zip(seen["prompts"], seen["texts"], seen["scores"])])
+            t.add_samples([{"prompt": prompt, "completion": text, "score": float(value), **episode}
+                           for prompt, text, value, episode in zip(seen["prompts"], seen["texts"], seen["scores"],
+                                                                   seen.get("episodes", [{}] * len(seen["texts"])))])
         t.bar.update({"score": last["objective/scores"], "kl": mean_kl, **t.eval_shown})
         if spec.kl_budget > 0 and mean_kl > spec.kl_budget:
             stopped_early = t.step  # the policy left the region the reward model can be trusted in
