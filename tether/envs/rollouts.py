@@ -38,7 +38,7 @@ class EnvSection:
     train_rows: PositiveInt = 2000
     "data=env: rows drawn from the environment's own rows(size, seed) for training (seed: run.seed)"
     eval_rows: PositiveInt = 200
-    "data.eval_data=env: held-out rows drawn likewise with another seed (training prompts left out), played greedily at eval points (eval/env/...)"
+    "data.eval_data=env: held-out rows drawn likewise with another seed (rows equal to a training row left out), played greedily at eval points (eval/env/...)"
     max_turns: PositiveInt = 8
     "most model turns per episode (its last turn's tool calls, if any, are not run)"
     tool_format: str = "auto"
