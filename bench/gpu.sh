@@ -26,6 +26,10 @@
 #               (1 sampler + 1 trainer, staleness 1, 2 GPUs) for each of SEEDS, [long-sync,
 #               long-sync-partial, long-disagg, long-disagg-partial] (384 new tokens, partial rollouts
 #               of 96); then `python bench/async.py summary` over the runs
+#   env         bench/env_rl.py: multi-turn GRPO on SmolLM2 with the calculator environment, held-out
+#               episode success before / after BUDGET s of training; rows tools-s<seed>, plain-s<seed>
+#               (the same problems with no tool), default tools-s0 plain-s0; the model's parts as
+#               real-model's
 #
 # Environment: OUT (default /tmp/out); ROWS (the rows to run, default each suite's); DEADLINE (seconds
 # for the whole call, default 570: a device command runs at most 600; a row is capped to what is left
@@ -303,6 +307,21 @@ suite_real_model() {
     archive
 }
 
+suite_env() {  # multi-turn GRPO with the calculator's tools on SmolLM2, and the same without the tool
+    RUNS=/tmp/env-rl
+    model || return 3
+    local r kind seed d curves=()
+    for ROW in ${ROWS:-tools-s0 plain-s0}; do
+        kind=${ROW%-s*} seed=${ROW##*-s}
+        row "$ROW" $((BUDGET + 200)) python3 bench/env_rl.py run --model "$MODEL" --out "$RUNS/$ROW" \
+            --seed "$seed" --budget "$BUDGET" $([ "$kind" = plain ] && echo --no-tools)
+    done
+    for d in "$RUNS"/*/; do [ -f "$d/curve.json" ] && curves+=("${d%/}"); done
+    (( ${#curves[@]} )) && python3 bench/env_rl.py table "${curves[@]}" | tee "$O/results.md"
+    [ -z "${DRY:-}" ] && for d in "${curves[@]}"; do cp "$d/curve.json" "$O/$(basename "$d").json"; done
+    archive
+}
+
 suite_async() {
     RUNS=/tmp/async
     model || return 3
@@ -352,7 +371,7 @@ esac
 SUMMARY=() FAILED=0 RUNS=/tmp/runs
 for SUITE in "$@"; do
     case $SUITE in
-    tests | rollout | grpo | dpo | scale | memory | real-model | async) ;;
+    tests | rollout | grpo | dpo | scale | memory | real-model | async | env) ;;
     *) echo "unknown suite '$SUITE' (bash bench/gpu.sh --help)" >&2; FAILED=1; continue ;;
     esac
     O=$OUT/$SUITE; mkdir -p "$O"
