@@ -201,6 +201,31 @@ def ppo_summary(t, final_eval: dict, last: dict, stopped_early: Optional[int], k
             "data": report_summary(t.data.report)}
 
 
+def sample_rollouts(t, sampler, prompts: list[dict], shares: Shares, cfg: PPOConfig, factory):
+    """Step t.step's rollouts of this rank's share of `prompts` (the seed a function of (seed,
+    step): a resumed run draws the same ones), sampled from the refreshed replica whose memory is
+    then lent to training; with an environment its episodes, a prompt whose reset raised leaving
+    the batch (env/reset_errors, on every rank alike: Shares.keep). -> (rollout, shares)."""
+    generations, env = cfg.rollout.num_generations, cfg.environment
+    seed = cfg.run.seed * 1_000_003 + t.step
+    with t.replica_turn(sampler):
+        if factory is None:
+            return sampler.sample([row["prompt_ids"] for row in prompts], n=generations, seed=seed,
+                                  only=shares.prompts), shares
+        rollout, kept = sample_episodes(sampler, t.tokenizer, factory, prompts, generations, env,
+                                        seed=seed, only=shares.prompts)
+    return rollout, shares.keep(kept, generations)
+
+
+def held_out_eval(cfg: PPOConfig, t, rewards, eval_funcs, eval_weights, factory):
+    """What an eval point runs: the held-out prompts greedily (HeldOut), or an environment's
+    held-out episodes scored as in training (EpisodeEval)."""
+    if factory is None:
+        return HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)
+    return EpisodeEval(t.data.eval, factory, cfg.environment,
+                       Scoring(rewards.funcs, rewards.weights, cfg.rollout.max_new_tokens))
+
+
 @releases_process_state
 def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
               reward_weights: Optional[Sequence[float]] = None,
@@ -220,8 +245,8 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     rewards.shard(cfg)
     prm_at = process_reward_index(rewards.funcs) if spec.process_reward else None
     policy, critic, amp = t.model, t.trainable["value"], t.amp
-    env = cfg.environment if cfg.environment.env else None  # multi-turn episodes of an environment
-    factory = load_env(env.env) if env else None
+    env = cfg.environment.env  # multi-turn episodes of an environment ('' = one completion a prompt)
+    factory = load_env(env) if env else None
     generations, sequences = cfg.rollout.num_generations, cfg.data.batch_size * cfg.rollout.num_generations
     sampler = Sampler(t.rollout_model(), t.tokenizer, cfg.rollout.sampling())
     # The KV cache lives in the (policy + critic) gradient buffer, idle while sampling, when it fits
@@ -231,9 +256,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
     kl_control = kl_controller(spec, t.ckpt)
     t.save_extra = lambda path: save_ppo_state(path, critic, kl_control)
     # held-out prompts played greedily ({} without eval_data); an environment's: episodes scored as in training
-    held_out = EpisodeEval(t.data.eval, factory, env, Scoring(rewards.funcs, rewards.weights,
-                                                              cfg.rollout.max_new_tokens)) if env else \
-        HeldOut.of_prompts(cfg, t.data.eval, eval_funcs, eval_weights)
+    held_out = held_out_eval(cfg, t, rewards, eval_funcs, eval_weights, factory)
     last, stopped_early = {}, None
     while t.step < t.total_steps:
         started, gathered = time.perf_counter(), t.gather_seconds
@@ -243,16 +266,7 @@ def train_ppo(cfg: PPOConfig, reward_funcs: Optional[Sequence] = None,
         prompts = [t.data.train[i] for i in t.order.global_batch_at(t.order.position)]
         shares = Shares.of(t.order, len(prompts), generations)
         t.order.next()
-        seed = cfg.run.seed * 1_000_003 + t.step
-        with t.replica_turn(sampler):  # (the replica refreshed first; after, its memory lent to training)
-            if env is None:
-                rollout = sampler.sample([row["prompt_ids"] for row in prompts], n=generations, seed=seed,
-                                         only=shares.prompts)
-            else:  # a prompt whose environment's reset raised leaves the batch (env/reset_errors)
-                rollout, kept = sample_episodes(sampler, t.tokenizer, factory, prompts, generations, env,
-                                                seed=seed, only=shares.prompts)
-        if env is not None:
-            shares = shares.keep(kept, generations)
+        rollout, shares = sample_rollouts(t, sampler, prompts, shares, cfg, factory)
         sampling_seconds = time.perf_counter() - started
         rows = [prompts[shares.prompts[i // generations]] for i in range(len(rollout))]
         scored = rewards.score(rows, rollout, spec.length_penalty)
