@@ -23,6 +23,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from tether import distributed
 from tether.config import ConfigError
 from tether.constraints import NonNegativeInt, PositiveInt
 from tether.envs.episode import Episode, EnvError, EnvResetError, env_rows
@@ -236,3 +237,22 @@ def episode_metrics(ro: Rollout) -> dict[str, float]:
     if turn:
         out["env/turn_reward"] = sum(turn) / len(turn)
     return out
+
+
+def episode_metrics_over_ranks(rollout) -> dict[str, float]:
+    """The env/* metrics (tether.envs.rollouts.episode_metrics) of every rank's episodes together:
+    each rank's means weighted by its episodes (env/turn_reward by its per-turn rewards),
+    env/reset_errors summed; episode_metrics itself in one process (collective under torchrun)."""
+    own = episode_metrics(rollout) if rollout is not None else {}
+    if not distributed.active():
+        return own
+    records = rollout.episodes if own else []
+    parts = distributed.all_gather_object((own, len(records), sum(len(e["turn_rewards"]) for e in records)))
+    total: dict[str, float] = {}
+    for metrics, episodes, turn_rewards in parts:
+        for key, value in metrics.items():
+            weight = 1 if key == "env/reset_errors" else turn_rewards if key == "env/turn_reward" else episodes
+            total[key] = total.get(key, 0.0) + value * weight
+    episodes, turn_rewards = sum(p[1] for p in parts), sum(p[2] for p in parts)
+    return {k: v if k == "env/reset_errors" else v / max(turn_rewards if k == "env/turn_reward" else episodes, 1)
+            for k, v in total.items()}

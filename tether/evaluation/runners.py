@@ -113,8 +113,6 @@ def run_episodes(cfg, rows) -> dict:
     """pass@k of an environment's episodes (greedy and / or n sampled per row): an episode passes
     when its reward — the environment's, plus the weighted reward_funcs on its transcript — is
     >= generation.threshold; also the mean reward and the episodes' turns, tool calls and errors."""
-    import torch
-
     from tether.envs import load_env
     from tether.envs.rollouts import env_reward, episode_columns, episode_metrics, sample_episodes
     from tether.evaluation.estimators import mean_pass_at_k

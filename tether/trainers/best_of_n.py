@@ -53,9 +53,8 @@ from tether.objectives.policy import best_of_n_kl
 from tether.rewards.registry import as_completions
 from tether.trainers.core.held_out import (HeldOut, check_eval, check_keep_best, eval_rewards, generation_metrics,
                                            load_eval_prompts)
-from tether.trainers.core.sections import (DataSection, ModelSection, PromptSection, RewardSection,
+from tether.trainers.core.sections import (check_env, DataSection, ModelSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
-from tether.trainers.grpo.config import check_env
 
 __all__ = ["BoNConfig", "run_bon", "bon_distribution", "bon_brute_force", "bon_kl", "bon_kl_uniform",
            "bon_curve", "best_of_n_kl", "select_best"]
@@ -283,7 +282,7 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     from tether.envs.rollouts import env_data, env_reward, sample_episodes
     from tether.rollout import Sampler
     from tether.run import RunDir, check_lock, refuse_previous_run, seed_everything
-    from tether.trainers.ppo.update import episode_metrics_over_ranks
+    from tether.envs.rollouts import episode_metrics_over_ranks
     from tether.trajectories.episodes import episode_sample
 
     if not cfg.model.path:

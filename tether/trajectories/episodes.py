@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from tether.envs.rollouts import EnvSection, env_reward, episode_metrics, sample_episodes
+from tether.envs.rollouts import EnvSection, episode_metrics, sample_episodes
 from tether.rollout import Rollout
 
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal, Optional
 
+from tether.config import ConfigError
 from tether.constraints import (DirPath, Fraction, NonNegative, NonNegativeInt, Positive,
                                 PositiveInt, Range, Seed, fsdp_conflict)
 from tether.rollout.sampling import SamplingConfig
@@ -253,3 +254,17 @@ class RewardSection:
     "weight of each reward function (default: all 1.0)"
     eval_reward_funcs: list[str] = field(default_factory=list)
     "rewards not trained on (e.g. a gold reward next to a learned proxy), each weight 1.0: the held-out prompts (data.eval_data) are scored with them instead of the training rewards (eval/greedy/...); ppo also logs them on its training samples (eval_rewards/<name>/mean)"
+
+
+def check_env(cfg) -> None:
+    """What an environment's episodes do not combine with (one-line errors, before anything loads)."""
+    if not cfg.environment.env:
+        if cfg.data.path == "env":
+            raise ConfigError("data=env draws the rows from the environment: set env=<environment>")
+        return
+    if getattr(cfg, "queue", None) is not None and cfg.queue.partial:
+        raise ConfigError("config key 'queue.partial': partial rollouts continue single-turn completions; "
+                          "an environment's episodes run whole")
+    if cfg.rollout.stop:
+        raise ConfigError("config key 'rollout.stop': an episode's turns end at the chat template's end of "
+                          "turn; stop strings do not combine with env=")

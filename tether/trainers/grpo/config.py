@@ -12,7 +12,7 @@ from tether.config import ConfigError, flat_init
 from tether.constraints import NonNegative, NonNegativeInt, Positive, PositiveInt
 from tether.objectives import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, SURROGATES
 from tether.trainers.core.held_out import check_eval
-from tether.trainers.core.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
+from tether.trainers.core.sections import (check_env, ModelSection, OptimSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
 from tether.envs.rollouts import EnvSection
 from tether.trajectories.source import QueueSection
@@ -131,20 +131,6 @@ class ReMaxConfig(GRPOConfig):
     run: RunSection = field(default_factory=lambda: RunSection(name="remax", log_every=1, num_samples=2))
     rollout: RolloutSection = field(default_factory=lambda: RolloutSection(num_generations=1))
     grpo: GRPOSection = field(default_factory=lambda: GRPOSection(advantage="remax", beta=0.05, kl_in="reward"))
-
-
-def check_env(cfg) -> None:
-    """What an environment's episodes do not combine with (one-line errors, before anything loads)."""
-    if not cfg.environment.env:
-        if cfg.data.path == "env":
-            raise ConfigError("data=env draws the rows from the environment: set env=<environment>")
-        return
-    if getattr(cfg, "queue", None) is not None and cfg.queue.partial:
-        raise ConfigError("config key 'queue.partial': partial rollouts continue single-turn completions; "
-                          "an environment's episodes run whole")
-    if cfg.rollout.stop:
-        raise ConfigError("config key 'rollout.stop': an episode's turns end at the chat template's end of "
-                          "turn; stop strings do not combine with env=")
 
 
 def check_queue(cfg: GRPOConfig) -> None:

@@ -10,9 +10,8 @@ from tether.config import ConfigError, flat_init
 from tether.constraints import Fraction, NonNegative, Positive, PositiveInt
 from tether.envs.rollouts import EnvSection
 from tether.trainers.core.held_out import check_eval
-from tether.trainers.core.sections import (ModelSection, OptimSection, PromptSection, RewardSection,
+from tether.trainers.core.sections import (check_env, ModelSection, OptimSection, PromptSection, RewardSection,
                                            RolloutSection, RunSection)
-from tether.trainers.grpo.config import check_env
 
 
 @dataclass

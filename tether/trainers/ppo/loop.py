@@ -45,7 +45,7 @@ import torch
 
 from tether import distributed
 from tether.envs import load_env
-from tether.envs.rollouts import env_reward, episode_columns, sample_episodes
+from tether.envs.rollouts import env_reward, episode_columns, episode_metrics_over_ranks, sample_episodes
 from tether.errors import UserError
 from tether.models.logprobs import completion_token_logps
 from tether.objectives import gae, kl_penalized_rewards
@@ -61,7 +61,7 @@ from tether.trainers.core.sharding import shard_model
 from tether.trainers.ppo.config import PPOConfig
 from tether.trainers.ppo.critic import build_policy_and_critic, kl_controller, save_ppo_state
 from tether.trainers.ppo.process import dense_process_rewards, process_reward_index
-from tether.trainers.ppo.update import Shares, episode_metrics_over_ranks, ppo_epochs
+from tether.trainers.ppo.update import Shares, ppo_epochs
 from tether.trainers.ppo.update import values_of as _values
 from tether.trainers.ppo.update import whiten as globally_whitened
 from tether.trajectories.episodes import EpisodeEval, episode_sample

@@ -13,7 +13,7 @@ What spans ranks (tether/distributed.py: ranks are micro-batches):
   (both collective), on a row that weighs 0;
 - the logged numbers: per-sequence values gathered in global order (`Shares.gather`) and reduced
   as one process reduces them; per-update token means summed over ranks; an environment's env/*
-  metrics weighted by each rank's episodes (`episode_metrics_over_ranks`);
+  metrics weighted by each rank's episodes (`tether.envs.rollouts.episode_metrics_over_ranks`);
 - with an environment, the prompts whose reset raised leave the global batch on every rank
   alike (`Shares.keep`): the minibatches are those one process draws over the prompts it keeps.
 In one process every piece is the plain computation, bit for bit: the same float32 operations, and
@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from tether import distributed
-from tether.envs.rollouts import episode_metrics
 from tether.models.logprobs import completion_token_logps
 from tether.objectives import as_bool, masked_sum, policy_loss, value_loss
 
@@ -116,25 +115,6 @@ class Shares:
         padded = [torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows[str(i)]])
                   for i in range(len(per_token))]
         return (full, *padded)
-
-
-def episode_metrics_over_ranks(rollout) -> dict[str, float]:
-    """The env/* metrics (tether.envs.rollouts.episode_metrics) of every rank's episodes together:
-    each rank's means weighted by its episodes (env/turn_reward by its per-turn rewards),
-    env/reset_errors summed; episode_metrics itself in one process (collective under torchrun)."""
-    own = episode_metrics(rollout) if rollout is not None else {}
-    if not distributed.active():
-        return own
-    records = rollout.episodes if own else []
-    parts = distributed.all_gather_object((own, len(records), sum(len(e["turn_rewards"]) for e in records)))
-    total: dict[str, float] = {}
-    for metrics, episodes, turn_rewards in parts:
-        for key, value in metrics.items():
-            weight = 1 if key == "env/reset_errors" else turn_rewards if key == "env/turn_reward" else episodes
-            total[key] = total.get(key, 0.0) + value * weight
-    episodes, turn_rewards = sum(p[1] for p in parts), sum(p[2] for p in parts)
-    return {k: v if k == "env/reset_errors" else v / max(turn_rewards if k == "env/turn_reward" else episodes, 1)
-            for k, v in total.items()}
 
 
 def token_means(policy_term, policy_stats: dict, value_term, value_stats: dict, entropy) -> dict[str, float]:
