@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-
 from tether.data.chat import encode_text, render
 from tether.envs import (Episode, detect_tool_format, end_of_turn_ids, observation_ids, prompt_ids,
                          template_renders_tools)
