@@ -1,6 +1,5 @@
-"""What the trainers take of an environment's episodes (tether.envs.rollouts runs them): the
-environment's reward as a reward function, held-out episodes at eval points, and what
-samples.jsonl keeps of an episode."""
+"""What the trainers take of an environment's episodes (tether.envs.rollouts runs them): held-out
+episodes at eval points, and what samples.jsonl keeps of an episode."""
 
 from __future__ import annotations
 

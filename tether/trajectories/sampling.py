@@ -27,9 +27,9 @@ on all, and so do the collective forwards that follow. One round (all groups kep
 it does not: one process fills the batch with the first groups with signal of the next global
 batch, each rank with the first of its own part, so the kept groups (and the step) differ.
 
-A multi-turn producer (an episode loop over an environment: the policy's turns and the
-environment's replies in one transcript) is another producer beside `GroupSampler`, with the same
-call and the same `StepBatch`, so every source, the queue and the trainers take it unchanged.
+With an environment (`env=`), each completion is an episode (tether/envs/rollouts.py: the
+policy's turns and the environment's replies in one transcript, one engine call for the batch)
+and the StepBatch is the same, so every source, the queue and the trainers take it unchanged.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class GroupSampler:
                  dynamic: bool = False, max_rounds: int = 1, every_rank: Callable[[bool], bool] = one_process,
                  refresh: Callable[[], object] = lambda: None, env: Optional[EnvSection] = None):
         self.prompts, self.scoring, self.rollout, self.tokenizer = prompts, scoring, rollout, tokenizer
-        # multi-turn: each completion is an episode of this environment (episodes.py), else one turn
+        # multi-turn: each completion is an episode of this environment (envs/rollouts.py), else one turn
         self.env = env if env is not None and env.env else None
         self.env_factory = load_env(self.env.env) if self.env else None
         self.seed, self.per_rank, self.G = seed, per_rank, rollout.num_generations
