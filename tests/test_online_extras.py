@@ -219,8 +219,10 @@ def test_dynamic_sampling_moves_a_sparse_reward(root):
 
 def test_kl_in_reward_token_rewards_are_k1_plus_score(root, monkeypatch):
     # REINFORCE++ takes per-token rewards: at every completion token −β(log π_old − log π_ref), plus
-    # the score at the last token. Step 2 (after one update) so that π_old ≠ π_ref.
-    beta = 0.5
+    # the score at the last token. Step 2 (after one update) so that π_old ≠ π_ref. log π_old is the
+    # trainer's, not the sampler's: the sampler's log-probs are shifted here by a made-up
+    # training–inference mismatch (on CUDA a real one), which must not reach the KL.
+    beta, mismatch = 0.5, 0.25
     scores, rollouts, token_rewards = [], [], []
 
     def reward(completions, **_):
@@ -232,6 +234,7 @@ def test_kl_in_reward_token_rewards_are_k1_plus_score(root, monkeypatch):
 
     def sample_spy(self, *a, **k):
         ro = real_sample(self, *a, **k)
+        ro.logprobs = torch.where(ro.completion_mask, ro.logprobs + mismatch, ro.logprobs)
         rollouts.append(ro)
         return ro
 
@@ -251,14 +254,15 @@ def test_kl_in_reward_token_rewards_are_k1_plus_score(root, monkeypatch):
                            position_ids=tb["position_ids"]).logits
     ref = token_logps(logits, tb["input_ids"], ro.logprob_temperature)
     m = tb["completion_mask"]
-    want = torch.where(m, -beta * (tb["logprobs"] - ref), 0.0)
+    trained = tb["logprobs"] - mismatch  # on the CPU the sampler's own equal the trainer's (fp32)
+    want = torch.where(m, -beta * (trained - ref), 0.0)
     last = m.shape[1] - 1 - m.flip(1).long().argmax(1)
     want[torch.arange(len(ro)), last] += scores[1]
     assert got.shape == want.shape
     assert torch.allclose(got[m], want[m], atol=1e-5)
-    assert (tb["logprobs"] - ref)[m].abs().max() > 1e-3  # the KL part is really exercised
+    assert (trained - ref)[m].abs().max() > 1e-3  # the KL part is really exercised
     rows = _metrics(root, "klreward")
-    k1_sum = torch.where(m, tb["logprobs"] - ref, 0.0).sum(1)
+    k1_sum = torch.where(m, trained - ref, 0.0).sum(1)
     assert rows[1]["rewards/kl_penalty/mean"] == pytest.approx(float((-beta * k1_sum).mean()), abs=1e-5)
 
 
@@ -291,6 +295,7 @@ def test_lora_reference_is_the_base_without_a_copy(root, monkeypatch):
 
     def sample_spy(self, *a, **k):
         ro = real_sample(self, *a, **k)
+        ro.logprobs = torch.where(ro.completion_mask, ro.logprobs + mismatch, ro.logprobs)
         rollouts.append(ro)
         return ro
 

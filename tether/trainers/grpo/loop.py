@@ -130,7 +130,10 @@ def prepare_batch(t, collected: StepBatch, cfg: GRPOConfig) -> Batch:
         return torch.cat(out) if out else tensors["logprobs"]
     with torch.no_grad():
         old = tensors["logprobs"]
-        if grpo.num_iterations > 1 or grpo.is_correction != "none":  # π_old: the trainer's own
+        # π_old: the trainer's own for μ > 1, for the IS correction, and for the KL in the reward
+        # (k1 = log π_old − log π_ref: both sides from the trainer's forward, so the penalty is the
+        # KL to the reference alone, not plus the sampler–trainer mismatch, as PPO's)
+        if grpo.num_iterations > 1 or grpo.is_correction != "none" or (grpo.beta > 0 and grpo.kl_in == "reward"):
             old = forwards(lambda micro: completion_token_logps(t.model, micro, rollout.logprob_temperature,
                                                                 t.amp)[0].float())
         ref = forwards(lambda micro: t.reference_logps(micro, cfg.rollout.temperature).float()) \
