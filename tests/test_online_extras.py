@@ -295,7 +295,6 @@ def test_lora_reference_is_the_base_without_a_copy(root, monkeypatch):
 
     def sample_spy(self, *a, **k):
         ro = real_sample(self, *a, **k)
-        ro.logprobs = torch.where(ro.completion_mask, ro.logprobs + mismatch, ro.logprobs)
         rollouts.append(ro)
         return ro
 
