@@ -17,7 +17,8 @@ import pytest
 # the package -> the extra that carries it
 EXTRA = {"peft": "lora", "gguf": "gguf", "accelerate": "gguf", "tensorboard": "tensorboard",
          "fastapi": "studio", "uvicorn": "studio", "httpx": "test", "playwright": "test",
-         "reasoning_gym": "reasoning-gym"}
+         "reasoning_gym": "reasoning-gym", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
+         "sqlalchemy": "mlflow", "alembic": "mlflow"}
 
 
 def reason(*missing: str) -> str:

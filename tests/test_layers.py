@@ -18,7 +18,7 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 LAYERS = [
     ["studio"],  # `tether studio`: a web app over run directories and every layer below (it reads cli's COMMANDS)
     ["cli", "__main__"],
-    ["studies", "init_model", "convert"],
+    ["studies", "init_model", "convert", "chat"],  # chat: `tether chat`, a terminal conversation over rollout/ and envs/
     ["quickstart"],  # below the studies: a study may start from the quickstart's policy (study prm)
     ["trainers", "labeling"],  # labeling: `tether label steps` (Math-Shepherd MC step labels)
     ["trajectories"],  # where the sampling trainers' scored batches come from: producers, the queue, its sources
@@ -30,7 +30,9 @@ LAYERS = [
     ["objectives"],  # pure tensor functions: the models' log-prob forward uses them
     ["plots", "memory"],
     ["run", "model_shape"],
-    ["distributed"],  # torch.distributed: process group, sums over ranks, FSDP2, sharded optimizer state
+    ["distributed",  # torch.distributed: process group, sums over ranks, FSDP2, sharded optimizer state
+     "model_card"],  # the README.md model card of checkpoints (RunDir.save_checkpoint writes it): plain data in, text out
+    ["trackers"],  # experiment trackers behind RunDir (run.log_with): one adapter each for wandb, trackio, mlflow
     ["config", "errors"],
     ["constraints"],  # the allowed ranges of config values (config.py reads them)
 ]

@@ -17,6 +17,12 @@ the run with one line (DiskFullError) naming the run, the file, the cause and th
 checkpoint, which a resume continues from: the write that failed leaves no partial row and no
 temporary file, and a checkpoint cut short is never renamed into place.
 
+Experiment trackers (`log_with`: TensorBoard, written here; wandb, trackio, mlflow through
+tether.trackers) get every metrics row, the config and the samples on rank 0. A tracker that fails
+(its own error, its network, its disk) is said once (`warn`) and left out for the rest of the run:
+training never stops for one. TensorBoard's event files are the run directory's own and follow
+the full-disk rule above.
+
 One run at a time: rank 0 holds an exclusive lock on `<run>/.lock` (flock; pid and host written in
 it) from opening the directory to `close()`, so a second run into the same directory is refused
 with one line instead of interleaving its metrics and checkpoints with the first one's. A fresh
@@ -37,20 +43,23 @@ import shutil
 import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tether import distributed
-from tether.config import save_config
+from tether import distributed, trackers
+from tether.config import save_config, to_dict
 from tether.errors import DiskFullError, UserError
+from tether.model_card import write_model_card
 
 TRAINER_STATE = "trainer_state.pt"
 LOCK = ".lock"
 # What a run leaves in its directory: a fresh run with overwrite=True removes exactly these.
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints", "plots", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints", "plots", "tensorboard",
+             trackers.RECORDS, "wandb", "mlruns", "mlflow.db")
 
 
 def dist_rank() -> int:
@@ -281,17 +290,34 @@ class RunDir:
     """Writes one run's files. Takes the run directory's lock (released by `close()` or at exit).
     `resume=True` keeps what is there (the caller drops the rows after the checkpoint); a fresh
     run into a directory with a previous run is an error unless `overwrite=True`, which removes
-    that run's files — only now, after the lock is held and everything before was validated."""
+    that run's files — only now, after the lock is held and everything before was validated.
 
-    def __init__(self, path: str | Path, resume: bool = False, log_with: str = "none",
-                 overwrite: bool = False):
+    `log_with`: trackers beside metrics.jsonl (a list, one name, "a,b", or "none"; see
+    tether.trackers): a missing package is one line now, before the directory is touched; they
+    start at `write_config` (with the config; on resume the tracker runs of trackers.json) and
+    finish at `close()`. `tracker_project`: their project / experiment; `mlflow_uri`: MLflow's
+    tracking URI. `warn(name, text)` says a dropped tracker (Training sets its own, which also
+    lists it in summary.json)."""
+
+    def __init__(self, path: str | Path, resume: bool = False, log_with: str | list[str] | None = "none",
+                 overwrite: bool = False, tracker_project: str | None = None, mlflow_uri: str | None = None):
         self.path = Path(path)
         self.rank = dist_rank()
         self.is_main = self.rank == 0
         self.t0 = time.time()
+        self.resumed = resume
         self._tb = None
         self._lock = None
-        writer = _tensorboard_writer() if self.is_main and log_with == "tensorboard" else None
+        try:
+            self.log_with = trackers.log_targets(log_with)
+        except ValueError as e:
+            raise UserError(f"run.{e}") from None
+        trackers.check_installed(self.log_with)  # every rank says it, before anything is written
+        self._trackers: dict = {}  # name -> adapter (rank 0), started by write_config, dropped on failure
+        self._trackers_started = False
+        self._warned: set = set()
+        self.warn = self._warn
+        writer = _tensorboard_writer() if self.is_main and "tensorboard" in self.log_with else None
         if self.is_main:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock = RunLock(self.path)
@@ -306,6 +332,8 @@ class RunDir:
                     _quiet_tensorboard_thread()
                     with self.writing("tensorboard"):
                         self._tb = writer(str(self.path / "tensorboard"))
+                self._trackers = {n: trackers.make_tracker(n, self.path, self.path.name, tracker_project, mlflow_uri)
+                                  for n in self.log_with if n in trackers.TRACKERS}
             except BaseException:
                 self._lock.release()
                 raise
@@ -333,6 +361,10 @@ class RunDir:
         if tb is not None:
             with contextlib.suppress(Exception):  # its pending events have nowhere to go
                 tb.close()
+        for tracker in self._trackers.values():  # what they hold goes to their own stores, if it can
+            with contextlib.suppress(Exception):
+                tracker.finish()
+        self._trackers.clear()
         if self._lock is not None:
             self._lock.release()
         ckpt = latest_checkpoint(self.path)
@@ -344,9 +376,12 @@ class RunDir:
 
     # --- config / summary ------------------------------------------------------------------
     def write_config(self, cfg) -> None:
+        """config.yaml; then the trackers start, with the same config as theirs."""
         if self.is_main:
             with self.writing("config.yaml"):
                 _atomic_write(self.path / "config.yaml", lambda tmp: save_config(cfg, tmp))
+            if self._trackers:
+                self._start_trackers(to_dict(cfg))
 
     def write_summary(self, summary: dict) -> None:
         if self.is_main:
@@ -374,6 +409,7 @@ class RunDir:
                         if k not in ("step", "time") and v is not None:
                             self._tb.add_scalar(k, v, step)
                     self._tb.flush()  # a failed write raises here, with the step that made it
+            self._to_trackers("log", step, {k: v for k, v in row.items() if k not in ("step", "time") and v is not None})
         return row
 
     def add_samples(self, step: int, samples: list[dict]) -> None:
@@ -381,6 +417,7 @@ class RunDir:
             with self.writing("samples.jsonl"):
                 _append(self.path / "samples.jsonl", "".join(
                     json.dumps({"step": int(step), **s}, ensure_ascii=False) + "\n" for s in samples))
+            self._to_trackers("log_samples", int(step), samples)
 
     def read_metrics(self) -> list[dict]:
         return read_jsonl(self.path / "metrics.jsonl")
@@ -396,8 +433,60 @@ class RunDir:
                 with self.writing(name):
                     _atomic_write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
+    # --- experiment trackers -----------------------------------------------------------------
+    def _start_trackers(self, config: dict) -> None:
+        """Start the trackers (once): a fresh tracker run, or on resume the one trackers.json names;
+        their ids and links go to trackers.json."""
+        if self._trackers_started or not self._trackers:
+            return
+        self._trackers_started = True
+        records = trackers.read_records(self.path) if self.resumed else {}
+        for name, tracker in list(self._trackers.items()):
+            try:
+                records[name] = tracker.start(config, records.get(name))
+            except Exception as e:
+                self._drop_tracker(name, "start", e)
+        with self.writing(trackers.RECORDS):
+            _atomic_write_text(self.path / trackers.RECORDS, json.dumps(records, indent=2) + "\n")
+
+    def _to_trackers(self, method: str, *args) -> None:
+        if not self._trackers_started:  # a RunDir whose config was never written: started without one
+            self._start_trackers({})
+        for name, tracker in list(self._trackers.items()):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as e:
+                self._drop_tracker(name, method, e)
+
+    def _drop_tracker(self, name: str, what: str, error: Exception) -> None:
+        tracker = self._trackers.pop(name)
+        said = (str(error).strip().splitlines() or [""])[0]
+        self.warn(f"tracker_{name}", f"run.log_with={name}: {what} failed ({type(error).__name__}: {said}); "
+                                     f"{name} is left out for the rest of the run (metrics.jsonl has every row)")
+        if what not in ("start", "finish"):
+            with contextlib.suppress(Exception):  # let it close what it holds, if it still can
+                tracker.finish()
+
+    def _warn(self, name: str, text: str) -> None:
+        """A warning said once per name (Training replaces this with its own `warn`)."""
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(f"{self.path.name}: {text}", stacklevel=4)
+
+    def tracker_links(self) -> dict:
+        """{tracker: link}: where each tracker's run is (a URL, or a local path / store URI), as
+        trackers.json keeps it (also after close(), and for a resumed run)."""
+        return trackers.read_links(self.path)
+
     def close(self) -> None:
-        """Flush TensorBoard and release the run directory's lock."""
+        """Finish the trackers, flush TensorBoard and release the run directory's lock."""
+        for name, tracker in list(self._trackers.items()):
+            if self._trackers_started:  # (a start that failed before write_config started none)
+                try:
+                    tracker.finish()
+                except Exception as e:
+                    self._drop_tracker(name, "finish", e)
+        self._trackers.clear()
         if self._tb is not None:
             with self.writing("tensorboard"):
                 self._tb.flush()  # close() drops a failed write's error; flush() raises it
@@ -415,7 +504,8 @@ class RunDir:
     def save_checkpoint(self, step: int, model, tokenizer, state: dict, keep_last: int = 2,
                         extra=None, dtype: torch.dtype | None = None, state_dict: dict | None = None,
                         sharded=None, name: str | None = None) -> Path:
-        """Model + tokenizer (HF format) + trainer_state.pt, written whole or not at all.
+        """Model + tokenizer (HF format) + trainer_state.pt + the model card (README.md, tether.model_card),
+        written whole or not at all.
         `extra(dir)` writes a trainer's other state (e.g. PPO's critic) inside the same atomic write.
         `dtype`: write the model's weights in this dtype (see :func:`save_model_as`).
 
@@ -446,6 +536,9 @@ class RunDir:
                     # into a Python file: a failed write keeps its OSError (errno) in the chain
                     with open(tmp / TRAINER_STATE, "wb") as f:
                         torch.save({**state, "rng": rngs[0], **extra_rng}, f)
+                    # the model card (README.md): this step's eval numbers and keep_best's race so far
+                    write_model_card(tmp, self.path, step=step, best=(state.get("carry") or {}).get("best"),
+                                     folder=str(final))
             except BaseException:
                 if self.is_main:  # a write cut short: its space back, nothing left that looks whole
                     shutil.rmtree(tmp, ignore_errors=True)

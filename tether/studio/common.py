@@ -24,7 +24,7 @@ from fastapi import HTTPException, Request
 # files a run directory holds that a page may read (run.py's contract)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json")
 # directories inside a run that are never runs themselves (pruned from the scan: they can be big)
-NOT_RUNS = {"checkpoints", "plots", "tensorboard", "__pycache__"}
+NOT_RUNS = {"checkpoints", "plots", "tensorboard", "wandb", "mlruns", "__pycache__"}  # (wandb's runs hold a config.yaml)
 SCAN_DEPTH = 4  # runs/<study>/<sub>/<run>: studies nest their runs two or three deep
 
 

@@ -322,7 +322,8 @@ def run_bon(cfg: BoNConfig, reward_funcs=None, gold_reward=None) -> dict:
     held_out = HeldOut.of_prompts(cfg, load_eval_prompts(cfg, tokenizer), eval_funcs, eval_weights)
     model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
                        attn_implementation=cfg.model.attn_implementation)
-    run = RunDir(run_path, log_with=cfg.run.log_with, overwrite=cfg.run.overwrite)
+    run = RunDir(run_path, log_with=cfg.run.log_with, overwrite=cfg.run.overwrite,
+                 tracker_project=cfg.run.tracker_project, mlflow_uri=cfg.run.mlflow_uri)
     run.write_config(cfg)
 
     n, started = cfg.bon.n, time.time()

@@ -18,6 +18,7 @@ from tether.config import ConfigError
 from tether.constraints import (DirPath, Fraction, NonNegative, NonNegativeInt, Positive,
                                 PositiveInt, Range, Seed, fsdp_conflict)
 from tether.rollout.sampling import SamplingConfig
+from tether.trackers import log_targets
 
 Beta = Annotated[float, Range(ge=0, lt=1)]  # an AdamW β: 1 would never forget, > 1 diverges
 
@@ -132,8 +133,12 @@ class RunSection:
     "is keep_best's metric better high (max) or low (min)? auto: by its name (accuracy, pass@k, reward, margin: max; loss, perplexity, kl: min)"
     resume: bool = False
     "continue from the latest checkpoint in the run directory"
-    log_with: Literal["none", "tensorboard"] = "none"
-    "also write TensorBoard event files to <run>/tensorboard"
+    log_with: list[Literal["none", "tensorboard", "wandb", "trackio", "mlflow"]] = field(default_factory=list)
+    "experiment trackers beside metrics.jsonl (a list, or `log_with=wandb,tensorboard`; none = []): tensorboard (<run>/tensorboard), wandb (<run>/wandb, offline without an API key: `wandb sync` later), trackio ($TRACKIO_DIR), mlflow (run.mlflow_uri); each is its extra (pip install 'tether[wandb]'); one that fails mid-run is warned about once and left out (docs/architecture.md, Experiment trackers)"
+    tracker_project: Optional[str] = None
+    "the trackers' project (wandb, trackio) / experiment (mlflow); default: $WANDB_PROJECT, $TRACKIO_PROJECT, $MLFLOW_EXPERIMENT_NAME, else 'tether'"
+    mlflow_uri: Optional[str] = None
+    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else a SQLite store in the run directory: sqlite:///<run>/mlflow.db, artifacts in <run>/mlruns)"
     progress: bool = True
     "show a progress bar with ETA and live metrics"
     overwrite: bool = False
@@ -145,7 +150,11 @@ class RunSection:
     # how it shows progress; none of them changes what is trained.
     RESUMABLE: ClassVar[tuple[str, ...]] = ("name", "runs_dir", "log_every", "eval_every", "num_samples",
                                             "save_every", "keep_last", "keep_best", "keep_best_mode", "resume",
-                                            "log_with", "progress", "overwrite", "save_dtype")
+                                            "log_with", "tracker_project", "mlflow_uri", "progress", "overwrite",
+                                            "save_dtype")
+
+    def __post_init__(self):
+        self.log_with = log_targets(self.log_with)  # one name or "a,b" from Python; "none" = []
 
 
 def check_columns(columns: dict) -> None:

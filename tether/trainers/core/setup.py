@@ -10,8 +10,8 @@ The order is part of the contract:
        previous run's files removed only with run.overwrite=true)
     -> optimizer, schedule, data order -> on resume: their state, the RNG, the loop's carried
        state (metrics window, histories), the log rows after the checkpoint -> config.yaml.
-Before any of it, the cheap refusals: another run holding the directory, a previous run there
-(without resume or overwrite), a resume whose config differs from the checkpointed run's in a
+Before any of it, the cheap refusals: a `run.log_with` tracker not installed, another run holding
+the directory, a previous run there (without resume or overwrite), a resume whose config differs from the checkpointed run's in a
 field its section does not declare RESUMABLE (`check_resumable`). Every trainer thereby gets LoRA, compile, gradient
 checkpointing, exact resume, TensorBoard, samples, plots, the non-finite guard and (on CUDA)
 the attention-backward guard from this one place.
@@ -41,7 +41,9 @@ from tether.models.load import DTYPES, compile_layers, hf_progress, stored_dtype
 from tether.models import logprobs
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import adapters_off, apply_lora
+from tether.model_card import CARD, write_model_card
 from tether.plots import plot_metrics
+from tether.trackers import check_installed
 from tether.rollout.hf import generate
 from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weights, refuse_previous_run,
                         seed_everything)
@@ -344,7 +346,8 @@ class Training(Ranks):
         _OPEN[:] = [t for t in _OPEN if t is not self]
 
     def finish(self, summary: dict) -> dict:
-        """Final checkpoint, summary.json (steps, skipped steps and checkpoint added), plots."""
+        """Final checkpoint, summary.json (steps, skipped steps and checkpoint added), the final
+        checkpoint's model card rewritten with the summary's numbers, plots."""
         self.bar.close()
         try:
             path = self.checkpoint()
@@ -355,6 +358,9 @@ class Training(Ranks):
             if self.warnings:
                 summary["warnings"] = list(self.warnings.values())
             self.run.write_summary(summary)
+            if self.run.is_main:  # the final model's card: the summary's final eval and best
+                with self.run.writing(f"checkpoints/{path.name}/{CARD}"):
+                    write_model_card(path, self.run.path, step=self.step, summary=summary)
         finally:  # also when the last checkpoint fails
             self.release()
         if self.run.is_main:
@@ -416,6 +422,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
         raise ConfigError("config key 'model.head_fp32' runs in one process (FSDP2 gathers bf16 weights)")
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
+    check_installed(cfg.run.log_with)  # a tracker's missing package: one line, before anything loads
 
     def refusals():  # on rank 0 only: the others would see its lock (and say it all N times)
         check_lock(run_path)  # another run holds the directory: refused before anything loads
@@ -476,6 +483,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
                 shard_model(m, cfg)
     trainable.train()
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with,
+                 tracker_project=cfg.run.tracker_project, mlflow_uri=cfg.run.mlflow_uri,
                  overwrite=cfg.run.overwrite or cfg.run.resume)
     restore = _set_process_state(head_fp32, device)  # before the first forward (compile traces it)
     try:
@@ -558,6 +566,7 @@ def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_
                  total_steps=total, ckpt=ckpt,
                  save_dtype=checkpoint_dtype(cfg, model),
                  best=Best(cfg.run.keep_best, cfg.run.keep_best_mode) if cfg.run.keep_best else None)
+    run.warn = t.warn  # a tracker left out mid-run: said once, and listed in summary.json
     if ckpt:
         t.step, t.time_offset, t.skipped, carry = restore_training(ckpt, run, trainable, optimizer, scheduler,
                                                                    t.order)
