@@ -148,6 +148,8 @@ CONFIG_CASES = [
     ("eval", "n=0", "'generation.n' must be >= 1"),
     ("eval", "k=[1,9]", "'generation.k' must be <= generation.n"),
     ("eval", "top_p=0", "'generation.top_p' must be in (0, 1]"),
+    ("chat", "top_p=0", "'top_p' must be in (0, 1]"),
+    ("chat", "temperature=-1", "'temperature' must be >= 0"),
     ("init-model", "hidden_size=0", "hidden_size must be >= 1"),
     ("init-model", "heads=3", "hidden_size 128 is not a multiple of heads 3"),
     ("convert", "overwrite=maybe", "config key 'overwrite' expects bool, got 'maybe'"),
@@ -170,7 +172,7 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("command, arg, needle", CONFIG_CASES, ids=[f"{c}:{a}" for c, a, _ in CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_writes_nothing(capsys, tmp_path, command, arg, needle):
     runs = tmp_path / "runs"  # where the command would write
-    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"], "label pairs": [f"out={runs}/p.jsonl"], "cai": [f"out={runs}/c.jsonl"],
+    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"], "chat": ["model=m"], "label pairs": [f"out={runs}/p.jsonl"], "cai": [f"out={runs}/c.jsonl"],
             "quickstart": [f"runs_dir={runs}"], "studio": [f"runs_dir={runs}"],
             "study frontier": [f"runs_dir={runs}"], "study judges": [f"runs_dir={runs}"], "study overoptimization": [f"runs_dir={runs}"],
             "study prm": [f"runs_dir={runs}"], "label steps": ["policy=m", "data=d.jsonl", f"out={runs}/s.jsonl"]}

@@ -60,6 +60,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "convert": ("tether.convert", "ConvertConfig", "run_convert", "a GGUF checkpoint as a bf16 HF folder with its tokenizer and chat template (needs `pip install 'tether[gguf]'`)"),
     "eval": ("tether.evaluation.command", "EvalConfig", "run_eval",
              "evaluate on held-out data: pass@k + rewards (greedy, sampled), RM / DPO preference accuracy, perplexity"),
+    "chat": ("tether.chat", "ChatConfig", "run_chat",
+             "chat with a model in the terminal over tether's sampler, streamed; env= runs an environment's tools"),
     "label pairs": ("tether.feedback.label", "LabelPairsConfig", "label_pairs",
                     "AI feedback: an instruct-model judge labels response pairs under a constitution (swap-debiased) -> preference JSONL"),
     "cai": ("tether.feedback.cai", "CAIConfig", "run_cai",

@@ -102,6 +102,17 @@ def _as_messages(out: Any, role: str = "user") -> list[dict] | None:
     raise TypeError(f"expected a string or a list of messages, got {type(out).__name__}")
 
 
+def _with_system(messages: list[dict], text: str, first: bool = False) -> list[dict]:
+    """`text` joined to the system message that starts `messages` (after its content, or before it
+    when `first`), or a system message of its own put first."""
+    messages = [dict(m) for m in messages]
+    if messages and messages[0].get("role") == "system":
+        parts = [text, messages[0].get("content", "")] if first else [messages[0].get("content", ""), text]
+        messages[0]["content"] = "\n\n".join(parts).strip()
+        return messages
+    return [{"role": "system", "content": text}] + messages
+
+
 def _short(value: Any, n: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= n else text[:n - 3] + "..."
@@ -169,9 +180,11 @@ class Episode:
 
     # -- the loop's interface -------------------------------------------------------------------
 
-    def start(self, row: dict) -> list[dict]:
+    def start(self, row: dict, system: str | None = None) -> list[dict]:
         """Reset the environment for `row`; the episode's first messages (render them with
-        add_generation_prompt=True and `tools=self.tools`). Raises EnvResetError."""
+        add_generation_prompt=True and `tools=self.tools`). `system`: a system prompt the messages
+        start with (a system message of the environment's, and the tool descriptions written into
+        the prompt, follow it in the same message). Raises EnvResetError."""
         self.row = dict(row)
         where = f"environment {self.name}: reset on the row with prompt {_short(self.row.get('prompt'))}"
         try:
@@ -191,8 +204,10 @@ class Episode:
             raise EnvResetError(f"{where}: {e}") from None
         if not messages:
             raise EnvResetError(f"{where}: reset returned None and the row has no 'prompt'")
+        if system:
+            messages = _with_system(messages, system, first=True)
         if self._describe_in_prompt:
-            messages = self._with_tool_prompt(messages)
+            messages = _with_system(messages, self.format.system_prompt(self.tool_schemas))
         self.messages = copy.deepcopy(messages)
         self.step_rewards, self.done, self.started = [], False, True
         return messages
@@ -210,6 +225,15 @@ class Episode:
             self.messages.extend(copy.deepcopy(turn.messages))
         self.done = turn.done
         return turn
+
+    def continue_with(self, messages: list[dict]) -> None:
+        """Messages from outside the environment after the assistant's last message (a person's,
+        in `tether chat`): the conversation goes on from them, and the episode with it, also after
+        a message without tool calls ended it."""
+        if not self.started:
+            raise RuntimeError("Episode.continue_with: the episode is not started")
+        self.messages.extend(copy.deepcopy(messages))
+        self.done = False
 
     def final_reward(self) -> float | None:
         """The episode's reward: a class-based environment's `reward(...)` (called with the row's
@@ -232,14 +256,6 @@ class Episode:
         return _finite(value, f"environment {self.name}: reward")
 
     # -- inside -----------------------------------------------------------------------------------
-
-    def _with_tool_prompt(self, messages: list[dict]) -> list[dict]:
-        text = self.format.system_prompt(self.tool_schemas)
-        messages = [dict(m) for m in messages]
-        if messages and messages[0].get("role") == "system":
-            messages[0]["content"] = f"{messages[0].get('content', '')}\n\n{text}".strip()
-            return messages
-        return [{"role": "system", "content": text}] + messages
 
     def _step(self, text: str) -> Turn:
         try:

@@ -62,6 +62,7 @@ class Sampler:
         self._fingerprint = None
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
         self._episodes = None  # the wave's turn bookkeeping while a multi-turn call decodes (_Turns)
+        self._stream = None  # the wave's streaming callback while a call with stream= decodes (_Stream)
         # A flat tensor the KV cache may live in (native backend; when large enough and of the
         # model's dtype): the RL trainers lend their gradient buffer, idle while sampling. Its
         # contents are overwritten by every call; the lender must not need them meanwhile.
@@ -81,7 +82,7 @@ class Sampler:
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
     def sample(self, prompts, n: int = 1, seed: int | None = None, only=None, episodes=None,
-               **overrides) -> Rollout:
+               stream=None, **overrides) -> Rollout:
         """Sample ``n`` completions per prompt. ``prompts``: strings (BOS prepended, see
         ``add_bos``) or token-id lists; ``overrides``: any :class:`SamplingConfig` field.
         ``only``: indices of the prompts to sample (default all). The others still count toward a
@@ -95,12 +96,19 @@ class Sampler:
         step, in the same KV cache) before it samples its next turn — or None to end the episode.
         ``max_new_tokens`` then bounds the whole episode (the model's and the environment's tokens).
         The rollout's ``completion_mask`` holds the model's tokens only; ``observation_mask`` the
-        environment's."""
+        environment's.
+
+        ``stream``: ``stream(seq, ids)`` is called at every host check (every ``sync_every`` decode
+        steps) with the ids sequence ``seq`` sampled since the previous call, up to and including
+        the token that ends it; what it gets over a call is the sequence's completion (single-turn
+        calls only; a host-side hook: the decode step and its CUDA graphs are unchanged)."""
         cfg = _replace(self.config, overrides) if overrides else self.config
         if cfg.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if episodes is not None and (cfg.stop or cfg.ignore_eos):
             raise ValueError("multi-turn episodes end a turn at an end token: no stop strings, no ignore_eos")
+        if episodes is not None and stream is not None:
+            raise ValueError("stream is for single-turn calls, not multi-turn episodes")
         self.eos = sorted(self.model_eos | set(cfg.stop_token_ids))
         seqs, group = [], []
         for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts):
@@ -123,6 +131,8 @@ class Sampler:
             parts = []
             for i in range(0, len(seqs), wave):
                 self._episodes = None if episodes is None else _Turns(episodes, i, seqs[i:i + wave])
+                self._stream = None if stream is None else _Stream(stream, i, len(seqs[i:i + wave]),
+                                                                   [] if cfg.ignore_eos else self.eos)
                 parts.append(self._wave(seqs[i:i + wave], keys[i:i + wave], cfg, stats))
             if episodes is None:
                 out = assemble(seqs, group, parts, cfg, self.eos, self.pad, self.tokenizer, self._device())
@@ -131,7 +141,7 @@ class Sampler:
                                         episodes)
             stats["total_s"] = time.perf_counter() - t0
         finally:
-            self._episodes = None
+            self._episodes = self._stream = None
             self.model.train(was_training)
         tokens = int(out.completion_mask.sum())
         gen_s = stats["prefill_s"] + stats["decode_s"]
@@ -394,6 +404,8 @@ class Sampler:
                 if hits:
                     hit = torch.tensor(hits, device=st.row_id.device)
                     st.finished[:b] |= torch.isin(st.row_id[:b], hit)
+        if self._stream is not None:
+            self._stream.send(st.out_tok, checked, t, stop_end)
         if self._episodes is not None:
             self._turn_boundaries(b, t)
         fin = st.finished[:b]
@@ -482,6 +494,31 @@ class _Turns:
         self.over: set[int] = set()
         self.turn_start: dict[int, int] = {}
         self.width = max(self.prompt_len)
+
+
+class _Stream:
+    """One wave's streaming (``Sampler.sample(stream=...)``), host side: at each check, every
+    sequence still going gets its ids of the steps since the last check, cut after its end token
+    (``ends``) or the token that completed a stop string (``stop_end``); then it is over."""
+
+    def __init__(self, fn, offset: int, n: int, ends: list[int]):
+        self.fn, self.offset, self.n, self.ends = fn, offset, n, set(ends)
+        self.over: set[int] = set()
+
+    def send(self, out_tok: Tensor, start: int, t: int, stop_end: dict[int, int]) -> None:
+        live = [i for i in range(self.n) if i not in self.over]
+        if not live or t <= start:
+            return
+        new = out_tok[torch.tensor(live, device=out_tok.device), start:t].tolist()
+        for i, ids in zip(live, new):
+            end = next((k + 1 for k, y in enumerate(ids) if y in self.ends), None)
+            if i in stop_end:
+                end = min(end or len(ids), stop_end[i] - start)
+            if end is not None:
+                ids = ids[:end]
+                self.over.add(i)
+            if ids:
+                self.fn(self.offset + i, ids)
 
 
 def _replace(cfg: SamplingConfig, overrides: dict) -> SamplingConfig:
