@@ -26,6 +26,13 @@
 #               (1 sampler + 1 trainer, staleness 1, 2 GPUs) for each of SEEDS, [long-sync,
 #               long-sync-partial, long-disagg, long-disagg-partial] (384 new tokens, partial rollouts
 #               of 96); then `python bench/async.py summary` over the runs
+#   per-step    bench/real_model_rl.py for 200 steps a run, every run of the suite at once on GPU 0 (per-step
+#               learning does not depend on the speed): rows copy (the default: the sampler on a bf16
+#               copy of the policy), fp32 (rollout.sampler_copy=false: the sampler on the fp32 weights)
+#               and trl, each for SEEDS (default 0 1 2; TRL's seed 100003·s draws tether's prompt
+#               order of seed s); the runs are started detached (setsid) and outlive the call while
+#               the machine stays warm: call again to wait for them; then `real_model_rl.py steps`
+#               (pass@1 per eval step, entropy and reward per 25 steps) over the runs that finished
 #   env         bench/env_rl.py: multi-turn GRPO on SmolLM2 with the calculator environment, held-out
 #               episode success before / after BUDGET s of training; rows tools-s<seed>, plain-s<seed>
 #               (the same problems with no tool), default tools-s0 plain-s0; the model's parts as
@@ -307,6 +314,49 @@ suite_real_model() {
     archive
 }
 
+suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited for, tabled
+    RUNS=/tmp/per-step
+    model || return 3
+    local seeds=(${SEEDS:-0 1 2}) s name d runs=() pending
+    local common=(--model "$MODEL" --data "$DATA" --recipe lr1e5_g16 --budget 100000 --eval-every 25 --max-steps 200)
+    # entropy over every sampled completion, as TRL logs it (tether's is over the trained rows)
+    local whole=(--set grpo.skip_zero_advantage=false)
+    if [ ! -f "$RUNS/started" ] && [ -z "${DRY:-}" ]; then
+        wheels
+        mkdir -p "$RUNS"
+        for s in "${seeds[@]}"; do
+            for ROW in ${ROWS:-trl copy fp32}; do
+                case $ROW in
+                trl) name=trl-s$((100003 * s)); set -- trl "${common[@]}" --seed $((100003 * s)) ;;
+                copy) name=copy-s$s; set -- tether "${common[@]}" --seed "$s" "${whole[@]}" ;;
+                fp32) name=fp32-s$s; set -- tether "${common[@]}" --seed "$s" "${whole[@]}" \
+                          --set rollout.sampler_copy=false ;;
+                *) echo "per-step: no row $ROW"; continue ;;
+                esac
+                echo "== $SUITE/$name: python3 bench/real_model_rl.py $* --out $RUNS/$name" | tee -a "$O/log.txt"
+                RUNS=$RUNS CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=1 setsid nohup bash -c \
+                    'python3 bench/real_model_rl.py "$@"; echo $? > "$RUNS/$0.rc"' "$name" "$@" --out "$RUNS/$name" \
+                    > "$RUNS/$name.log" 2>&1 < /dev/null &
+            done
+        done
+        date +%s > "$RUNS/started"
+    fi
+    [ -n "${DRY:-}" ] && return 0
+    while :; do  # until every run has ended, or 40 s before the call's DEADLINE
+        pending=0
+        for d in "$RUNS"/*.log; do [ -f "${d%.log}.rc" ] || pending=$((pending + 1)); done
+        (( pending == 0 || END - SECONDS < 40 )) && break
+        sleep 10
+    done
+    echo "== per-step: $pending run(s) still going, $(( $(date +%s) - $(cat "$RUNS/started") )) s since the start" \
+        | tee -a "$O/log.txt"
+    for d in "$RUNS"/*/; do [ -f "$d/curve.json" ] && runs+=("${d%/}"); done
+    (( ${#runs[@]} )) && row steps 30 python3 bench/real_model_rl.py steps --out "$O" --steps 200 "${runs[@]}"
+    for d in "${runs[@]}"; do cp "$d/curve.json" "$O/$(basename "$d").json"; done
+    tail -n 3 "$RUNS"/*.log > "$O/tails.txt" 2>&1
+    archive
+}
+
 suite_env() {  # multi-turn GRPO with the calculator's tools on SmolLM2, and the same without the tool
     RUNS=/tmp/env-rl
     model || return 3
@@ -371,7 +421,7 @@ esac
 SUMMARY=() FAILED=0 RUNS=/tmp/runs
 for SUITE in "$@"; do
     case $SUITE in
-    tests | rollout | grpo | dpo | scale | memory | real-model | async | env) ;;
+    tests | rollout | grpo | dpo | scale | memory | real-model | per-step | async | env) ;;
     *) echo "unknown suite '$SUITE' (bash bench/gpu.sh --help)" >&2; FAILED=1; continue ;;
     esac
     O=$OUT/$SUITE; mkdir -p "$O"

@@ -115,7 +115,8 @@ def run_tether(a) -> None:
     for k, v in {**r, "model.path": a.model, "data.path": f"{a.data}/train.jsonl",
                  "data.eval_data": f"{a.data}/heldout.jsonl", "reward.eval_reward_funcs": ["math"],
                  "run.name": "run", "run.runs_dir": str(out), "run.seed": a.seed, "run.eval_every": a.eval_every,
-                 "run.progress": False, "run.overwrite": True, "run.num_samples": 4, "run.log_every": 1}.items():
+                 "run.progress": False, "run.overwrite": True, "run.num_samples": 4, "run.log_every": 1,
+                 **({"optim.max_steps": a.max_steps} if a.max_steps else {})}.items():
         sec, key = k.split(".", 1)
         cfg.setdefault(sec, {})[key] = v
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -182,7 +183,7 @@ def run_trl(a) -> None:
         beta=r["grpo.beta"], loss_type="dapo", scale_rewards="group", epsilon=0.2,
         learning_rate=r["optim.lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=r["optim.max_grad_norm"], adam_beta1=0.9, adam_beta2=0.99, bf16=cuda,
-        max_steps=100000, logging_steps=1, save_strategy="no", report_to="none", seed=a.seed,
+        max_steps=a.max_steps or 100000, logging_steps=1, save_strategy="no", report_to="none", seed=a.seed,
         disable_tqdm=True, log_completions=False)
     prompts = [tok.apply_chat_template(h["prompt"], add_generation_prompt=True, tokenize=False) for h in held]
 
@@ -190,7 +191,7 @@ def run_trl(a) -> None:
         """Greedy pass@1 on the held-out prompts every eval_every steps; its time is not training."""
 
         def __init__(self):
-            self.t0, self.evals, self.points, self.reward = None, 0.0, [], None
+            self.t0, self.evals, self.points, self.reward, self.steps = None, 0.0, [], None, []
 
         def on_train_begin(self, *_, **__):
             self.t0 = time.perf_counter()
@@ -198,6 +199,8 @@ def run_trl(a) -> None:
         def on_log(self, args, state, control, logs=None, **_):
             if logs and "reward" in logs:
                 self.reward = logs["reward"]
+                self.steps.append({"step": state.global_step, "reward": logs["reward"],
+                                   "entropy": logs.get("entropy")})
 
         def on_step_end(self, args, state, control, model=None, **_):
             if state.global_step % a.eval_every:
@@ -220,7 +223,7 @@ def run_trl(a) -> None:
             self.evals += time.perf_counter() - t
             self.points.append({"step": state.global_step, "train_seconds": train_seconds,
                                 "pass@1": passed / len(prompts), "reward": self.reward})
-            write_curve(out, self.points, meta)
+            write_curve(out, self.points, {**meta, "steps": self.steps})
             if train_seconds >= a.budget:
                 control.should_training_stop = True
 
@@ -229,7 +232,7 @@ def run_trl(a) -> None:
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[math_reward],
                           train_dataset=Dataset.from_list(rows), args=args, callbacks=[clock])
     trainer.train()
-    write_curve(out, clock.points, meta)
+    write_curve(out, clock.points, {**meta, "steps": clock.steps})
 
 
 # -- plot --------------------------------------------------------------------------------------
@@ -321,6 +324,78 @@ def rewards(a) -> None:
         print(name, s["window_means"])
 
 
+def per_step_series(d: Path) -> dict:
+    """A run's per-step training reward and entropy (tether: metrics.jsonl; TRL: its log in curve.json)
+    and its eval points."""
+    curve = json.loads((d / "curve.json").read_text())
+    if curve["library"] == "tether":
+        rows = [json.loads(x) for x in (d / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [{"step": r["step"], "reward": r["reward"], "entropy": r.get("entropy")} for r in rows if "reward" in r]
+    else:
+        steps = curve.get("steps", [])
+    return {"points": {p["step"]: p["pass@1"] for p in curve["points"]}, "steps": steps}
+
+
+def steps_table(a) -> None:
+    """Per-step learning side by side: held-out pass@1 at each eval step (mean and range over seeds)
+    and the training reward and the sampled completions' entropy (means over windows of steps) of
+    every row; runs are directories named <row>-s<seed>."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, list[dict]] = {}
+    for d in map(Path, a.runs):
+        if (d / "curve.json").exists():
+            groups.setdefault(d.name.rsplit("-s", 1)[0], []).append(per_step_series(d))
+    table, w = {}, a.window
+    for name, runs in groups.items():
+        evals = sorted({s for r in runs for s in r["points"]})
+        row = {"seeds": len(runs), "pass@1": {}, "reward": {}, "entropy": {}}
+        for s in evals:
+            vals = [r["points"][s] for r in runs if s in r["points"]]
+            row["pass@1"][s] = {"mean": round(statistics.mean(vals), 4), "min": min(vals), "max": max(vals), "n": len(vals)}
+        for key in ("reward", "entropy"):
+            for end in range(w, a.steps + 1, w):
+                vals = [statistics.mean(x[key] for x in r["steps"] if end - w < x["step"] <= end and x[key] is not None)
+                        for r in runs if any(end - w < x["step"] <= end and x[key] is not None for x in r["steps"])]
+                if vals:
+                    row[key][end] = round(statistics.mean(vals), 4)
+        table[name] = row
+    (out / f"{a.name}.json").write_text(json.dumps(table, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, row in table.items():
+        xs = sorted(row["pass@1"])
+        ax.plot(xs, [row["pass@1"][x]["mean"] for x in xs], marker="o", ms=3, label=f"{name} ({row['seeds']} seeds)",
+                ls="--" if name.startswith("trl") else "-")
+        ax.fill_between(xs, [row["pass@1"][x]["min"] for x in xs], [row["pass@1"][x]["max"] for x in xs], alpha=0.15)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out greedy pass@1 (400 problems)")
+    ax.set_title(a.title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"{a.name}.png", dpi=120)
+    steps = sorted({s for row in table.values() for s in row["pass@1"]})
+    lines = ["| row | seeds | " + " | ".join(f"pass@1 step {s}" for s in steps) + " |",
+             "|---|---|" + "---|" * len(steps)]
+    for name, row in table.items():
+        cells = [f"{row['pass@1'][s]['mean']:.3f} ({row['pass@1'][s]['min']:.3f}–{row['pass@1'][s]['max']:.3f})"
+                 if s in row["pass@1"] else "" for s in steps]
+        lines.append(f"| {name} | {row['seeds']} | " + " | ".join(cells) + " |")
+    ends = list(range(w, a.steps + 1, w))
+    for key in ("entropy", "reward"):
+        lines += ["", f"| row | " + " | ".join(f"{key} steps {e - w + 1}–{e}" for e in ends) + " |",
+                  "|---|" + "---|" * len(ends)]
+        for name, row in table.items():
+            lines.append(f"| {name} | " + " | ".join(f"{row[key][e]:.3f}" if e in row[key] else "" for e in ends) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / f"{a.name}.md").write_text(text)
+    print(text)
+
+
 def label(c: dict) -> str:
     """A curve's name in plots: the library, and for tether the command and a non-default estimator."""
     if c["library"] != "tether":
@@ -343,6 +418,7 @@ def main() -> None:
         p.add_argument("--set", action="append", default=[], help="override a recipe key: k=v (JSON value)")
         p.add_argument("--budget", type=float, default=600.0, help="seconds of training")
         p.add_argument("--eval-every", type=int, default=25)
+        p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: at the budget only)")
         p.add_argument("--no-head-kernels", action="store_true", help="tether: torch path of the chunked head")
         p.add_argument("--command", default="grpo", choices=["grpo", "rloo", "ppo"], help="tether: the command")
         p.add_argument("--nproc", type=int, default=1, help="tether: processes under torchrun")
@@ -360,8 +436,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=125, help="the first N steps of each")
     p.add_argument("--title", default="GRPO on SmolLM2-135M-Instruct: training reward per step")
     p.add_argument("--name", default="reward_vs_step")
+    p = sub.add_parser("steps", help="per-step pass@1, reward and entropy of rows of seeds, side by side")
+    p.add_argument("runs", nargs="+", help="run directories named <row>-s<seed>")
+    p.add_argument("--out", required=True)
+    p.add_argument("--window", type=int, default=25)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--title", default="GRPO on SmolLM2-135M-Instruct: held-out pass@1 per step")
+    p.add_argument("--name", default="per_step")
     a = ap.parse_args()
-    {"tether": run_tether, "trl": run_trl, "plot": plot, "rewards": rewards}[a.cmd](a)
+    {"tether": run_tether, "trl": run_trl, "plot": plot, "rewards": rewards, "steps": steps_table}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -547,7 +547,10 @@ def test_one_process_sampling_copy_holds_the_policy_in_bf16_and_its_cache_in_bf1
     policy once more in bf16, kept all run, and a bf16 KV cache (still inside the fp32 gradients)."""
     kw = dict(algo="grpo", weight_dtype="fp32", batch_size=8, seq_len=384, rollout_batch=8, num_generations=8,
               reward="verifier", beta=0)
-    plain, copy = _est(qwen05, **kw), _est(qwen05, sampler_copy=True, **kw)
+    plain, copy = _est(qwen05, sampler_copy=False, **kw), _est(qwen05, sampler_copy=True, **kw)
+    assert _est(qwen05, **kw)["totals_bytes"] == copy["totals_bytes"]  # auto: fp32 weights, bf16 compute
+    assert _est(qwen05, mixed_precision="no", **kw)["totals_bytes"] == \
+        _est(qwen05, mixed_precision="no", sampler_copy=False, **kw)["totals_bytes"]
     assert _row(copy, "sampling copy") == N * 2
     assert _row(copy, "KV cache (rollouts)") * 2 == _row(plain, "KV cache (rollouts)")
     assert copy["totals_bytes"]["peak"] == plain["totals_bytes"]["peak"] + N * 2  # the cache lent in both

@@ -185,6 +185,21 @@ def test_a_bf16_sampling_copy_borrows_the_fp32_gradient_buffer(setup, monkeypatc
     assert a == b and len(a) == 3
 
 
+def test_the_default_samples_from_a_copy_exactly_when_the_trainer_computes_in_bf16(setup, monkeypatch):
+    """rollout.sampler_copy=auto (the default): a bf16 trainer over fp32 weights (CUDA under mixed
+    precision; forced here) samples from a copy in the compute dtype — the policy its gradient is
+    taken for — and an fp32 trainer from its weights; true / false force either way."""
+    from tether.trainers.core import sharding
+    used = {}
+    for bf16, copy, want in ((True, "auto", True), (False, "auto", False), (True, False, False),
+                             (False, True, True)):
+        monkeypatch.setattr(sharding, "sharding_bf16", lambda cfg, device, b=bf16: b)
+        name = f"auto-{bf16}-{copy}"
+        train_grpo(_cfg(setup, name, max_steps=1, batch_size=1, sampler_copy=copy), reward_funcs=[digit_frac])
+        used[name] = "gather_time" in _metrics(setup, name)[0]  # the copy's refresh is timed
+        assert used[name] == want, used
+
+
 def test_sampling_copy_casts_the_weights_not_the_rope_buffers():
     """The bf16 sampling copy (rollout.sampler_copy on CUDA; the torchrun replica): parameters in
     bf16, refreshed from the fp32 weights by copy_full_weights; RoPE's non-persistent inv_freq stays

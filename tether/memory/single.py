@@ -87,8 +87,8 @@ class MemoryConfig:
     "gpus > 1 with fsdp and mixed precision: the gradients' reduce-scatter dtype (model.fsdp_reduce); bf16: no fp32 copy of a unit's gradients (replicate ignores it)"
     fsdp_defer_sync: bool = False
     "gpus > 1 with fsdp: gradients reduced once a step, the micro-batches' accumulating unsharded in fp32 on every GPU in between (model.fsdp_defer_sync; replicate ignores it)"
-    sampler_copy: bool = False
-    "gpus = 1, online algorithms: sample from a copy of the policy in the compute dtype (rollout.sampler_copy: bf16 for fp32 weights), kept all run, its KV cache in that dtype; gpus > 1 ignores it (each GPU samples from its replica)"
+    sampler_copy: bool | Literal["auto"] = "auto"
+    "gpus = 1, online algorithms: sample from a copy of the policy in the compute dtype (rollout.sampler_copy: bf16 for fp32 weights), kept all run, its KV cache in that dtype; auto (the trainers' default): a copy for fp32 weights under mixed precision; gpus > 1 ignores it (each GPU samples from its replica)"
     release_replica: bool = False
     "gpus > 1, online algorithms: the rollout replica and the sampler's KV cache freed for each training pass (rollout.release_replica): the training step holds neither"
     grad_accum: PositiveInt = 1
@@ -101,7 +101,7 @@ class MemoryConfig:
         bad = [t for t in self.lora_targets if t not in LINEARS]
         if bad:
             raise ValueError(f"config key 'lora_targets': unknown {', '.join(bad)}; allowed: {', '.join(LINEARS)}")
-        if self.sampler_copy and self.algo not in ONLINE:
+        if self.sampler_copy is True and self.algo not in ONLINE:
             raise ValueError(f"config key 'sampler_copy': {self.algo} does not sample (ppo, grpo and rloo do)")
         if self.gpus > 1:
             if self.sharding == "none":
@@ -279,8 +279,10 @@ def estimate(cfg: MemoryConfig) -> dict:
     if cfg.algo in ONLINE:
         # rollout.sampler_copy: the sampler reads a copy in the compute dtype (sharding.sampling_copy;
         # bf16 for fp32 weights under mixed precision), refreshed after each step, kept all run
-        sd = 2 if cfg.sampler_copy and d == 4 and cfg.mixed_precision != "no" else d  # the sampler's dtype
-        if cfg.sampler_copy:
+        bf16 = d == 4 and cfg.mixed_precision != "no"  # fp32 weights, bf16 compute
+        copied = cfg.sampler_copy is True or (cfg.sampler_copy == "auto" and bf16)
+        sd = 2 if copied and bf16 else d  # the sampler's dtype
+        if copied:
             lora = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora else 0
             rows.append(component("sampling copy", "resident", (n + lora) * sd, n + lora, sd,
                                   "rollout.sampler_copy: the policy in the compute dtype, for the sampler"))

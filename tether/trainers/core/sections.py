@@ -236,14 +236,14 @@ class RolloutSection:
     "top-k sampling (0 = off)"
     stop: list[str] = field(default_factory=list)
     "stop strings ending a completion (besides EOS)"
-    sampler_copy: bool = False
-    "one process (grpo family, ppo): sample from a copy of the policy whose weights are in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision; its KV cache too), refreshed after each update, instead of from the fp32 weights themselves; costs 2 B a parameter (the bf16 KV cache still borrows the idle fp32 gradient buffer's bytes); under torchrun the copy always exists"
+    sampler_copy: bool | Literal["auto"] = "auto"
+    "one process (grpo family, ppo): sample from a copy of the policy whose weights are in the compute dtype (bf16 on CUDA with fp32 weights under mixed precision; its KV cache too), refreshed after each update, instead of from the fp32 weights themselves; costs 2 B a parameter (the bf16 KV cache still borrows the idle fp32 gradient buffer's bytes). auto: a copy exactly when the trainer computes in bf16 over fp32 weights, so that the sampled policy is the one the gradient is taken for (docs/grpo.md); under torchrun the copy always exists"
     release_replica: bool = False
     "grpo family and ppo with a sampling copy (under torchrun, or rollout.sampler_copy): free the copy's weights and the sampler's KV cache once a batch is sampled (for the frozen models' forwards and the update) and rebuild them before the next rollout; the training step then holds neither (tether memory release_replica=true), at the cost of building the cache and capturing the CUDA graphs anew each step"
 
     def check_release(self) -> None:
         """rollout.release_replica needs a sampling copy to release (refused, not ignored)."""
-        if self.release_replica and not self.sampler_copy and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if self.release_replica and self.sampler_copy is not True and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tether.config import ConfigError
             raise ConfigError("config key 'rollout.release_replica': one process samples from the policy "
                               "itself (its KV cache already in the idle gradient buffer): nothing to release; "

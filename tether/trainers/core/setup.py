@@ -53,7 +53,7 @@ from tether.trainers.core.common import (EpochSampler, Progress, Window, all_fin
                                          save_training)
 from tether.trainers.core.held_out import Best, load_eval_prompts, shown
 from tether.trainers.core.ranks import Ranks
-from tether.trainers.core.sharding import sampling_copy, shard_model, state_hint
+from tether.trainers.core.sharding import sampling_copy, shard_model, state_hint, wants_sampler_copy
 from tether.envs.rollouts import env_data
 
 
@@ -471,9 +471,10 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
                 compile_layers(m)
     replica = None
     # a plain copy to sample from, refreshed after each step: under torchrun from the shards; in one
-    # process on request (rollout.sampler_copy), in the compute dtype instead of the fp32 weights
-    if rollout_replica and (distributed.active() or getattr(getattr(cfg, "rollout", None), "sampler_copy", False)):
-        replica = sampling_copy(model, device, bf16=sharding.sharding_bf16(cfg, device))
+    # process (rollout.sampler_copy) in the compute dtype instead of the fp32 weights
+    bf16 = sharding.sharding_bf16(cfg, device)
+    if rollout_replica and (distributed.active() or wants_sampler_copy(cfg, bf16)):
+        replica = sampling_copy(model, device, bf16=bf16)
     hint = None
     if distributed.active() and distributed.uses_cuda() and cfg.model.fsdp:
         hint = state_hint((model, ref, trainable), torch.cuda.get_device_properties(device).total_memory)
