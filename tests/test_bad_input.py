@@ -160,6 +160,7 @@ CONFIG_CASES = [
     ("study judges", "position_p=0.2", "'position_p' must be in [0.5, 1]"),
     ("prm", "lr=0", "'optim.lr' must be > 0"),
     ("prm", "threshold=2", "'prm.threshold' must be in (0, 1)"),
+    ("prm", "targets=both", "'prm.targets' must be one of 'hard', 'soft'"),
     ("label steps", "k=0", "'k' must be >= 1"),
     ("label steps", "estimate=x", "'estimate' must be one of 'hard', 'soft'"),
     ("study prm", "max_n=0", "'max_n' must be >= 1"),
@@ -348,6 +349,26 @@ def test_bad_preference_rows(capsys, world, tmp_path, rows, needle):
     for command in ("rm", "dpo"):
         _refused(capsys, [command, f"model={world / 'model'}", f"data={data}", f"runs_dir={tmp_path / 'runs'}",
                           "device=cpu", "progress=false"], needle, code=1)
+    assert not (tmp_path / "runs").exists()
+
+
+_STEPS = {"prompt": "p", "completions": ["a", "b"], "labels": [True, False], "soft_labels": [0.75, 0.25]}
+
+
+@pytest.mark.parametrize("rows, needle", [
+    ([_STEPS, {k: v for k, v in _STEPS.items() if k != "soft_labels"}], "steps.jsonl:2:soft_labels: missing"),
+    ([{**_STEPS, "soft_labels": [0.75, 1.5]}], "steps.jsonl:1:soft_labels[1]: expected a number in [0, 1], got 1.5"),
+    ([{**_STEPS, "soft_labels": [-0.25, 0.0]}], "steps.jsonl:1:soft_labels[0]: expected a number in [0, 1]"),
+    ([{**_STEPS, "soft_labels": [float("nan"), 0.0]}], "steps.jsonl:1:soft_labels[0]: expected a number in [0, 1], got nan"),
+    ([{**_STEPS, "soft_labels": [0.75, True]}], "steps.jsonl:1:soft_labels[1]"),
+    ([{**_STEPS, "soft_labels": 0.5}], "steps.jsonl:1:soft_labels: expected a list of numbers"),
+    ([_STEPS, {**_STEPS, "soft_labels": [0.75]}], "steps.jsonl:2:soft_labels: 1 values for 2 completions"),
+])
+def test_bad_soft_labels_with_soft_targets(capsys, world, tmp_path, rows, needle):
+    data = tmp_path / "steps.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(capsys, ["prm", f"model={world / 'model'}", f"data={data}", f"runs_dir={tmp_path / 'runs'}",
+                      "targets=soft", "device=cpu", "progress=false"], needle, code=1)
     assert not (tmp_path / "runs").exists()
 
 

@@ -135,6 +135,75 @@ def test_process_reward_loss_ignores_unlabelled_positions():
     assert float(stats["accuracy"]) == 1.0 and stats["steps"] == 4
 
 
+def test_soft_targets_loss_by_hand():
+    logits = torch.tensor([[0.0, 7.0, math.log(3)]])
+    labels = torch.tensor([[0.25, IGNORE, 0.75]])
+    loss, stats = process_reward_loss(logits, labels)
+    # σ(0) = 1/2:     −[0.25·ln(1/2) + 0.75·ln(1/2)] = ln 2
+    # σ(ln 3) = 3/4:  −[0.75·ln(3/4) + 0.25·ln(1/4)] = 0.75·ln 4 − 0.75·ln 3 + 0.25·ln 4 = 2 ln 2 − 0.75 ln 3
+    # mean of the two: (3 ln 2 − 0.75 ln 3)/2 = (2.0794415 − 0.8239592)/2 = 0.6277412
+    # (a target rounded to 1 would give −ln(3/4) = 0.2877 for the second step instead)
+    assert float(loss) == pytest.approx((math.log(2) + 2 * math.log(2) - 0.75 * math.log(3)) / 2, rel=1e-6)
+    assert float(loss) == pytest.approx(0.6277412, rel=1e-6) and stats["steps"] == 2
+
+
+def test_soft_targets_sit_where_the_bool_labels_do(tiny):
+    tok = load_tokenizer(tiny)
+    row = {"prompt": "What is 9 - 3?", "completions": [" 9 - 3 ", " 6\n#### 6"], "labels": [True, False],
+           "soft_labels": [0.625, 0.25]}
+    (hard,), _ = encode_stepwise([row], tok, step_separator="=")
+    (soft,), _ = encode_stepwise([row], tok, step_separator="=", soft=True)
+    # one token per character: BOS + the prompt's 14 + ' 9 - 3 =' puts step 0's '=' at 1 + 14 + 8 − 1 = 22
+    ends = [22, len(hard["input_ids"]) - 1]
+    assert soft["input_ids"] == hard["input_ids"]
+    assert [(t, y) for t, y in enumerate(hard["step_labels"]) if y != IGNORE] == list(zip(ends, [1, 0]))
+    assert [(t, y) for t, y in enumerate(soft["step_labels"]) if y != IGNORE] == list(zip(ends, [0.625, 0.25]))
+
+
+SOFT = {"a": 0.1, "b": 0.3, "c": 0.7, "d": 0.9}  # each step's soft label is a function of its text
+
+
+def _soft_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        steps = [rng.choice("abcd") for _ in range(rng.randint(2, 5))]
+        rows.append({"prompt": "Q", "completions": steps, "labels": [SOFT[c] > 0.5 for c in steps],
+                     "soft_labels": [SOFT[c] for c in steps]})
+    return rows
+
+
+def _soft_error(model, tok, rows) -> float:
+    """mean over all steps of |σ(s_i) − y_soft,i|, each row scored as `prm:` reads it."""
+    errors = []
+    with torch.no_grad():
+        for r in rows:
+            ids, pos = encode_steps(tok, r["prompt"], r["completions"], "|")
+            p = torch.sigmoid(model.eval()(torch.tensor([ids]))[0, pos].float())
+            errors += (p - torch.tensor(r["soft_labels"])).abs().tolist()
+    return sum(errors) / len(errors)
+
+
+def test_prm_with_soft_targets_learns_the_soft_labels(tiny, tmp_path):
+    """Steps a, b, c, d carry soft labels 0.1, 0.3, 0.7, 0.9 (bool labels: > 0.5). Trained toward
+    the soft labels, σ(s) moves onto them; trained on the bool labels it would head for 0 and 1,
+    where the mean error over the four kinds of step is at least 0.1."""
+    from tether.trainers.prm import PRMConfig, train_prm
+
+    for name, rows in (("train", _soft_rows(400, 0)), ("eval", _soft_rows(100, 1))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok, held = load_tokenizer(tiny), _soft_rows(100, 1)
+    torch.manual_seed(0)
+    start = _soft_error(ScalarHeadModel.from_pretrained(tiny), tok, held)
+    s = train_prm(PRMConfig(model=tiny, data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"),
+                            step_separator="|", targets="soft", runs_dir=str(tmp_path), name="prm", max_steps=60,
+                            lr=5e-3, batch_size=32, device="cpu", progress=False, log_every=40))
+    end = _soft_error(ScalarHeadModel.from_pretrained(s["checkpoint"]), tok, held)
+    print(f"mean |σ(s) − y_soft|: {start:.4f} -> {end:.4f}; eval {s['eval/step_accuracy']=}, {s['eval/loss']=}")
+    assert start > 0.25 and end < 0.05
+    assert s["eval/step_accuracy"] > 0.95  # the metrics read the bool labels (the soft ones thresholded here)
+
+
 def test_step_metrics_by_hand():
     probs = [torch.tensor([0.9, 0.2, 0.4]), torch.tensor([0.8, 0.7]), torch.tensor([0.6, 0.3])]
     labels = [[True, False, False], [True, True], [True, True]]

@@ -28,7 +28,7 @@ from .errors import DataError, show
 from .rows import Rows, as_rows
 
 __all__ = ["FORMATS", "ROLES", "detect_format", "detect_style", "check_format", "validate",
-           "RowChecker", "canonical_format"]
+           "RowChecker", "canonical_format", "check_soft_labels"]
 
 # name -> alternative column sets (any one set identifies the format). Order = detection priority:
 # the most specific shape wins (a KTO dataset also has prompt + completion).
@@ -166,6 +166,22 @@ def _check_labels(value: Any) -> tuple[str, str] | None:
     for i, label in enumerate(value):
         if not isinstance(label, bool):
             return f"[{i}]", f"expected a bool (true/false), got {type(label).__name__} {show(label)}"
+    return None
+
+
+def check_soft_labels(row: dict[str, Any]) -> tuple[str, str] | None:
+    """The optional stepwise column ``soft_labels`` (Math-Shepherd's c_i/K, one number in [0, 1]
+    per step, as `tether label steps` writes it): (field suffix, problem) or None when valid."""
+    if "soft_labels" not in row or row["soft_labels"] is None:
+        return "", "missing column (soft step targets read it; `tether label steps` writes it)"
+    value = row["soft_labels"]
+    if not isinstance(value, list):
+        return "", f"expected a list of numbers in [0, 1] (one per step), got {type(value).__name__} {show(value)}"
+    for i, y in enumerate(value):
+        if isinstance(y, bool) or not isinstance(y, (int, float)) or not 0 <= y <= 1:
+            return f"[{i}]", f"expected a number in [0, 1], got {show(y)}"
+    if len(value) != len(row["completions"]):
+        return "", f"{len(value)} values for {len(row['completions'])} completions (need one per step)"
     return None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from .chat import ChatTemplateError, encode_messages, encode_prompt_response, encode_text, render
 from .errors import DataError
-from .formats import FORMATS, RowChecker, check_format
+from .formats import FORMATS, RowChecker, check_format, check_soft_labels
 from .rows import as_rows
 
 __all__ = ["EncodeReport", "encode_lm", "encode_prompt_completion", "encode_sft",
@@ -323,24 +323,30 @@ def encode_prompts(rows: Any, tokenizer, max_prompt_length: int | None = None, t
 
 
 def encode_stepwise(rows: Any, tokenizer, max_length: int | None = None, truncation: str = "truncate", *,
-                    step_separator: str = "\n", source: str | None = None):
+                    step_separator: str = "\n", source: str | None = None, soft: bool = False):
     """Stepwise rows -> ``[{input_ids, step_labels}]`` for process reward models (as TRL's PRM):
     ``prompt`` then each step followed by ``step_separator``; ``step_labels`` is -100 everywhere
-    except the last token of each step (its separator), which holds the step's 0/1 label.
+    except the last token of each step (its separator), which holds the step's 0/1 label, or with
+    ``soft`` its ``soft_labels`` value (a float in [0, 1]; a row without valid ones is a DataError).
     Truncation keeps whole steps only; a row with no step fitting is dropped."""
+    rows = as_rows(rows, source)
+
     def one(n: int, row: dict, rep: EncodeReport) -> dict | None:
+        if soft and (problem := check_soft_labels(row)):
+            raise DataError(rows.source, n, "soft_labels" + problem[0], problem[1])
+        targets = [float(y) for y in row["soft_labels"]] if soft else [int(y) for y in row["labels"]]
         ids = text_prompt_ids(tokenizer, row["prompt"])
         labels = [-100] * len(ids)
         steps = [encode_text(tokenizer, s + step_separator) for s in row["completions"]]
         kept = 0
-        for step, label in zip(steps, row["labels"]):
+        for step, label in zip(steps, targets):
             if max_length is not None and len(ids) + len(step) > max_length:
                 if truncation == "drop":
                     total = len(ids) + sum(len(s) for s in steps[kept:])
                     return rep.drop(n, "too long", f"{total} tokens > max_length={max_length}")
                 break
             ids += step
-            labels += [-100] * (len(step) - 1) + [int(label)]
+            labels += [-100] * (len(step) - 1) + [label]
             kept += 1
         if kept == 0:
             return rep.drop(n, "prompt too long", f"prompt and first step exceed max_length={max_length}")

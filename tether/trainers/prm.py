@@ -7,7 +7,8 @@ The loop, top to bottom:
     (tether.data.encode_stepwise, as TRL's PRMTrainer)
     -> PRM = causal-LM body + scalar head (tether.models.heads.ScalarHeadModel, the module the
        reward model and PPO's critic share), read at every separator
-    -> for each optimizer step: L = mean over the batch's steps of BCE(σ(s_i), y_i)
+    -> for each optimizer step: L = mean over the batch's steps of BCE(σ(s_i), y_i), y_i the bool
+       label or, with prm.targets=soft, the row's `soft_labels` value
        (:func:`process_reward_loss`), clip, step (finite-checked)
     -> log / eval on held-out rows: step accuracy, step F1, first-error accuracy
        (:func:`step_metrics`) / checkpoint (+ prm.json: the separator the reward cuts text at)
@@ -27,7 +28,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class PRMSection:
     "a step is predicted correct when P(correct) > threshold (accuracy, F1, first error)"
     eval_seed: Seed = 0
     "seed of the eval_fraction split"
+    targets: Literal["hard", "soft"] = "hard"
+    "BCE target y_i: hard = the bool `labels`; soft = each step's `soft_labels` (Math-Shepherd's soft estimate c_i/K, Wang et al. 2024 eq. 2); metrics use `labels`"
 
 
 @flat_init
@@ -62,19 +65,21 @@ class PRMConfig:
     model: ModelSection = field(default_factory=ModelSection)
     "initial model: a causal LM (the head starts fresh) or a saved reward/process reward model"
     data: DataSection = field(default_factory=lambda: DataSection(eval_fraction=0.1, batch_size=16))
-    "stepwise rows (prompt, completions: list of steps, labels: list of bool); an over-long row keeps its whole first steps"
+    "stepwise rows (prompt, completions: list of steps, labels: list of bool, + soft_labels with prm.targets=soft); an over-long row keeps its whole first steps"
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5, warmup_ratio=0.03))
     "optimizer, schedule, length"
     run: RunSection = field(default_factory=lambda: RunSection(name="prm"))
     "run directory, seed (head init + data order), logging, eval, checkpoints"
     prm: PRMSection = field(default_factory=PRMSection)
-    "the step separator and the metrics' threshold"
+    "the step separator, the BCE targets and the metrics' threshold"
 
     def __post_init__(self):
         if self.model.lora_r > 0:  # ScalarHeadModel has no adapters: refused, not ignored
             raise ValueError("prm: lora_r is not supported for process reward models (full fine-tuning only)")
         if not self.prm.step_separator:
             raise ValueError("config key 'prm.step_separator' must be a non-empty string")
+        if self.prm.targets not in ("hard", "soft"):  # the CLI checks the Literal; Python callers too
+            raise ValueError(f"config key 'prm.targets' must be 'hard' or 'soft'; got {self.prm.targets!r}")
 
 
 # -- the objective and the metrics ---------------------------------------------------------------
@@ -124,13 +129,15 @@ def step_metrics(probs: list[torch.Tensor], labels: list[list[bool]], threshold:
 
 # -- data ----------------------------------------------------------------------------------------
 
-def load_stepwise(source: str, tokenizer, spec: DataSection, separator: str) -> tuple[list[dict], dict]:
-    """Validated stepwise rows -> [{input_ids, step_labels, labels (the row's, as bools)}] + report."""
+def load_stepwise(source: str, tokenizer, spec: DataSection, separator: str,
+                  targets: str = "hard") -> tuple[list[dict], dict]:
+    """Validated stepwise rows -> [{input_ids, step_labels (the BCE targets: 0/1, or `soft_labels`
+    with targets="soft"), labels (the row's, as bools: the metrics' truth)}] + report."""
     from tether.data import encode_stepwise, load_data
 
     rows = load_data(source, expect="stepwise", split=spec.split, rename=spec.columns)
     examples, report = encode_stepwise(rows, tokenizer, spec.max_length, spec.truncation,
-                                       step_separator=separator, source=rows.source)
+                                       step_separator=separator, source=rows.source, soft=targets == "soft")
     for ex, i in zip(examples, report.kept_index):
         ex["labels"] = [bool(v) for v in rows[i]["labels"]]
         ex["text"] = {"prompt": rows[i]["prompt"], "completions": rows[i]["completions"]}
@@ -138,10 +145,10 @@ def load_stepwise(source: str, tokenizer, spec: DataSection, separator: str) -> 
 
 
 def load_prm_data(cfg: PRMConfig, tokenizer) -> Data:
-    spec, sep = cfg.data, cfg.prm.step_separator
-    train, report = load_stepwise(spec.path, tokenizer, spec, sep)
+    spec, sep, targets = cfg.data, cfg.prm.step_separator, cfg.prm.targets
+    train, report = load_stepwise(spec.path, tokenizer, spec, sep, targets)
     if spec.eval_data:
-        held_out, _ = load_stepwise(spec.eval_data, tokenizer, spec, sep)
+        held_out, _ = load_stepwise(spec.eval_data, tokenizer, spec, sep, targets)
     elif spec.eval_fraction > 0:
         order = list(range(len(train)))
         random.Random(cfg.prm.eval_seed).shuffle(order)
