@@ -126,7 +126,8 @@ def test_deferred_sync_holds_a_whole_gradient_only_with_several_micro_batches(qw
 @pytest.mark.parametrize("gpus", [2, 4, 8])
 def test_optimizer_state_and_gradients_are_exactly_one_nth(qwen05, algo, lora, gpus):
     kw = dict(algo=algo, weight_dtype="fp32", lora=lora, lora_rank=8, rollout_batch=8, batch_size=8)
-    single, sharded = _est(qwen05, **kw), _est(qwen05, gpus=gpus, **kw)
+    # one process sampling from its own weights (sampler_copy=false): what a replica GPU holds besides its replica
+    single, sharded = _est(qwen05, sampler_copy=False, **kw), _est(qwen05, gpus=gpus, **kw)
     for name in ("policy", "value model"):
         if algo != "ppo" and name == "value model":
             continue
@@ -348,7 +349,7 @@ def test_replicate_grpo_holds_a_replica_and_a_kv_cache_of_its_own(qwen05):
     kw = dict(algo="grpo", weight_dtype="fp32", reward="verifier", beta=0, seq_len=384, batch_size=8,
               num_generations=8, gradient_checkpointing=True)
     rep = _est(qwen05, gpus=2, sharding="replicate", rollout_batch=16, **kw)
-    one = _est(qwen05, rollout_batch=8, **kw)
+    one = _est(qwen05, rollout_batch=8, sampler_copy=False, **kw)  # sampling from its own weights
     assert _one_process_part(rep) == _one_process_part(one)
     kv = 64 * 384 * (2 * 24 * 2 * 64 * 2)  # 8 prompts x 8 per GPU, bf16
     assert _row(rep, "rollout replica") == N * 2 and _row(rep, "KV cache (rollouts)") == kv
@@ -378,7 +379,7 @@ def test_replicate_ignores_the_fsdp_options(qwen05, capsys):
 
 # fsdp=false as plain replication, measured on 4 x H200 (bench/scale.py --set fsdp=false, results in
 # benchmarks/scale/, Qwen2.5-0.5B shape, 2026-11-27): max_memory_allocated per GPU, GiB. DPO's is
-# the same at 1, 2 and 4 GPUs (8 pairs a GPU); GRPO's grows from 8.825 GiB at 1 GPU (cache inside
+# the same at 1, 2 and 4 GPUs (8 pairs a GPU); GRPO's grows from 8.825 GiB at 1 GPU (sampling from its fp32 weights, cache inside
 # the gradients) by the replica + KV cache.
 DPO_REPLICATE = dict(algo="dpo", batch_size=4, seq_len=1024, precompute_ref=True)
 GRPO_REPLICATE = dict(algo="grpo", batch_size=8, seq_len=384, num_generations=8, reward="verifier", beta=0)
@@ -391,7 +392,7 @@ def test_replicate_within_ten_percent_of_measured(qwen05, gpus, kw, measured_gib
     est = _est(qwen05, gpus=gpus, sharding="replicate", weight_dtype="fp32", gradient_checkpointing=True, **kw, **share)
     assert 0.9 <= measured_gib * 2**30 / est["totals_bytes"]["peak"] <= 1.1
     if kw["algo"] == "grpo":  # what 2+ GPUs add over one process: measured 1.30 GB
-        one = _est(qwen05, weight_dtype="fp32", gradient_checkpointing=True, rollout_batch=8, **kw)
+        one = _est(qwen05, weight_dtype="fp32", gradient_checkpointing=True, rollout_batch=8, sampler_copy=False, **kw)
         added = est["totals_bytes"]["peak"] - one["totals_bytes"]["peak"]
         assert abs((10.037 - 8.825) * 2**30 - added) < 0.05e9
 
