@@ -117,7 +117,12 @@ def _wandb_records(path: Path):
 
 
 def _wandb_run(offline_dir: Path) -> dict:
-    """{"run": the run record, "config": {key: value}, "history": [{key: value}] in log order}."""
+    """{"run": the run record, "config": {key: value}, "history": [{key: value}] in log order}.
+    The run's file is written by wandb's service process, which can still hold part of it after
+    `finish()` returns (seen on a machine's first wandb run); `wandb.teardown()` waits for the
+    service to write everything and stop, as the end of a process does."""
+    import wandb
+    wandb.teardown()
     (log,) = offline_dir.glob("run-*.wandb")
     out = {"run": None, "config": {}, "history": []}
     for r in _wandb_records(log):
