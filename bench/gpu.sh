@@ -319,8 +319,11 @@ suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited
     model || return 3
     local seeds=(${SEEDS:-0 1 2}) s name d runs=() pending
     local common=(--model "$MODEL" --data "$DATA" --recipe lr1e5_g16 --budget 100000 --eval-every 25 --max-steps 200)
-    # entropy over every sampled completion, as TRL logs it (tether's is over the trained rows)
-    local whole=(--set grpo.skip_zero_advantage=false)
+    # entropy over every sampled completion, as TRL logs it (tether's is over the trained rows);
+    # micro-batches of 64 sequences (the same update: micro-batches are weighted to the whole batch's
+    # loss) lower a run's peak: the whole batch at once took ~38 GB a run, and six runs beside three
+    # of TRL's ran out of the H200's memory
+    local whole=(--set grpo.skip_zero_advantage=false --set grpo.micro_batch_size=64)
     if [ ! -f "$RUNS/started" ] && [ -z "${DRY:-}" ]; then
         wheels
         mkdir -p "$RUNS"

@@ -135,10 +135,12 @@ def run_tether(a) -> None:
                             stdout=open(out / "stdout.log", "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     # stop at the budget of training time: the run has no notion of it, so it is watched from here
+    stopped = False
     while proc.poll() is None:
         time.sleep(2)
         pts = tether_points(metrics)
         if pts and pts[-1]["train_seconds"] >= a.budget:
+            stopped = True
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(60)
@@ -148,6 +150,8 @@ def run_tether(a) -> None:
     write_curve(out, tether_points(metrics), {"library": "tether", "command": a.command, "recipe": a.recipe,
                                               "settings": r, "seed": a.seed, "nproc": a.nproc,
                                               "returncode": proc.returncode})
+    if proc.returncode and not stopped:  # a run that failed is not a curve: the caller must see it
+        sys.exit(f"tether {a.command} exited with {proc.returncode}: {out / 'stdout.log'}")
 
 
 # -- TRL ---------------------------------------------------------------------------------------
@@ -349,7 +353,7 @@ def steps_table(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     groups: dict[str, list[dict]] = {}
     for d in map(Path, a.runs):
-        if (d / "curve.json").exists():
+        if (d / "curve.json").exists() and json.loads((d / "curve.json").read_text())["points"]:
             groups.setdefault(d.name.rsplit("-s", 1)[0], []).append(per_step_series(d))
     table, w = {}, a.window
     for name, runs in groups.items():
