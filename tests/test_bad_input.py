@@ -167,13 +167,15 @@ CONFIG_CASES = [
     ("study judges", "ppo_seeds=", "'ppo_seeds' must list at least one seed"),
     ("study judges", "hh_judge=m", "'hh_judge' and 'hh_data' go together"),
     ("studio", "port=70000", "'port' must be in [0, 65535]"),
+    ("serve", "port=70000", "'port' must be in [0, 65535]"),
+    ("serve", "max_tokens=0", "'max_tokens' must be >= 1"),
 ]
 
 
 @pytest.mark.parametrize("command, arg, needle", CONFIG_CASES, ids=[f"{c}:{a}" for c, a, _ in CONFIG_CASES])
 def test_bad_config_value_is_one_line_and_writes_nothing(capsys, tmp_path, command, arg, needle):
     runs = tmp_path / "runs"  # where the command would write
-    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"], "chat": ["model=m"], "label pairs": [f"out={runs}/p.jsonl"], "cai": [f"out={runs}/c.jsonl"],
+    base = {"memory": [], "init-model": [f"out={runs}"], "convert": ["model=m.gguf", f"out={runs}"], "chat": ["model=m"], "serve": ["model=m"], "label pairs": [f"out={runs}/p.jsonl"], "cai": [f"out={runs}/c.jsonl"],
             "quickstart": [f"runs_dir={runs}"], "studio": [f"runs_dir={runs}"],
             "study frontier": [f"runs_dir={runs}"], "study judges": [f"runs_dir={runs}"], "study overoptimization": [f"runs_dir={runs}"],
             "study prm": [f"runs_dir={runs}"], "label steps": ["policy=m", "data=d.jsonl", f"out={runs}/s.jsonl"]}

@@ -18,6 +18,7 @@ TETHER = Path(__file__).resolve().parent.parent / "tether"
 LAYERS = [
     ["studio"],  # `tether studio`: a web app over run directories and every layer below (it reads cli's COMMANDS)
     ["cli", "__main__"],
+    ["serve"],  # `tether serve`: an OpenAI-compatible endpoint over chat's model loading and rollout/'s sampler
     ["studies", "init_model", "convert", "chat"],  # chat: `tether chat`, a terminal conversation over rollout/ and envs/
     ["quickstart"],  # below the studies: a study may start from the quickstart's policy (study prm)
     ["trainers", "labeling"],  # labeling: `tether label steps` (Math-Shepherd MC step labels)

@@ -62,6 +62,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "evaluate on held-out data: pass@k + rewards (greedy, sampled), RM / DPO preference accuracy, perplexity"),
     "chat": ("tether.chat", "ChatConfig", "run_chat",
              "chat with a model in the terminal over tether's sampler, streamed; env= runs an environment's tools"),
+    "serve": ("tether.serve", "ServeConfig", "run_serve",
+              "an OpenAI-compatible chat completions endpoint over tether's sampler, token ids in every response (needs tether[studio])"),
     "label pairs": ("tether.feedback.label", "LabelPairsConfig", "label_pairs",
                     "AI feedback: an instruct-model judge labels response pairs under a constitution (swap-debiased) -> preference JSONL"),
     "cai": ("tether.feedback.cai", "CAIConfig", "run_cai",
