@@ -12,7 +12,8 @@ import yaml
 from extras import needs
 from tether.cli import COMMANDS, load_command
 from tether.config import to_dict
-from tether.model_card import (PAPERS, Evaluation, algorithm_of, card_metadata, model_card, write_model_card)
+from tether.model_card import (PAPERS, Evaluation, algorithm_of, card_metadata, model_card, write_best_card,
+                               write_model_card)
 from tether.models import make_tiny_model
 from tether.trainers.sft import SFTConfig, train_sft
 
@@ -233,3 +234,65 @@ def test_a_lora_adapter_folder_is_carded_for_peft(world, monkeypatch):
     data = hub_card(card).data
     assert (data.library_name, data.base_model) == ("peft", "tiny-org/tiny-lm")
     assert card_metadata(card.read_text()) == meta
+
+
+def test_the_best_checkpoint_s_card_is_rewritten_when_the_run_ends(world, monkeypatch):
+    """checkpoints/best's card, after the run: its own step's eval point as this checkpoint's numbers
+    (metrics.jsonl at best.json's step), the run's final eval and best (summary.json) beside them.
+    keep_best_mode=max on eval/loss keeps an early step, so the best is not the final model."""
+    monkeypatch.chdir(world)
+    written = _sft(world, name="carded-best", eval_fraction=0.25, eval_every=1, max_steps=3, keep_last=0,
+                   keep_best="eval/loss", keep_best_mode="max")
+    run, best = world / "runs" / "carded-best", written["best"]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    card = run / "checkpoints" / "best" / "README.md"
+    text = card.read_text()
+    assert json.loads((card.parent / "best.json").read_text())["step"] == best["step"]
+    logged = next(r["eval/loss"] for r in rows if r["step"] == best["step"] and "eval/loss" in r)
+    assert logged == best["value"]
+    assert f"with tether (SFT), step {best['step']}." in text
+    assert f"Held-out metrics of this checkpoint, at step {best['step']}:" in text
+    assert table_value(text, "eval/loss") == logged
+    assert f"The run's final held-out evaluation (summary.json), at step 3: `eval/loss` " \
+           f"{json.dumps(written['eval/loss'])}" in text
+    assert f"Best `eval/loss` (max) of the run: {json.dumps(logged)} at step {best['step']}" in text
+    assert "so far" not in text
+    assert hub_card(card).data.base_model == "tiny-org/tiny-lm"
+
+    # a tracker's link written after the best checkpoint reaches its card when it is rewritten
+    (run / "trackers.json").write_text(json.dumps({"tensorboard": "runs/carded-best/tensorboard"}))
+    assert write_best_card(run, json.loads((run / "summary.json").read_text())) == card
+    assert "[tensorboard](runs/carded-best/tensorboard)" in card.read_text()
+    assert table_value(card.read_text(), "eval/loss") == logged
+
+
+def test_ppo_s_value_folder_carries_a_value_model_card(world, monkeypatch):
+    """A PPO checkpoint's critic (value/) is a scalar-head model with its own card: text-classification,
+    PPO's papers, and the policy in the parent folder named."""
+    from tether.trainers.ppo.loop import PPOConfig, train_ppo
+
+    monkeypatch.chdir(world)
+    (world / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["ab", "cd"] * 4))
+
+    def digits(prompts, completions, **_):
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    summary = train_ppo(PPOConfig(model="tiny-org/tiny-lm", data="prompts.jsonl", name="carded-ppo",
+                                  runs_dir="runs", batch_size=4, num_generations=1, max_new_tokens=4,
+                                  max_steps=2, ppo_epochs=1, num_minibatches=1, kl_coef=0.0, device="cpu",
+                                  progress=False, seed=0, value_model="policy"), reward_funcs=[digits])
+    final = Path(summary["checkpoint"])
+    card = final / "value" / "README.md"
+    text = card.read_text()
+    meta = front_matter(text)
+    assert meta == card_metadata(text)
+    assert meta == {"base_model": "tiny-org/tiny-lm", "library_name": "transformers",
+                    "datasets": ["prompts.jsonl"],
+                    "tags": ["tether", "ppo", "value-model", "critic", "reinforcement-learning"],
+                    "pipeline_tag": "text-classification"}
+    assert hub_card(card).data.pipeline_tag == "text-classification"
+    assert f"The value model (critic) of the policy in the parent folder (`{final}`)" in text
+    assert f"step {summary['steps']}" in text and f'from_pretrained("{final / "value"}")' in text
+    assert "arXiv:1707.06347" in text and "arXiv:2203.02155" in text and "@article{schulman2017proximal," in text
+    assert "tether ppo --config config.yaml" in text
+    assert front_matter((final / "README.md").read_text())["pipeline_tag"] == "text-generation"

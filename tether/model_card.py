@@ -15,13 +15,17 @@ with the Hub's YAML metadata block, as TRL's `push_to_hub` / `create_model_card`
     the base model, the algorithm with its paper (and BibTeX), the data, the command that
     reproduces the run and its resolved config, the eval numbers, framework versions, trackers.
 
+PPO's critic (`<checkpoint>/value/`) gets its own card (`value_model_card`): text-classification,
+PPO's papers, the model it started from, the policy in the parent folder it is the critic of.
+
 Everything comes from the run directory as plain data: config.yaml (the algorithm is read off its
 sections: `grpo.advantage`, `preference.method` and `loss`, ...), metrics.jsonl (a step's card:
 the last eval point at or before that step), summary.json (the final card: its final eval and
 `best`) and trackers.json ({name: link}, when the run had trackers). `model_card(...)` renders;
 `write_model_card(dir, run_path, ...)` reads those files and writes `<dir>/README.md`.
 `RunDir.save_checkpoint` calls it inside each checkpoint's atomic write, and `Training.finish`
-once more on the final checkpoint, with the summary.
+once more on the final checkpoint, with the summary, and on `checkpoints/best` (`write_best_card`:
+its own step's eval point as "this checkpoint", the run's final eval and `best` beside it).
 
 The papers are the ones the objectives' docstrings cite (tether/objectives/, docs/objectives.md).
 """
@@ -39,6 +43,8 @@ from typing import Optional
 import yaml
 
 CARD = "README.md"
+VALUE = "value"
+"PPO's critic, a folder of the policy's checkpoint (trainers/ppo/critic.py)"
 TRACKERS = "trackers.json"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 VERSIONS = ("tether", "transformers", "torch", "datasets", "tokenizers")
@@ -271,6 +277,8 @@ class Evaluation:
     train: dict = field(default_factory=dict)
     "the last logged loss / reward at or before the step"
     train_step: Optional[int] = None
+    run_final: Optional[dict] = None
+    "{step, metrics}: the run's final eval (summary.json), beside an earlier checkpoint's own (keep_best's)"
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -398,15 +406,20 @@ def _evaluation(ev: Evaluation, step: int) -> list[str]:
     out = ["## Evaluation", ""]
     if ev.metrics:
         where = (f"The run's final held-out evaluation (summary.json), at step {ev.step}:" if ev.final else
+                 f"Held-out metrics of this checkpoint, at step {step}:" if ev.step == step else
                  f"Held-out metrics at step {ev.step}, the last eval point at or before step {step}:")
         out += [where, "", "| metric | value |", "|---|---|"]
         out += [f"| {k} | {_value(v)} |" for k, v in ev.metrics.items()]
     else:
         out.append(f"No held-out evaluation at or before step {step} (`data.eval_data` or "
                    f"`data.eval_fraction`, with `run.eval_every`).")
+    if ev.run_final and ev.run_final.get("metrics"):
+        out += ["", f"The run's final held-out evaluation (summary.json), at step {ev.run_final['step']}: "
+                + ", ".join(f"`{k}` {_value(v)}" for k, v in ev.run_final["metrics"].items()) + "."]
     best = ev.best or {}
+    ended = ev.final or ev.run_final is not None
     if best.get("step") is not None:
-        out += ["", f"Best `{best['metric']}` ({best.get('mode')}) {'of the run' if ev.final else 'so far'}: "
+        out += ["", f"Best `{best['metric']}` ({best.get('mode')}) {'of the run' if ended else 'so far'}: "
                 f"{_value(best['value'])} at step "
                 f"{best['step']} (`run.keep_best`; that model is `checkpoints/best`)."]
     if ev.train:
@@ -442,6 +455,72 @@ def _citations(algo: Optional[Algorithm]) -> list[str]:
     for key in algo.papers:
         out += ["```bibtex", PAPERS[key].bibtex(), "```", ""]
     return out
+
+
+# -- PPO's value model --------------------------------------------------------------------------------
+
+VALUE_TAGS = ("value-model", "critic")
+
+
+def value_origin(config: dict) -> str:
+    """Where PPO's critic started (critic.load_value_model): `ppo.value_model` when it names a model,
+    the policy's `model.path` for 'policy', else ('') the first `rm:` reward model, else the policy's."""
+    chosen = str((config.get("ppo") or {}).get("value_model") or "")
+    policy = str((config.get("model") or {}).get("path") or "")
+    if chosen == "policy":
+        return policy
+    if chosen:
+        return chosen
+    for spec in (config.get("reward") or {}).get("reward_funcs") or ():
+        if isinstance(spec, str) and spec.startswith("rm:"):
+            return spec[3:].partition("?")[0].split(",")[0].strip()
+    return policy
+
+
+def value_model_card(config: dict, *, step: int, folder: str, trackers: Optional[dict] = None,
+                     versions: Optional[dict] = None, base_card: Optional[dict] = None) -> str:
+    """The README.md of a PPO checkpoint's `value/` folder: the critic of the policy in the parent
+    folder, a scalar head on a causal LM body read at every token (V(s_t)), trained beside that policy
+    with PPO's clipped value loss. config: the run's resolved config; folder: the value folder's path;
+    base_card: the card metadata of the model it started from."""
+    algo = algorithm_of(config)
+    origin = value_origin(config)
+    base_card = base_card or {}
+    hub_base = origin if looks_like_hub_id(origin) else None
+    data = config.get("data") or {}
+    datasets = _unique(str(d) for d in (data.get("path"), data.get("eval_data")) if d and d != "env")
+    meta = {}
+    if hub_base:
+        meta["base_model"] = hub_base
+    meta["library_name"] = "transformers"
+    if base_card.get("license"):
+        meta["license"] = base_card["license"]
+    if datasets:
+        meta["datasets"] = list(datasets)
+    meta["tags"] = list(_unique(["tether", *(algo.tags[:1] if algo else ()), *VALUE_TAGS, *RL_TAGS]))
+    meta["pipeline_tag"] = "text-classification"
+
+    name = (config.get("run") or {}).get("name") or "model"
+    parent = str(Path(folder).parent)
+    start = (f"[{origin}](https://huggingface.co/{origin})" if hub_base else f"`{origin}`") if origin else None
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
+             f"# {name} (value model)", "",
+             f"The value model (critic) of the policy in the parent folder (`{parent}`), trained beside it "
+             f"with tether{' (' + algo.name + ')' if algo else ''}, step {step}"
+             + (f"; it started from {start}." if start else "."), "",
+             "A scalar head on a causal LM body (`scalar_head.*`, kind `value`), read at every token: "
+             "V(s_t), the return expected from that position, which PPO's advantages (GAE) are taken "
+             "against; it is fitted with the clipped value loss. It is not a reward model: it scores "
+             "the policy's own continuations, and a resume of the run loads it.", "",
+             "## Use", "", "```python", "from tether.models.heads import ScalarHeadModel", "",
+             f'value = ScalarHeadModel.from_pretrained("{folder}")', "```", "",
+             f"The run's evaluation is on the policy's card (`{parent}/{CARD}`).", ""]
+    lines += _method(algo)
+    lines += _data(data, algo, None, (config.get("environment") or {}).get("env"))
+    lines += _reproduce(config, algo, trackers)
+    lines += _versions(versions or {})
+    lines += _citations(algo)
+    return "\n".join(lines).rstrip() + "\n"
 
 
 # -- from the run directory --------------------------------------------------------------------------
@@ -529,10 +608,12 @@ def _eval_keys(row: dict) -> dict:
 
 
 def run_evaluation(run_path: Path, step: int, best: Optional[dict] = None,
-                   summary: Optional[dict] = None) -> Evaluation:
+                   summary: Optional[dict] = None, ended: Optional[dict] = None) -> Evaluation:
     """A card's numbers from the run directory: with `summary` (the final card) its final eval and
     `best`; else the last eval point at or before `step` in metrics.jsonl, and `best` as given (the
-    race's state the checkpoint carries)."""
+    race's state the checkpoint carries). `ended`: the summary.json of a run that has ended, for
+    the card of an earlier checkpoint (keep_best's `best`): its final eval and `best` beside the
+    checkpoint's own numbers."""
     rows = _rows(Path(run_path) / "metrics.jsonl", step)
     ev = Evaluation(best=best)
     for row in reversed(rows):
@@ -544,6 +625,9 @@ def run_evaluation(run_path: Path, step: int, best: Optional[dict] = None,
         ev.metrics, ev.step, ev.final = _eval_keys(summary), summary.get("steps", step), True
         ev.best = summary.get("best") or best
         return ev
+    if ended is not None:
+        ev.run_final = {"step": ended.get("steps"), "metrics": _eval_keys(ended)}
+        ev.best = ended.get("best") or best
     points = [r for r in rows if _eval_keys(r)]
     if points:
         ev.step = points[-1]["step"]
@@ -554,11 +638,14 @@ def run_evaluation(run_path: Path, step: int, best: Optional[dict] = None,
 
 
 def write_model_card(directory, run_path, *, step: int, best: Optional[dict] = None,
-                     summary: Optional[dict] = None, folder: Optional[str] = None) -> Path:
+                     summary: Optional[dict] = None, ended: Optional[dict] = None,
+                     folder: Optional[str] = None) -> Path:
     """Write `<directory>/README.md`: the card of the model in `directory` (a checkpoint being
     written, or the final one), trained by the run at `run_path` up to `step`. `best`: keep_best's
-    race as the checkpoint carries it; `summary`: the final card's summary.json; `folder`: the
-    path the usage snippet names (default `directory`)."""
+    race as the checkpoint carries it; `summary`: the final card's summary.json; `ended`: the
+    summary.json of the ended run, for an earlier checkpoint (`write_best_card`); `folder`: the
+    path the usage snippet names (default `directory`). A PPO checkpoint's critic (`value/`) gets
+    its card too (`value_model_card`)."""
     directory, run_path = Path(directory), Path(run_path)
     config = _read_yaml(run_path / "config.yaml")
     rft_data = None
@@ -567,10 +654,33 @@ def write_model_card(directory, run_path, *, step: int, best: Optional[dict] = N
         rft_data, config = (config.get("data") or {}).get("path"), parent
     adapter = (directory / "adapter_config.json").exists()
     text = model_card(config, step=step, folder=folder or str(directory),
-                      evaluation=run_evaluation(run_path, step, best, summary), adapter=adapter,
+                      evaluation=run_evaluation(run_path, step, best, summary, ended), adapter=adapter,
                       trackers=_read_json(run_path / TRACKERS), versions=package_versions(adapter),
                       base_card=base_model_card(str((config.get("model") or {}).get("path") or "")),
                       rft_data=rft_data)
+    algo = algorithm_of(config)
+    value = directory / VALUE
+    if algo is not None and algo.command == "ppo" and (value / "scalar_head.json").is_file():
+        origin = value_origin(config)
+        folder_value = str(Path(folder) / VALUE) if folder else str(value)
+        _write(value, value_model_card(config, step=step, folder=folder_value,
+                                       trackers=_read_json(run_path / TRACKERS), versions=package_versions(),
+                                       base_card=base_model_card(origin)))
+    return _write(directory, text)
+
+
+def write_best_card(run_path, summary: dict) -> Optional[Path]:
+    """Rewrite `checkpoints/best/README.md` once the run has ended: the weights' own step (best.json)
+    and its eval point as this checkpoint's numbers, the run's final eval and `best` (summary.json)
+    beside them, and what the run directory holds now (tracker links). None without that folder."""
+    best = Path(run_path) / "checkpoints" / "best"
+    written = _read_json(best / "best.json")  # it describes the weights, whatever the race says
+    if written.get("step") is None:
+        return None
+    return write_model_card(best, run_path, step=int(written["step"]), ended=summary)
+
+
+def _write(directory: Path, text: str) -> Path:
     out = directory / CARD
     tmp = out.with_name(CARD + ".tmp")
     tmp.write_text(text, encoding="utf-8")

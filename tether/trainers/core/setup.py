@@ -41,7 +41,7 @@ from tether.models.load import DTYPES, compile_layers, hf_progress, stored_dtype
 from tether.models import logprobs
 from tether.models.logprobs import completion_token_logps
 from tether.models.lora import adapters_off, apply_lora
-from tether.model_card import CARD, write_model_card
+from tether.model_card import CARD, write_best_card, write_model_card
 from tether.plots import plot_metrics
 from tether.trackers import check_installed
 from tether.rollout.hf import generate
@@ -347,7 +347,7 @@ class Training(Ranks):
 
     def finish(self, summary: dict) -> dict:
         """Final checkpoint, summary.json (steps, skipped steps and checkpoint added), the final
-        checkpoint's model card rewritten with the summary's numbers, plots."""
+        checkpoint's model card (and keep_best's) rewritten with the summary's numbers, plots."""
         self.bar.close()
         try:
             path = self.checkpoint()
@@ -361,6 +361,9 @@ class Training(Ranks):
             if self.run.is_main:  # the final model's card: the summary's final eval and best
                 with self.run.writing(f"checkpoints/{path.name}/{CARD}"):
                     write_model_card(path, self.run.path, step=self.step, summary=summary)
+                if self.best is not None:  # keep_best's: its own step's numbers, the run's beside them
+                    with self.run.writing(f"checkpoints/best/{CARD}"):
+                        write_best_card(self.run.path, summary)
         finally:  # also when the last checkpoint fails
             self.release()
         if self.run.is_main:
