@@ -1,7 +1,8 @@
 """`tether serve`: OpenAI chat completions over tether's sampler. Greedy replies and their ids equal
 transformers' own generate over the chat template's render, log-probs a forward pass's, n and seed,
-max_tokens, stop strings, streaming, the token ids in every response (and in save=), and a 400 in
-OpenAI's error shape for each bad request."""
+max_tokens, stop strings, streaming, the token ids in every response (and in save=), tool calls read
+in the chat template's format (and assistant tool calls rendered back), and a 400 in OpenAI's error
+shape for each bad request."""
 
 import json
 
@@ -10,6 +11,7 @@ import torch
 
 from extras import needs
 from tether.models import make_tiny_model
+from tether.models.tiny import CHAT_TEMPLATE
 
 pytestmark = needs("fastapi", "httpx")
 
@@ -288,6 +290,86 @@ def test_tools_go_to_the_chat_template(lm):
         assert text(tok, c["tether"]["prompt_token_ids"]).startswith("add")
     finally:
         server.tok.chat_template = original
+
+
+# A Qwen2.5-style (hermes) template: ChatML turns, an assistant's tool calls written as <tool_call>
+# blocks with their arguments through `| tojson` (an object, as HF templates expect them).
+HERMES = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+          "{% for tc in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ tc.function.name }}\", "
+          "\"arguments\": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+@pytest.fixture
+def hermes(lm):
+    """The lm server with the hermes template (its tool-call format, read from the template)."""
+    server = lm[2].app.state.server
+    original = server.tok.chat_template
+    server.tok.chat_template = HERMES
+    yield server
+    server.tok.chat_template = original
+
+
+def reply(server, text, **body):
+    from tether.serve import parse_request
+
+    return server.message(parse_request({"messages": HELLO, **body}, 8), text)
+
+
+def test_tool_calls_are_parsed_in_the_templates_format(hermes):
+    one = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    m = reply(hermes, one, tools=ADD)
+    [call] = m["tool_calls"]
+    assert m["content"] == "Sure." and call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    two = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>')
+    m = reply(hermes, two, tools=ADD)
+    assert m["content"] is None and len(m["tool_calls"]) == 2 and m["tool_calls"][0]["id"] != m["tool_calls"][1]["id"]
+    assert [json.loads(c["function"]["arguments"]) for c in m["tool_calls"]] == [{"a": 1, "b": 1}] * 2
+    # a malformed block stays in the content as written, beside one that reads
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'
+    m = reply(hermes, bad, tools=ADD)
+    assert m == {"role": "assistant", "content": bad}
+    m = reply(hermes, bad + "\n" + one, tools=ADD)
+    assert m["content"] == bad + "\nSure." and [c["function"]["name"] for c in m["tool_calls"]] == ["add"]
+    # without tools in the request nothing is parsed
+    assert reply(hermes, one) == {"role": "assistant", "content": one}
+    # the tiny model's own template has no hermes markers: the plain format, positional arguments
+    # named by the tool's parameters in order
+    hermes.tok.chat_template = CHAT_TEMPLATE
+    m = reply(hermes, "ok\nCALL add(2, b=3)\n" + one, tools=ADD)
+    assert m["content"] == "ok\n\n" + one and len(m["tool_calls"]) == 1
+    assert json.loads(m["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert reply(hermes, "CALL add(1, 2, 3)", tools=ADD)["content"] == "CALL add(1, 2, 3)"  # a third: unnamed
+
+
+def test_a_reply_with_tools_ends_in_one_chunk_of_the_message(lm):
+    _, _, client, _ = lm
+    whole = post(client, messages=HELLO, tools=ADD, temperature=0)["choices"][0]
+    assert whole["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
+    chunks = [c for ch in stream(client, messages=HELLO, tools=ADD, temperature=0) for c in ch["choices"]]
+    assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": ""},
+                                            {"content": whole["message"]["content"]}]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["tether"] == whole["tether"]
+
+
+def test_a_follow_up_with_tool_calls_and_a_tool_result_renders(hermes, lm):
+    client, tok = lm[2], hermes.tok
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    c = post(client, messages=messages, tools=ADD, max_tokens=1)["choices"][0]
+    as_dicts = [messages[0], {**messages[1], "content": "", "tool_calls": [
+        {**call, "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}, messages[2]]
+    want = rendered(tok, as_dicts)
+    assert c["tether"]["prompt_token_ids"] == want
+    assert '"arguments": {"a": 2, "b": 3}}' in text(tok, want)  # an object, not a quoted string
+    r = client.post("/v1/chat/completions", json={"messages": [messages[0], {**messages[1], "tool_calls": [
+        {**call, "function": {"name": "add", "arguments": "{a: 2}"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
 @needs("openai")

@@ -12,7 +12,9 @@ training and `tether eval` sample with (tether.rollout.Sampler), not from a seco
 - `GET /v1/models` lists the one model served (`max_model_len`: its context length).
 - `POST /v1/chat/completions` reads `messages` (roles system, developer (read as system), user,
   assistant, tool; content a string or a list of text parts; the other keys of a message, such as
-  `tool_calls` and `tool_call_id`, go to the chat template as given), `temperature` (0 = greedy),
+  `tool_calls` and `tool_call_id`, go to the chat template as given, except that a tool call's
+  `function.arguments`, a JSON string on OpenAI's wire, reaches the template as the object it
+  encodes, as HF chat templates read it), `temperature` (0 = greedy),
   `top_p`, `max_tokens` / `max_completion_tokens`, `n`, `seed`, `stop`, `tools` (the chat template's
   `tools=`), `logprobs` / `top_logprobs` and `stream` (server-sent events in OpenAI's chunk format,
   ending with `data: [DONE]`; `stream_options.include_usage` adds a usage chunk). Other fields
@@ -20,7 +22,18 @@ training and `tether eval` sample with (tether.rollout.Sampler), not from a seco
   messages through the generation prompt (tether.envs.render.prompt_ids); a completion ends at an
   end token (EOS, or the template's end of turn: finish_reason "stop"), a stop string (its text is
   left out of `content`, its tokens stay in the ids: "stop") or max_tokens / the model's context
-  ("length"). Tool calls the model writes stay in `content` as it wrote them.
+  ("length").
+
+Tool calls: when a request gives `tools`, each completion's text is read for calls in the tool-call
+format of tether's environments (tether.envs.formats: `tool_format=auto` picks hermes, gemma or
+plain from the chat template's markers, as an episode does; `tool_format=` sets it). The calls read
+come back as `message.tool_calls` ([{"id", "type": "function", "function": {"name", "arguments":
+<JSON string>}}]) with finish_reason "tool_calls", and `content` is the text outside them (trimmed;
+null when none is left). A call block that does not read (bad JSON, no name, a non-literal or
+unnamed argument) stays in `content` as the model wrote it, with no error. Streamed with `tools`,
+a choice's reply comes whole in its last chunk (`delta.content` and `delta.tool_calls`, each call
+complete, with its `index`), since text cannot be shown before it is known not to be a call.
+Without `tools` nothing is parsed.
 
 Token ids: every choice carries `"tether": {"prompt_token_ids", "completion_token_ids",
 "completion_logprobs", "logprob_temperature"}` — the ids the model read and the ids it sampled,
@@ -53,6 +66,7 @@ from tether.chat import decode, resolve_model_path
 from tether.config import ConfigError
 from tether.constraints import PositiveInt, Range
 from tether.data.chat import ChatTemplateError
+from tether.envs.formats import FORMATS, ToolFormat, get_tool_format
 from tether.envs.render import end_of_turn_ids, prompt_ids
 from tether.errors import UserError
 from tether.rollout import Sampler, SamplingConfig
@@ -81,10 +95,14 @@ class ServeConfig:
     "weight dtype: auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 | fp16"
     device: str = "auto"
     "cuda | cpu | auto"
+    tool_format: str = "auto"
+    "how the model writes tool calls, read when a request gives tools: auto (from the chat template), hermes, gemma or plain"
 
     def __post_init__(self):
         if not self.model:
             raise ConfigError("config key 'model' is required: model=<checkpoint, run directory or hub id>")
+        if self.tool_format.strip().lower() not in ("auto", *FORMATS):
+            raise ConfigError(f"tool_format={self.tool_format!r}: expected one of auto, {', '.join(FORMATS)}")
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -169,6 +187,27 @@ def _messages(value: Any) -> list[dict]:
             raise BadRequest(f"{at}.content must be a string or a list of text parts, got {_kind(content)}",
                              f"{at}.content")
         out.append({**m, "role": "system" if role == "developer" else role, "content": content})
+        if m.get("tool_calls") is not None:
+            out[-1]["tool_calls"] = _call_objects(m["tool_calls"], f"{at}.tool_calls")
+    return out
+
+
+def _call_objects(calls: Any, at: str) -> list[dict]:
+    """An assistant message's OpenAI tool calls with each `function.arguments` JSON string read
+    into the object it encodes: HF chat templates write the arguments with `| tojson`."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise BadRequest(f"{at} must be a list of tool call objects, got {_kind(calls)}", at)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn = {**fn, "arguments": json.loads(fn["arguments"]) if fn["arguments"].strip() else {}}
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"{at}[{j}].function.arguments is not JSON: {e}",
+                                 f"{at}[{j}].function.arguments") from None
+            call = {**call, "function": fn}
+        out.append(call)
     return out
 
 
@@ -233,17 +272,67 @@ def visible(text: str, stops: list[str], final: bool) -> str:
     return text[:len(text) - hold].rstrip("\ufffd")
 
 
+def tool_reply(text: str, fmt: ToolFormat, tools: list[dict]) -> tuple[Optional[str], list[dict]]:
+    """A completion's text as OpenAI's (content, tool_calls): the calls `fmt` reads in it, each
+    {"id", "type": "function", "function": {"name", "arguments": <JSON string>}}, and the text
+    outside them (trimmed; None when empty). A block (a <tool_call> element, a tool_code fence, a
+    CALL line) any of whose calls does not read stays in the content as written; so does one with
+    positional arguments (Python-call formats) that `tools` cannot name (its parameters, in
+    order), or arguments JSON cannot write. No call read: (text, [])."""
+    params = {}  # each tool's parameter names, in order
+    for t in tools:
+        fn = t.get("function") if isinstance(t.get("function"), dict) else {}
+        schema = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        if isinstance(fn.get("name"), str):
+            params[fn["name"]] = list(schema.get("properties") or {}) if isinstance(
+                schema.get("properties") or {}, dict) else []
+    found, kept, calls, pos = fmt.parse(text), [], [], 0
+    i = 0
+    while i < len(found):
+        start = text.find(found[i].text, pos)
+        if start < 0:  # not where the parser says: leave the rest as text
+            break
+        end = start + len(found[i].text)
+        block = fmt.parse(text[start:end]) or found[i:i + 1]  # this block's calls alone
+        i += len(block)
+        read = []
+        for c in block:
+            if c.error is not None:
+                break
+            names = params.get(c.name, [])
+            if c.positional and (len(c.positional) > len(names) or set(names[:len(c.positional)]) & set(c.arguments)):
+                break
+            args = {**dict(zip(names, c.positional)), **c.arguments}
+            try:
+                arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError):
+                break
+            read.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                         "function": {"name": c.name, "arguments": arguments}})
+        else:
+            kept.append(text[pos:start])
+            calls += read
+            pos = end
+    if not calls:
+        return text, []
+    content = ("".join(kept) + text[pos:]).strip()
+    return content or None, calls
+
+
 # -- the server -------------------------------------------------------------------------------------
 
 class Server:
     """The model, its tokenizer and one Sampler, behind a lock: one request samples at a time."""
 
-    def __init__(self, model, tokenizer, name: str, max_tokens: int = 1024, save: str = ""):
+    def __init__(self, model, tokenizer, name: str, max_tokens: int = 1024, save: str = "",
+                 tool_format: str = "auto"):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("tether serve answers chat completions through the tokenizer's chat "
                             "template, and this tokenizer has none")
         self.model, self.tok, self.name = model.eval(), tokenizer, name
         self.max_tokens, self.save = max_tokens, save
+        get_tool_format(tool_format, tokenizer)  # a name that is none: said at start
+        self.tool_format = tool_format
         try:
             stop = end_of_turn_ids(tokenizer).stop[-1:]
         except ChatTemplateError:  # no special token closes a turn: EOS ends a completion
@@ -313,6 +402,14 @@ class Server:
                 "tether": {"prompt_token_ids": prompt, "completion_token_ids": ids,
                            "completion_logprobs": logp, "logprob_temperature": temperature}}
 
+    def message(self, req: ChatRequest, text: str) -> dict:
+        """The assistant message of a completion's visible text: with `tools` in the request, the
+        tool calls read from it (tool_reply, in the format the chat template implies)."""
+        if not req.tools:
+            return {"role": "assistant", "content": text}
+        content, calls = tool_reply(text, get_tool_format(self.tool_format, self.tok), req.tools)
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
     def record(self, call_id: str, session: Optional[str], prompt, ids, logps, reasons, temperature) -> None:
         if not self.save:
             return
@@ -339,7 +436,9 @@ class Server:
         choices = []
         for i, (c, lp, r, top) in enumerate(zip(ids, logps, reasons, tops)):
             choice = self.choice(req, i, prompt, c, lp, r, temperature, top)
-            choice["message"] = {"role": "assistant", "content": visible(decode(self.tok, c), req.stop, True)}
+            choice["message"] = self.message(req, visible(decode(self.tok, c), req.stop, True))
+            if "tool_calls" in choice["message"]:
+                choice["finish_reason"] = "tool_calls"
             choices.append(choice)
         return {"id": call_id, "object": "chat.completion", "created": int(time.time()), "model": self.name,
                 "choices": choices, "usage": self.usage(prompt, ids)}
@@ -347,7 +446,8 @@ class Server:
     def events(self, req: ChatRequest, prompt: list[int], room: int, session: Optional[str] = None):
         """A streamed response: server-sent events, each a `data: {chunk}` line, then `data: [DONE]`.
         The text comes as it is sampled; each choice's last chunk carries its finish reason, its
-        log-probs and its token ids."""
+        log-probs and its token ids. With `tools`, a choice's text and tool calls come together
+        in its last chunk (module docstring)."""
         call_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": call_id, "object": "chat.completion.chunk", "created": created, "model": self.name}
 
@@ -371,6 +471,8 @@ class Server:
         while True:
             kind, *rest = q.get()
             if kind == "ids":
+                if req.tools:  # held to the end: the text may turn out to be a call
+                    continue
                 i, new = rest
                 sampled[i] += new
                 text = visible(decode(self.tok, sampled[i]), req.stop, False)
@@ -389,7 +491,15 @@ class Server:
                 for i, (c, lp, r, top) in enumerate(zip(ids, logps, reasons, tops)):
                     text = visible(decode(self.tok, c), req.stop, True)
                     choice = self.choice(req, i, prompt, c, lp, r, temperature, top)
-                    choice["delta"] = {"content": text[len(sent[i]):]} if text.startswith(sent[i]) else {}
+                    if req.tools:
+                        message = self.message(req, text)
+                        choice["delta"] = {} if message["content"] is None else {"content": message["content"]}
+                        if "tool_calls" in message:
+                            choice["delta"]["tool_calls"] = [{"index": j, **call}
+                                                             for j, call in enumerate(message["tool_calls"])]
+                            choice["finish_reason"] = "tool_calls"
+                    else:
+                        choice["delta"] = {"content": text[len(sent[i]):]} if text.startswith(sent[i]) else {}
                     yield chunk([choice])
                 if req.include_usage:
                     yield chunk([], usage=self.usage(prompt, ids))
@@ -398,7 +508,7 @@ class Server:
 
 
 def make_app(model_path: str, device: str = "auto", dtype: str = "auto", name: str = "",
-             max_tokens: int = 1024, save: str = ""):
+             max_tokens: int = 1024, save: str = "", tool_format: str = "auto"):
     """The FastAPI app serving `model_path` (a checkpoint, a run directory: its latest checkpoint, a
     hub id) at /v1 (module docstring). Needs the studio extra (fastapi)."""
     try:
@@ -414,7 +524,8 @@ def make_app(model_path: str, device: str = "auto", dtype: str = "auto", name: s
     tokenizer = load_tokenizer(path)
     with hf_progress(False):
         model = load_model(path, dtype=dtype, device=device)
-    server = Server(model, tokenizer, name or model_path, max_tokens=max_tokens, save=save)
+    server = Server(model, tokenizer, name or model_path, max_tokens=max_tokens, save=save,
+                    tool_format=tool_format)
 
     app = FastAPI(title="tether serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -472,7 +583,7 @@ def run_serve(cfg: ServeConfig) -> dict:
         sock.close()
         raise UserError(f"serve: cannot bind {cfg.host}:{cfg.port}: {e.strerror}") from None
     app = make_app(cfg.model, device=cfg.device, dtype=cfg.dtype, name=cfg.name, max_tokens=cfg.max_tokens,
-                   save=cfg.save)
+                   save=cfg.save, tool_format=cfg.tool_format)
     sock.listen(2048)
     port = sock.getsockname()[1]
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
