@@ -59,6 +59,9 @@
 #   ROWS="dpo7b grpo7b-release" bash bench/gpu.sh scale      carry ["wheels"], kind nvidia-h200-x4
 #   bash bench/gpu.sh real-model    carry ["wheels", "bench/gguf_parts/smollm2.gguf.part-00",
 #                                   "bench/gguf_parts/gguf-0.19.0-py3-none-any.whl"], then part-01, then part-02
+#   bash bench/gpu.sh per-step      the same three calls (wheels with the first); the third starts the
+#                                   runs; then `bash bench/gpu.sh per-step` again (carry nothing) within
+#                                   the machine's idle release, until the summary shows no run going
 set -uo pipefail
 SELF=$(realpath "${BASH_SOURCE[0]}")
 cd "$(dirname "$SELF")/.."
