@@ -122,6 +122,29 @@ def test_max_turns_ends_the_episode(lm):
     assert "turns" in ro.finish_reasons
 
 
+class Said:
+    """Class-based, no tools: the reward is the length of the last assistant message's text."""
+
+    def reset(self, prompt, word):
+        return prompt
+
+    def reward(self, completion):
+        return float(len(completion))
+
+
+def test_a_turn_cut_off_by_the_token_budget_is_the_transcripts_last_message(lm):
+    model, tok = lm
+    ro, _ = sample_episodes(Sampler(model, tok, max_new_tokens=6, temperature=1.0), tok, Said, ROWS,
+                            n=4, section=EnvSection(max_turns=3), seed=3)
+    cut = [i for i, r in enumerate(ro.finish_reasons) if r == "length"]
+    assert cut
+    for i in cut:
+        ep, last = ro.episodes[i], _model_turns(ro, i)[-1]
+        text = tok.decode(last, skip_special_tokens=True)
+        assert text and ep["messages"][-1] == {"role": "assistant", "content": text}
+        assert ep["turns"] == 1 and ep["env_reward"] == float(len(text))
+
+
 class Parity:
     """One turn: reward 1 when the model's reply has an even number of characters."""
 

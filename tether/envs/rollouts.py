@@ -102,6 +102,13 @@ class EpisodeBatch(Episodes):
     def truncated(self, seq: int) -> None:
         self.reasons[seq] = "length"
 
+    def cut_off(self, seq: int, ids: list[int]) -> None:
+        """The model's turn ran out of tokens before its end token: the part it wrote is the
+        transcript's last assistant message (what the reward reads), and the turn counts."""
+        self.turns[seq] += 1
+        self.episodes[seq].messages.append({"role": "assistant", "content": self._text(ids)})
+        self.reasons[seq] = "length"
+
     def finish_reason(self, seq: int) -> str:
         return self.reasons[seq] or "length"
 
@@ -187,6 +194,9 @@ def sample_episodes(sampler: Sampler, tokenizer, factory: Callable[[], Any], row
     if not order:
         raise EnvError(f"every row's environment reset raised ({len(skipped)} rows)")
     ro = sampler.sample(keyed, n=n, seed=seed, only=order, episodes=batch, stop_token_ids=stop_ids, **overrides)
+    for i in range(len(flat)):
+        if batch.reasons[i] is None:  # its last turn ran out of tokens mid-turn
+            batch.cut_off(i, last_model_turn(ro, i))
     ro.episodes = [{**batch.record(i), "segments": segments(ro, i, tokenizer)} for i in range(len(flat))]
     ro.stats["env/reset_errors"] = len([i for i in skipped if only is None or i in set(only)])
     return ro, order
@@ -201,6 +211,18 @@ def env_data(section: EnvSection, seed: int, held_out: bool = False) -> list[dic
     seen = {repr(sorted(r.items())) for r in train}
     return [r for r in env_rows(section.env, section.eval_rows, seed=seed + 1_000_003)
             if repr(sorted(r.items())) not in seen]
+
+
+def last_model_turn(ro: Rollout, i: int) -> list[int]:
+    """Sequence i's sampled ids after the last environment token (its last model turn)."""
+    ids, model, real = (x[i].tolist() for x in (ro.completion_ids, ro.completion_mask, ro.token_mask))
+    out: list[int] = []
+    for t, m, r in zip(ids, model, real):
+        if r and m:
+            out.append(t)
+        elif r:
+            out = []
+    return out
 
 
 def segments(ro: Rollout, i: int, tokenizer) -> list[list]:
