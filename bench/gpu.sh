@@ -10,7 +10,8 @@
 # Suites (rows in brackets are not run unless ROWS names them):
 #   tests       the GPU tests: pytest -m gpu over the test files holding gpu-marked tests (test_*_gpu.py
 #               and the gpu tests of test_attention_guard, test_head_kernels, test_policy_forward)
-#   rollout     bench/rollout.py: the rollout engine vs HF generate, Qwen2.5-0.5B shape
+#   rollout     bench/rollout.py: the rollout engine vs HF generate, Qwen2.5-0.5B shape; multi-turn rows
+#               (turns of ~64 tokens, 16-token replies) against single-turn at the same length
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -209,7 +210,7 @@ suite_tests() {  # the files holding gpu-marked tests (collecting every test fil
 
 suite_rollout() {
     ROW=qwen05
-    row qwen05 540 python3 bench/rollout.py --device cuda --results "$O/results.md" --json "$O/qwen05.json"
+    row qwen05 540 python3 bench/rollout.py --device cuda --turns 64 --results "$O/results.md" --json "$O/qwen05.json"
 }
 
 suite_grpo() {

@@ -13,6 +13,14 @@ the allocator's peak *reserved* bytes over a warm call, after emptying the cache
 not allocated, so our persistent cache and CUDA-graph pool are counted.
 On CUDA the run also checks log-prob agreement with a training forward (bf16) and greedy decoding
 with graphs against without. Prints a markdown table (--results FILE also appends it there).
+
+`--turns M` adds multi-turn rows at each batch: the same prompts and the same total length, but
+every model turn ends at an end token and a 16-token reply is fed back into the same KV cache
+(the engine's episode path, `Sampler.sample(episodes=...)`) until the --new-tokens budget is spent.
+With random weights the next-token distribution is near uniform, so V/M of the vocabulary's ids
+serve as end tokens to give turns of about M tokens (the measured mean is printed). Tokens/s counts
+every token of the episode, the model's and the replies', against the single-turn row's: what
+the turn boundaries (host checks, replies scheduled, waiting slots masked) cost.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tether.objectives.logprobs import token_logps  # noqa: E402
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch  # noqa: E402
+from tether.rollout.engine import Episodes  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
@@ -116,6 +125,36 @@ def bench_batch(model, B, P, new, vocab, device, repeats, skip_hf):
     return rows, extra
 
 
+class Replies(Episodes):
+    """Every turn answered with the same `reply` ids; episodes end at the token budget."""
+
+    def __init__(self, reply):
+        self.reply, self.turns = list(reply), 0
+
+    def turn_ended(self, seq, ids):
+        self.turns += 1
+        return self.reply
+
+
+def bench_multiturn(model, B, P, new, vocab, device, repeats, mean_turn, reply_len=16):
+    """Episodes of ~mean_turn-token model turns and reply_len-token replies, `new` tokens in all."""
+    g = torch.Generator().manual_seed(B)
+    ids = torch.randint(10, vocab, (B, P), generator=g).to(device).tolist()
+    ends = torch.randperm(vocab, generator=g)[: max(1, vocab // mean_turn)].tolist()
+    reply = torch.randint(10, vocab, (reply_len,), generator=g).tolist()
+    sampler = Sampler(model, None, SamplingConfig(max_new_tokens=new, temperature=1.0, stop_token_ids=ends))
+    timed(lambda: sampler.sample(ids, seed=0, episodes=Replies(reply)), device)
+    runs = []
+    for r in range(repeats):
+        eps = Replies(reply)
+        t, ro = timed(lambda: sampler.sample(ids, seed=1 + r, episodes=eps), device)
+        runs.append((t, int(ro.token_mask.sum()), int(ro.completion_mask.sum()), eps.turns, ro.stats["ms_per_step"]))
+    sampler.release()
+    t, tokens, model_tokens, turns, ms = sorted(runs)[len(runs) // 2]
+    return dict(wall_s=t, tok_s=tokens / t, tokens=tokens, model_tokens=model_tokens, ms_step=ms,
+                mean_turn=model_tokens / max(turns + B, 1), turns_per_episode=turns / B + 1)
+
+
 @torch.no_grad()
 def mismatch(model, ro, rows_max):
     """bf16 training forward over the sampled tokens vs the sampler's log-probs."""
@@ -151,6 +190,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--turns", type=int, default=0, help="also multi-turn rows: model turns of about this many tokens")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU: on a shared 2-core box a 2-thread parallel "
                          "region stalls for a scheduler quantum whenever the other core is busy)")
@@ -169,6 +209,8 @@ def main(argv=None):
     results, extras = {}, {}
     for B in map(int, args.batches.split(",")):
         results[B], extras[B] = bench_batch(model, B, P, new, vocab, dev, repeats, args.skip_hf)
+        if args.turns:
+            results[B]["multi-turn"] = bench_multiturn(model, B, P, new, vocab, dev, repeats, args.turns)
         print(f"batch {B}: {json.dumps(results[B])}", flush=True)
     if dev == "cuda":
         extras["greedy"] = greedy_graphs_vs_eager(model, vocab, dev)
@@ -192,10 +234,22 @@ def render(results, extras, kind, P, new, dev, args) -> str:
     for B, rows in results.items():
         hf = rows.get("hf")
         for name, r in rows.items():
+            if name == "multi-turn":
+                continue
             up = f"{r['tok_s'] / hf['tok_s']:.1f}×" if hf and name == "ours" else ""
             peak = f"{r['peak_gb']:.2f}" if r.get("peak_gb") else "—"
             lines.append(f"| {B} | {name} | {r['tok_s']:,.0f} | {r['ms_step']:.2f} | {r['first_s']:.2f} | "
                          f"{r['wall_s']:.2f} | {peak} | {up} |")
+    multi = {B: rows for B, rows in results.items() if "multi-turn" in rows}
+    if multi:
+        lines += ["", "Multi-turn episodes of the same total length (`--turns`): every model turn ends at an end "
+                  "token and a 16-token reply goes into the same KV cache.", "",
+                  "| batch | turns / episode | mean model turn (tokens) | tokens/s (all tokens) | single-turn tokens/s | cost of the boundaries |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for B, rows in multi.items():
+            m, one = rows["multi-turn"], rows["ours"]
+            lines.append(f"| {B} | {m['turns_per_episode']:.1f} | {m['mean_turn']:.0f} | {m['tok_s']:,.0f} | "
+                         f"{one['tok_s']:,.0f} | {1 - m['tok_s'] / one['tok_s']:.1%} |")
     notes = []
     for B, e in extras.items():
         if B == "greedy":
