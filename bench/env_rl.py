@@ -323,10 +323,8 @@ def trl_eval(trainer, inputs: list[dict]) -> dict:
     ep = trl_episodes(trainer, inputs)
     rewards = [e._reward(m) for e, m in zip(ep["environments"], ep["messages"])]
     n = max(len(rewards), 1)
-    ends = {*trainer.eos_token_ids, trainer.processing_class.pad_token_id}
-    # model turns that ended (tether's count: a turn cut by the token budget is not one)
-    turns = [sum(m["role"] == "assistant" for m in msgs) - (not ids or ids[-1] not in ends)
-             for msgs, ids in zip(ep["messages"], ep["completion_ids"])]
+    # model turns, a turn cut by the token budget included (tether counts it too)
+    turns = [sum(m["role"] == "assistant" for m in msgs) for msgs in ep["messages"]]
     return {"success": sum(r > 0 for r in rewards) / n, "reward": sum(rewards) / n, "turns": sum(turns) / n,
             "tool_calls": sum(sum(m["role"] == "tool" for m in msgs) for msgs in ep["messages"]) / n,
             "episodes": ep}
