@@ -142,7 +142,9 @@ def run(a) -> None:
         sec, key = k.split(".", 1)
         cfg.setdefault(sec, {})[key] = v
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    from real_model_rl import interruptible
     proc = subprocess.Popen([sys.executable, "-m", "tether", "grpo", "--config", str(out / "config.yaml")],
+                            preexec_fn=interruptible,
                             stdout=open(out / "stdout.log", "w"), stderr=subprocess.STDOUT, env=env)
     metrics = out / "run" / "metrics.jsonl"
     while proc.poll() is None:  # stop at the budget of training time, watched from here

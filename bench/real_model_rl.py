@@ -104,6 +104,14 @@ def tether_points(metrics: Path) -> list[dict]:
     return points
 
 
+def interruptible() -> None:
+    """A child's SIGINT back to its default (Popen's preexec_fn), so the SIGINT that stops a run at
+    its budget stops it: a job a shell starts in the background (`cmd &`, bench/gpu.sh's detached
+    runs) inherits SIGINT ignored, and Python then leaves it ignored — the run would go on until the
+    watcher's kill a minute later."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_tether(a) -> None:
     import yaml
     out = Path(a.out)
@@ -131,7 +139,7 @@ def run_tether(a) -> None:
     if a.no_head_kernels:  # diagnosis: the chunked LM head's torch path instead of its Triton kernels
         cmd[1:3] = ["-c", "import sys, tether.models.head_kernels as h; h.triton = None; "
                           "from tether.cli import main; sys.exit(main(sys.argv[1:]))"]
-    proc = subprocess.Popen(cmd,
+    proc = subprocess.Popen(cmd, preexec_fn=interruptible,
                             stdout=open(out / "stdout.log", "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     # stop at the budget of training time: the run has no notion of it, so it is watched from here
