@@ -1,5 +1,6 @@
 """Tool-using demonstrations for an SFT before multi-turn RL: episodes of bench/env_rl.py's
-`ArithCalculator` played by a script (the right tool call, its result, the answer line), written
+`ArithCalculator` played by a script (the right tool call in the model family's format — Hermes
+blocks for SmolLM2, a ```tool_code fence for Gemma 3 —, its result, the answer line), written
 as chat rows for `tether sft` (assistant-only loss: the model learns to write the call and the
 answer, never the tool's output).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,13 +34,12 @@ TOOL = {"+": "add", "-": "sub", "*": "mul"}
 def demonstration(row: dict, tokenizer) -> list[dict]:
     """One scripted episode: the call for the row's operation, the tool's result, the answer."""
     a, op, b = row["prompt"].removeprefix("What is ").removesuffix("?").split()
-    ep = Episode(ArithCalculator(), tokenizer)
+    ep = Episode(ArithCalculator(), tokenizer)  # the family's tool format, from the chat template
     ep.start(row)
-    call = {"name": TOOL[op], "arguments": {"a": int(a), "b": int(b)}}
-    turn = ep.respond(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
+    turn = ep.respond(ep.format.call_text(TOOL[op], {"a": int(a), "b": int(b)}))
     if turn.tool_errors or turn.done:
         raise ValueError(f"the scripted call failed on {row}")
-    result = turn.messages[-1]["content"]
+    result = re.findall(r"-?\d+(?:\.\d+)?", turn.messages[-1]["content"])[-1]  # the tool's number (gemma fences it)
     ep.respond(f"{a} {op} {b} = {result}\n#### {result}")
     return ep.messages
 

@@ -126,16 +126,16 @@ def run(a) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    spec = env_spec(a.no_tools)
+    spec, r = env_spec(a.no_tools), overrides(a.set)
     # step 0: the untrained model, greedy, on the held-out rows the run evaluates on (same seed)
     subprocess.run([sys.executable, "-m", "tether", "eval", f"model={a.model}", f"env={spec}", "data=env",
-                    "decoding=greedy", f"seed={a.seed}", f"eval_rows={RECIPE['environment.eval_rows']}",
-                    f"train_rows={RECIPE['environment.train_rows']}", f"max_turns={RECIPE['environment.max_turns']}",
-                    f"max_new_tokens={RECIPE['rollout.max_new_tokens']}", f"out={out / 'before'}", "table=false"],
+                    "decoding=greedy", f"seed={a.seed}", f"eval_rows={r['environment.eval_rows']}",
+                    f"train_rows={r['environment.train_rows']}", f"max_turns={r['environment.max_turns']}",
+                    f"max_new_tokens={r['rollout.max_new_tokens']}", f"out={out / 'before'}", "table=false"],
                    check=True, env=env, stdout=open(out / "before.log", "w"), stderr=subprocess.STDOUT)
     before = json.loads((out / "before" / "eval.json").read_text())["metrics"]
     cfg: dict = {}
-    for k, v in {**RECIPE, "model.path": a.model, "data.path": "env", "data.eval_data": "env",
+    for k, v in {**r, "model.path": a.model, "data.path": "env", "data.eval_data": "env",
                  "environment.env": spec, "run.name": "run", "run.runs_dir": str(out), "run.seed": a.seed,
                  "run.eval_every": a.eval_every, "run.progress": False, "run.overwrite": True,
                  "run.num_samples": 4, "run.log_every": 1}.items():
@@ -159,12 +159,41 @@ def run(a) -> None:
             break
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if '"reward"' in x] if metrics.exists() else []
     (out / "curve.json").write_text(json.dumps({
-        "env": spec, "no_tools": a.no_tools, "seed": a.seed, "budget": a.budget, "recipe": RECIPE,
+        "env": spec, "no_tools": a.no_tools, "seed": a.seed, "budget": a.budget, "recipe": r, "model": a.model, "start": start_of(a.model),
         "before": {"success": before.get("greedy/pass@1"), "turns": before.get("greedy/env/turns"),
                    "tool_calls": before.get("greedy/env/tool_calls")},
         "points": points(metrics), "steps": len(steps),
         "steps_per_second": len(steps) / max(sum(s.get("step_time", 0) for s in steps), 1e-9),
         "returncode": proc.returncode}, indent=1))
+
+
+def start_of(model: str) -> str:
+    """What a run starts from: the `sft` subcommand's folder name for its <out>/model, else 'untrained'."""
+    m = Path(model)
+    return m.parent.name if m.name == "model" and (m.parent / "sft.log").exists() else "untrained"
+
+
+def sft(a) -> None:
+    """The SFT before RL: `--n` scripted episodes (bench/env_demos.py: the tool call in the model
+    family's format, its result, the answer line; --no-tools: the answer with no tool) and
+    `tether sft` on them, assistant tokens only. <out>/model is the checkpoint, the `--model` of
+    the runs that start from it."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    demos = out / "demos.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "env_demos.py"), "--model", a.model, "--out", str(demos),
+                    "--n", str(a.n), "--seed", str(a.seed)] + (["--no-tools"] if a.no_tools else []),
+                   check=True, env=env)
+    subprocess.run([sys.executable, "-m", "tether", "sft", f"model={a.model}", f"data={demos}",
+                    f"max_steps={a.steps}", f"batch_size={a.batch_size}", f"lr={a.lr}", "name=sft",
+                    f"runs_dir={out}", "progress=false", "overwrite=true", "seed=0"],
+                   check=True, env=env, stdout=open(out / "sft.log", "w"), stderr=subprocess.STDOUT)
+    link = out / "model"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(out / "sft" / "checkpoints" / f"step-{a.steps}", target_is_directory=True)
+    print(f"sft: {link} -> {link.resolve()}")
 
 
 # -- TRL ------------------------------------------------------------------------------------------
@@ -405,6 +434,7 @@ def run_trl(a) -> None:
 
     held_inputs = trl_rows(held, factory, tether_tok, section)
     meta = {"library": "trl", "env": spec, "no_tools": a.no_tools, "seed": a.seed, "budget": a.budget,
+            "model": a.model, "start": start_of(a.model),
             "recipe": r}
 
     class Clock(TrainerCallback):
@@ -478,16 +508,19 @@ def run_trl(a) -> None:
 
 
 def table(a) -> None:
-    print("| library | run | seed | success before | success after (best) | steps | steps/s | tool calls/episode |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| library | start | run | seed | success before | success after (best) | steps | steps/s | tool calls/episode |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for d in a.runs:
         c = json.loads((Path(d) / "curve.json").read_text())
         p = c["points"]
         last = p[-1] if p else {}
         best = max((x["success"] for x in p), default=float("nan"))
-        print(f"| {c.get('library', 'tether')} | {'plain' if c['no_tools'] else 'tools'} | {c['seed']} | "
+        start = c.get("start", "untrained")
+        # steps / training seconds at the last eval point: the same measure on both sides
+        rate = last["step"] / last["train_seconds"] if last.get("train_seconds") else c["steps_per_second"]
+        print(f"| {c.get('library', 'tether')} | {start} | {'plain' if c['no_tools'] else 'tools'} | {c['seed']} | "
               f"{c['before']['success']:.3f} | {last.get('success', float('nan')):.3f} ({best:.3f}) | {c['steps']} | "
-              f"{c['steps_per_second']:.2f} | {last.get('tool_calls') or 0:.2f} |")
+              f"{rate:.3f} | {last.get('tool_calls') or 0:.2f} |")
 
 
 def main() -> None:
@@ -500,6 +533,16 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=240.0, help="seconds of training")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--no-tools", action="store_true", help="the same problems and reward with no tool")
+    p.add_argument("--set", action="append", default=[], help="override a RECIPE key: k=v (JSON value)")
+    p = sub.add_parser("sft", help="an SFT on scripted tool-using episodes, the start of runs after it")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--no-tools", action="store_true", help="the demonstrations answer with no tool")
+    p.add_argument("--n", type=int, default=64, help="demonstrations (the SFT sees steps x batch of them)")
+    p.add_argument("--seed", type=int, default=7, help="the demonstrations' rows (runs train on seeds 0-2)")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=5e-5)
     p = sub.add_parser("trl", help="the same runs through TRL's GRPOTrainer(environment_factory=...)")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
@@ -511,7 +554,7 @@ def main() -> None:
     p = sub.add_parser("table")
     p.add_argument("runs", nargs="+")
     a = ap.parse_args()
-    {"run": run, "trl": run_trl, "table": table}[a.cmd](a)
+    {"run": run, "sft": sft, "trl": run_trl, "table": table}[a.cmd](a)
 
 
 if __name__ == "__main__":

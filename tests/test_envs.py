@@ -347,6 +347,16 @@ def test_plain_parser_call_lines():
     assert len(calls) == 3 and calls[2].error.startswith("malformed tool call")
 
 
+
+@pytest.mark.parametrize("name", ["hermes", "gemma", "plain"])
+def test_a_call_written_by_a_format_parses_back_to_itself(name):
+    fmt = get_tool_format(name)
+    args = {"a": 12, "b": -3.5, "s": "it's", "flags": [True, None]}
+    text = fmt.call_text("add", args)
+    assert {"hermes": "<tool_call>", "gemma": "```tool_code", "plain": "CALL add("}[name] in text
+    (call,) = fmt.parse(f"Let me compute.\n{text}")
+    assert (call.name, call.arguments, call.positional, call.error) == ("add", args, [], None)
+
 def test_positional_arguments_bind_in_schema_order_and_gemma_observation_is_one_user_message():
     ep = Episode(Counter(), tool_format="gemma")
     ep.start({"prompt": "p", "target": 1})

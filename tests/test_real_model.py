@@ -171,3 +171,33 @@ sys.exit(main(["convert", "model={tmp_path / 'x.gguf'}", "out={tmp_path / 'out'}
     # the lines before it are the tiny model's save/load progress bars, where HF draws them
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1:] == [
         f"tether convert: error: reading GGUF file '{tmp_path / 'x.gguf'}' needs the gguf and accelerate packages: pip install 'tether[gguf]'"], r.stderr
+
+
+def test_convert_gives_a_template_to_a_gguf_that_has_none(tmp_path, monkeypatch, capsys):
+    """A base model's GGUF (Gemma 3 270M's) carries no chat template: `chat_template=FILE` writes
+    the file's template into the converted tokenizer; without it the folder has none. A missing
+    template file is one line, before anything is converted or written."""
+    from tether.models.tiny import make_tiny_model
+
+    def no_template_gguf(path, dtype=None):
+        model, tok = make_tiny_model()
+        tok.chat_template = None
+        return model, tok
+    monkeypatch.setattr(gguf_mod, "load_dequantized", no_template_gguf)
+    monkeypatch.setattr(gguf_mod, "file_sha256", lambda p: "0" * 64)
+    (tmp_path / "base.gguf").write_bytes(b"GGUF")
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+
+    assert main(["convert", f"model={tmp_path / 'base.gguf'}", f"out={tmp_path / 'plain'}"]) == 0
+    assert load_tokenizer(str(tmp_path / "plain")).chat_template is None
+    assert main(["convert", f"model={tmp_path / 'base.gguf'}", f"out={tmp_path / 'chat'}",
+                 f"chat_template={tmp_path / 't.jinja'}"]) == 0
+    tok = load_tokenizer(str(tmp_path / "chat"))
+    assert tok.chat_template == template
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"
+
+    assert main(["convert", f"model={tmp_path / 'base.gguf'}", f"out={tmp_path / 'none'}",
+                 f"chat_template={tmp_path / 'missing.jinja'}"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("missing.jinja' does not exist") and not (tmp_path / "none").exists()

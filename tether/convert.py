@@ -1,6 +1,7 @@
 """`tether convert model=<file.gguf> out=<dir>`: a GGUF checkpoint (llama.cpp's quantized
 single-file format) as a normal bf16 Hugging Face folder with its tokenizer and chat template,
-which every command then takes as `model=` with no gguf package involved.
+which every command then takes as `model=` with no gguf package involved. `chat_template=FILE`
+gives the tokenizer a template when the GGUF has none (a base model) or replaces the file's.
 
 The conversion itself is tether.models.gguf (dequantized by transformers' own GGUF loader, the
 quantizer detached). Trainers do not need this command: a `model=` path ending in .gguf is
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tether.errors import UserError
 from tether.models.gguf import convert_gguf
@@ -26,14 +28,22 @@ class ConvertConfig:
     "directory to write the bf16 HF model to (config.json, model.safetensors, tokenizer files); must not hold a model unless overwrite=true"
     overwrite: bool = False
     "replace a model already in `out`"
+    chat_template: str = ""
+    "a Jinja chat template file for the tokenizer, replacing the GGUF's (a base model's GGUF often has none, and environments and chat need one); '' keeps the file's"
 
 
 def run_convert(cfg: ConvertConfig) -> dict:
     if not cfg.model:
         raise UserError("convert: `model` is required (the .gguf file to convert)")
+    template = None
+    if cfg.chat_template:
+        path = Path(cfg.chat_template).expanduser()
+        if not path.is_file():
+            raise UserError(f"convert: chat_template file '{path}' does not exist")
+        template = path.read_text()
     out = model_out_dir(cfg.out, cfg.overwrite)
     t0 = time.perf_counter()
-    convert_gguf(cfg.model, out)  # checks the file (exists, GGUF, gguf installed) before writing
+    convert_gguf(cfg.model, out, chat_template=template)  # checks the file (exists, GGUF, gguf installed) before writing
     seconds = time.perf_counter() - t0
     print(f"convert: wrote {out} (bf16) from {cfg.model} in {seconds:.1f} s", file=sys.stderr)
     return {"out": str(out), "model": cfg.model, "seconds": round(seconds, 1)}

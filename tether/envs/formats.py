@@ -205,6 +205,11 @@ def _signature(schema: dict) -> str:
     return "\n".join(lines)
 
 
+def _python_call(name: str, arguments: dict) -> str:
+    """`add(a=2, b=3)`: keyword arguments as Python literals (what parse_gemma / parse_plain read)."""
+    return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in arguments.items()) + ")"
+
+
 class ToolFormat:
     """How one model family writes tool calls and reads their results."""
     name = ""
@@ -218,6 +223,11 @@ class ToolFormat:
     def system_prompt(self, schemas: list[dict]) -> str:
         raise NotImplementedError
 
+    def call_text(self, name: str, arguments: dict) -> str:
+        """One call written as this family writes it (what `parse` reads back): scripted
+        demonstrations for an SFT before RL use it."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<tool format {self.name}>"
 
@@ -227,6 +237,9 @@ class HermesFormat(ToolFormat):
 
     def parse(self, text: str) -> list[ToolCall]:
         return parse_hermes(text)
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
     def observation(self, results: list[ToolResult]) -> list[dict]:
         return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
@@ -245,6 +258,9 @@ class GemmaFormat(ToolFormat):
 
     def parse(self, text: str) -> list[ToolCall]:
         return parse_gemma(text)
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        return f"```tool_code\n{_python_call(name, arguments)}\n```"
 
     def observation(self, results: list[ToolResult]) -> list[dict]:
         # One user message: Gemma 3's template has no tool role and requires user and model
@@ -266,6 +282,9 @@ class PlainFormat(ToolFormat):
 
     def parse(self, text: str) -> list[ToolCall]:
         return parse_plain(text)
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        return f"CALL {_python_call(name, arguments)}"
 
     def observation(self, results: list[ToolResult]) -> list[dict]:
         return [{"role": "user", "content": "\n".join(f"RESULT {r.name}: {r.content}" for r in results)}]

@@ -121,9 +121,10 @@ def load_dequantized(path, dtype=None):
     return model, tokenizer
 
 
-def convert_gguf(path, out) -> Path:
+def convert_gguf(path, out, chat_template: str | None = None) -> Path:
     """Write the GGUF file `path` as a bf16 HF folder (config, model.safetensors, tokenizer with its
-    chat template) at `out`; returns `out`. The folder loads with `from_pretrained` and no gguf."""
+    chat template, or `chat_template` in its place) at `out`; returns `out`. The folder loads with
+    `from_pretrained` and no gguf."""
     import torch
 
     path, out = Path(path).expanduser(), Path(out).expanduser()
@@ -132,6 +133,8 @@ def convert_gguf(path, out) -> Path:
     model.config.dtype = torch.bfloat16
     if tokenizer.pad_token is None:  # as tether.models.load_tokenizer does: EOS stands in
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
