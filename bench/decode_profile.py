@@ -7,10 +7,12 @@ kernels sorted into categories by name, against the memory floor of each.
                                                                   # (bench/gpu.sh rollout runs the CUDA rows)
 
 The model is bench/rollout.py's (`build_model`: random-init Qwen2.5-0.5B shape in bf16, or the tiny
-Llama); the prompts are --batch rows of --prompt-len random ids; sampling is at temperature 1 over
-the full vocabulary with EOS ignored, so every decode step runs the whole batch. One call warms up
-(graph capture, cuBLAS handles), one plain call gives the wall time without the profiler, one call
-runs under torch.profiler (CPU and CUDA activities on CUDA). Only the decode loop counts: the
+Llama), its q/k/v and gate/up weights in one buffer per layer and group (`fuse_projections`: one GEMM
+each, tether/rollout/native.py's FUSE_PROJECTIONS; --no-fuse: one GEMM per projection); the prompts
+are --batch rows of --prompt-len random ids; sampling is at temperature 1 over the full vocabulary
+with EOS ignored, so every decode step runs the whole batch. One call warms up (graph capture,
+cuBLAS handles), one plain call gives the wall time without the profiler, one call runs under
+torch.profiler (CPU and CUDA activities on CUDA). Only the decode loop counts: the
 profile is cut to the span the engine's decode timer measures (from its sync after the prefill to
 its sync after the last step), found through record_function ranges put around the engine's
 `_sync` calls for that call. Every number is that window's total divided by the engine's count of
@@ -298,8 +300,11 @@ def profile_decode(model, B, P, T, dev, graphs=True, trace=None, hbm_gbps=4800.0
         warnings.warn(f"the profiled call captured graphs ({stats['capture_s']:.3f} s): its window includes them")
     used_graphs = bool(graphs and on_gpu and sampler.backend.name == "native")
     attended = [sampler._kv(P + t) for t in range(1, T)] if used_graphs else []
+    layers = getattr(sampler.backend, "layers", [])  # the native backend's: q|k|v, gate|up in one GEMM
     backend = dict(name=sampler.backend.name, attention=getattr(sampler.backend, "attention", None),
-                   cuda_graphs=used_graphs)
+                   cuda_graphs=used_graphs, layers=len(layers),
+                   qkv_fused=sum(L.qkv is not None and L.qkv.fused for L in layers),
+                   gate_up_fused=sum(L.gate_up is not None and L.gate_up.fused for L in layers))
     sampler.release()
 
     events = prof.events()
@@ -356,11 +361,14 @@ def render(r: dict) -> str:
     busy = s["busy_ms"] or 1e-12
     what = "GPU busy (kernels, memcpy, memset)" if s["launches"] is not None else "busy (CPU ops' self time)"
     f3 = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+    be = c["backend"]  # the C step (attention "c") runs GEMMs of its own: no q|k|v fusion to report
+    fused = "" if be["attention"] == "c" or "layers" not in be else \
+        f", q|k|v / gate|up one GEMM in {be['qkv_fused']} / {be['gate_up_fused']} of {be['layers']} layers"
     lines = [f"## decode step profile — {c['model']}, batch {c['batch']}, {c['prompt_len']}-token prompts, "
              f"{c['new_tokens']} new tokens", "",
              f"Card: {r['device']}. Date: {r['date']}. torch {r['torch']}, commit {r['commit']}. Backend "
              f"{c['backend']['name']}, attention {c['backend']['attention']}, CUDA graphs "
-             f"{'on' if c['backend']['cuda_graphs'] else 'off'}. Per decode step: totals over the engine's "
+             f"{'on' if c['backend']['cuda_graphs'] else 'off'}{fused}. Per decode step: totals over the engine's "
              f"decode window / {r['steps']} steps. Command: `{r['command'].strip()}`", "",
              "| per decode step | value |", "| --- | ---: |",
              f"| wall, engine timer, profiled call (ms) | {s['wall_ms']:.3f} |",
@@ -406,6 +414,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="the card's HBM bandwidth (H200: 4800)")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (op by op)")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="keep one weight per projection (one GEMM each) instead of q|k|v and gate|up fused")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU, as bench/rollout.py)")
     ap.add_argument("--results", default=None, help="append the markdown section to this file")
@@ -418,7 +428,7 @@ def main(argv=None) -> dict:
     kind = args.model or ("qwen0.5b" if dev == "cuda" else "tiny")
     if args.threads or dev == "cpu":
         torch.set_num_threads(args.threads or 1)
-    model = build_model(kind, dev)
+    model = build_model(kind, dev, fuse=not args.no_fuse)
     r = profile_decode(model, args.batch, args.prompt_len, args.new_tokens, dev, graphs=not args.no_graphs,
                        trace=args.trace, hbm_gbps=args.hbm_gbps, kind=kind)
     table = render(r)

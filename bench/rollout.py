@@ -14,6 +14,10 @@ not allocated, so our persistent cache and CUDA-graph pool are counted.
 On CUDA the run also checks log-prob agreement with a training forward (bf16) and greedy decoding
 with graphs against without. Prints a markdown table (--results FILE also appends it there).
 
+The model's q/k/v and gate/up weights are laid out in one buffer per layer and group
+(`fuse_projections`, as the trainers' sampling copy is): the engine runs one GEMM per group
+(tether/rollout/native.py, FUSE_PROJECTIONS). `--no-fuse` keeps HF's layout: one GEMM per projection.
+
 `--turns M` adds multi-turn rows at each batch: the same prompts and the same total length, but
 every model turn ends at an end token and a 16-token reply is fed back into the same KV cache
 (the engine's episode path, `Sampler.sample(episodes=...)`) until the --new-tokens budget is spent.
@@ -39,25 +43,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tether.objectives.logprobs import token_logps  # noqa: E402
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch  # noqa: E402
 from tether.rollout.engine import Episodes  # noqa: E402
+from tether.rollout.fuse import fuse_projections  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
               rope_theta=1e6, max_position_embeddings=32768)
 
 
-def build_model(kind: str, device: str):
+def build_model(kind: str, device: str, fuse: bool = True):
+    """The benchmark's model; fuse: its q/k/v and gate/up weights in one buffer per layer and group
+    (fuse_projections: the sampler runs one GEMM each; the same values, HF's forward unchanged)."""
     if kind == "tiny":
         from tether.models import make_tiny_model
         model, _ = make_tiny_model(None)  # Llama: hidden 128, 4 layers, 4 heads / 2 KV heads
-        return model.to(device).eval()
-    from transformers import AutoModelForCausalLM, Qwen2Config
-    cfg = Qwen2Config(**QWEN05, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+        model = model.to(device).eval()
+    else:
+        from transformers import AutoModelForCausalLM, Qwen2Config
+        cfg = Qwen2Config(**QWEN05, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.generation_config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens
+        model.generation_config.pad_token_id = 0
+        model = model.eval()
+    return fuse_projections(model) if fuse else model
 
 
 def sync(device):
@@ -190,6 +199,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="keep one weight per projection (one GEMM each) instead of q|k|v and gate|up fused")
     ap.add_argument("--turns", type=int, default=0, help="also multi-turn rows: model turns of about this many tokens")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU: on a shared 2-core box a 2-thread parallel "
@@ -204,7 +215,7 @@ def main(argv=None):
     repeats = args.repeats or (3 if dev == "cuda" else 1)
     if args.threads or dev == "cpu":
         torch.set_num_threads(args.threads or 1)
-    model = build_model(kind, dev)
+    model = build_model(kind, dev, fuse=not args.no_fuse)
     vocab = model.config.vocab_size
     results, extras = {}, {}
     for B in map(int, args.batches.split(",")):
@@ -226,7 +237,8 @@ def main(argv=None):
 def render(results, extras, kind, P, new, dev, args) -> str:
     date = datetime.date.today().isoformat()
     cmd = "python bench/rollout.py " + " ".join(sys.argv[1:])
-    lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens",
+    fused = "one GEMM per projection (--no-fuse)" if args.no_fuse else "q|k|v and gate|up fused"
+    lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens, {fused}",
              "", f"Card: {device_name(dev)}. Date: {date}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}. Command: `{cmd.strip()}`", "",
              "| batch | engine | tokens/s | ms/decode step | first call (s) | warm call (s) | peak mem (GB) | speed-up |",

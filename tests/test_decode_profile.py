@@ -126,6 +126,8 @@ def test_cpu_run_adds_up(tmp_path):
     assert sum(k["ms"] for k in top) <= s["busy_ms"] * (1 + 1e-9)
     for k in top:
         assert k["category"] == D.kernel_category(k["name"])
+    be = r["config"]["backend"]  # build_model fuses q|k|v and gate|up (bench/rollout.py)
+    assert be["layers"] > 0 and be["qkv_fused"] == be["gate_up_fused"] == be["layers"]
     # the C decode step, when it builds here, is one op per step
     if r["config"]["backend"]["attention"] == "c":
         step = [k for k in top if k["name"] == D.CSTEP]

@@ -6,9 +6,10 @@ Two backends with one interface (``alloc``, ``prefill``, ``decode``, ``select``)
   Hugging Face model's own parameters (never a copy; a linear that is not a plain ``nn.Linear``,
   e.g. a LoRA/PEFT wrapper, is called as a module so its adapters apply). The math is HF's (RMSNorm
   in float32; RoPE products in the model dtype from tables made by HF's own rotary module), with
-  fewer ops: a static cache, one additive mask per step, q and k rotated together, and (``FUSE``) the
-  norm weight and residual adds fused into neighbouring kernels; a shape-static decode step is what
-  lets the step be captured in a CUDA graph.
+  fewer ops: a static cache, one additive mask per step, q and k rotated together, (``FUSE``) the
+  norm weight and residual adds fused into neighbouring kernels, and (``FUSE_PROJECTIONS``) one GEMM
+  for q|k|v and one for gate|up where the weights lie in one buffer (fuse.py); a shape-static decode
+  step is what lets the step be captured in a CUDA graph.
   On the CPU, for float32 models with plain layers, the whole decode step and the whole prefill
   are one call each into C (:mod:`cpu`, cpu_decode.c: the same math, BLAS sgemm from torch, a
   KV cache tiled for streaming); this module's torch code is then not run.
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 import tether.rollout.cpu as cpu  # by module path: `from . import` goes through the package __init__
 import tether.rollout.kernels as kernels
+from .fuse import GATE_UP, QKV, fused_view, group
 from .layers import is_silu, rmsnorm_eps
 from tether.distributed import is_sharded
 
@@ -88,6 +90,18 @@ def _linear(m):
 # bf16 training-inference mismatch that the benchmark reports. False: HF's op order exactly.
 FUSE = True
 
+# One GEMM for q|k|v and one for gate|up in each layer, where fuse.fuse_projections laid the group's
+# weights out as consecutive rows of one buffer (the trainers' sampling copy, the benchmarks' model;
+# checked per group when a backend is built, and the pointers again at each call: fuse.py). A decode
+# step on an H200 (Qwen2.5-0.5B shape, batch 64, bench/decode_profile.py) runs 540 kernels, 193 of them
+# GEMMs taking 0.92 of its 1.64 ms of GPU work, 4.4x their weight-read floor: at 64 rows a GEMM of a
+# few hundred output columns runs far from bandwidth. Fusing removes 72 GEMM launches a step (3 per
+# layer) and the 24 cats of q and k before RoPE (the fused output holds q and k side by side; RoPE
+# reads them as one strided view), and gives each GEMM a wider N. The same math; a wider GEMM may
+# accumulate in another order (bf16 rounding; fp32 on the CPU runs the C step, cpu.py). False: one GEMM
+# per projection, as HF. Read when a backend is built.
+FUSE_PROJECTIONS = True
+
 
 # Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable; on
 # CPU the C step (cpu.py) when it can run the model and builds, else baddbmm + softmax + bmm ("bmm");
@@ -122,10 +136,65 @@ def _linear_add(m):
     return lambda x, res: res + f(x)
 
 
-def _mlp_add(m):
-    """(x, residual) -> residual + down(act(gate(x)) * up(x)), the SwiGLU MLP of these families."""
+class _Fused:
+    """x -> [m_1(x), ..., m_n(x)] along the last dim, for plain linears whose weights (and biases) are
+    consecutive rows of one buffer (fuse.py): one F.linear over the whole [N_1 + ... + N_n, in] view,
+    which is the parameters' own memory (in-place updates are seen; a CUDA graph reads the same
+    addresses). The parameters' addresses are compared with the view's at each call (under 1 us):
+    a group re-homed since (``p.data = ...``) is resolved again — one view over the new buffer when it
+    is laid out anew, else one GEMM per projection, concatenated — never a stale view."""
+
+    def __init__(self, mods, view):
+        self.mods = mods
+        self._set(view)
+
+    def _set(self, view):
+        mods = self.mods
+        self.params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
+        self.ptrs = tuple(p.data_ptr() for p in self.params)
+        self.w, self.b = view if view is not None else (None, None)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if tuple(p.data_ptr() for p in self.params) != self.ptrs:
+            self._set(fused_view(self.mods))
+        if self.w is None:
+            return torch.cat([F.linear(x, m.weight, m.bias) for m in self.mods], -1)
+        return F.linear(x, self.w, self.b)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the last call (or the build) found the group in one buffer."""
+        return self.w is not None
+
+
+def _fused(module, names) -> _Fused | None:
+    """A :class:`_Fused` over ``module``'s projections ``names`` when FUSE_PROJECTIONS is on and they are
+    plain linears laid out in one buffer now; else None (one callable per projection)."""
+    if not FUSE_PROJECTIONS:
+        return None
+    mods = group(module, names)
+    view = fused_view(mods) if mods is not None else None
+    return None if view is None else _Fused(mods, view)
+
+
+def _mlp_add(m, gu: _Fused | None = None):
+    """(x, residual) -> residual + down(act(gate(x)) * up(x)), the SwiGLU MLP of these families;
+    ``gu``: gate and up as one :class:`_Fused` GEMM."""
     if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        gate, up, down, act = _linear(m.gate_proj), _linear(m.up_proj), _linear_add(m.down_proj), m.act_fn
+        down, act = _linear_add(m.down_proj), m.act_fn
+        if gu is not None:  # gate|up in one GEMM: [.., 2I], gate and up views of its halves
+            n = m.gate_proj.weight.shape[0]
+            if is_silu(act):
+                def silu_mlp(x, res):
+                    y = gu(x)
+                    return down(F.silu(y[..., :n], inplace=True).mul_(y[..., n:]), res)
+                return silu_mlp
+
+            def act_mlp(x, res):
+                y = gu(x)
+                return down(act(y[..., :n]) * y[..., n:], res)
+            return act_mlp
+        gate, up = _linear(m.gate_proj), _linear(m.up_proj)
         if is_silu(act):  # in place (the sampler runs under inference_mode): two [T, I] tensors
             # at a time instead of four — the prefill's largest transient (40 MB each per 4k tokens)
             return lambda x, res: down(F.silu(gate(x), inplace=True).mul_(up(x)), res)
@@ -136,8 +205,13 @@ def _mlp_add(m):
 def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """HF's rotate-half RoPE, x*cos + rotate_half(x)*sin, with rotate_half(x)*sin written as
     roll(x, D/2) * [-sin_1, sin_2]: the same products (negation is exact), two ops fewer.
-    x, cos, sin_signed [B, T, heads, D], all the same shape (broadcasting makes GPU kernels slower)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+    x, cos, sin_signed [B, T, heads, D], all the same shape (broadcasting makes GPU kernels slower).
+    A strided x (q and k as a view of the fused q|k|v output) swaps its halves by a flip over
+    [2, D/2], the same values as the roll: CUDA's roll makes a contiguous copy of a strided input
+    first (one more kernel); flip reads any strides."""
+    if x.is_contiguous():
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+    return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin_signed
 
 
 class _Layer:
@@ -146,12 +220,19 @@ class _Layer:
     def __init__(self, layer):
         a = layer.self_attn
         self.ln1, self.ln2 = _rmsnorm(layer.input_layernorm), _rmsnorm(layer.post_attention_layernorm)
-        self.q, self.k, self.v = (_linear(getattr(a, n)) for n in ("q_proj", "k_proj", "v_proj"))
+        # q|k|v in one GEMM when their weights share one buffer (FUSE_PROJECTIONS); else one each
+        self.qkv = _fused(a, QKV)
+        self.q = self.k = self.v = self.nq = self.nk = None
+        if self.qkv is None:
+            self.q, self.k, self.v = (_linear(getattr(a, n)) for n in QKV)
+        else:  # output columns of q, of k
+            self.nq, self.nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
         self.o = _linear_add(a.o_proj)  # (attention output, residual) -> residual + o_proj(...)
         # Qwen3: RMSNorm over head_dim of q and k before RoPE
         self.qn = _rmsnorm(a.q_norm) if hasattr(a, "q_norm") else None
         self.kn = _rmsnorm(a.k_norm) if hasattr(a, "k_norm") else None
-        self.mlp = _mlp_add(layer.mlp)  # (normed x, residual) -> residual + mlp(normed x)
+        self.gate_up = _fused(layer.mlp, GATE_UP)  # gate|up in one GEMM (FUSE_PROJECTIONS), or None
+        self.mlp = _mlp_add(layer.mlp, self.gate_up)  # (normed x, residual) -> residual + mlp(normed x)
 
 
 class NativeBackend:
@@ -226,12 +307,23 @@ class NativeBackend:
     def _qkv(self, L: _Layer, h: Tensor, cos: Tensor, sin: Tensor):
         """q [B, T, H, D], k and v [B, T, Hkv, D] (q and k views of one tensor), RoPE applied."""
         B, T, _ = h.shape
-        q = L.q(h).view(B, T, -1, self.head_dim)
-        k = L.k(h).view(B, T, -1, self.head_dim)
-        v = L.v(h).view(B, T, -1, self.head_dim)
-        if L.qn is not None:
-            q, k = L.qn(q), L.kn(k)
-        qk = _rope(torch.cat([q, k], 2), cos, sin)
+        D = self.head_dim
+        if L.qkv is not None:  # one GEMM: [B, T, (H + 2 Hkv) D]; q and k side by side, rotated as one view
+            y = L.qkv(h)
+            nq, nqk = L.nq, L.nq + L.nk
+            v = y[..., nqk:].view(B, T, -1, D)
+            if L.qn is None:
+                qk = y[..., :nqk].view(B, T, -1, D)
+            else:  # Qwen3: q and k normed with weights of their own (new tensors: joined again)
+                qk = torch.cat([L.qn(y[..., :nq].view(B, T, -1, D)), L.kn(y[..., nq:nqk].view(B, T, -1, D))], 2)
+        else:
+            q = L.q(h).view(B, T, -1, D)
+            k = L.k(h).view(B, T, -1, D)
+            v = L.v(h).view(B, T, -1, D)
+            if L.qn is not None:
+                q, k = L.qn(q), L.kn(k)
+            qk = torch.cat([q, k], 2)
+        qk = _rope(qk, cos, sin)
         return qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], v
 
     @torch.no_grad()

@@ -40,7 +40,8 @@ import torch
 
 from tether import distributed
 from tether.config import ConfigError
-from tether.rollout import Sampler, graphs
+from tether.rollout import Sampler, graphs, native
+from tether.rollout.fuse import fuse_projections
 from tether.trajectories.disaggregated import Disaggregated
 from tether.trajectories.queue import QueueClosed, Trajectories, TrajectoryQueue, load_queue_state, save_queue_state
 from tether.trajectories.source import Source, after_eval
@@ -101,6 +102,8 @@ class Interleaved(Source):
         # pass@1 0.1575 where the same weights rounded to bf16 score 0.4025; `tether eval` of the
         # bf16 checkpoint: 0.39).
         self.model = copy.deepcopy(t.replica if t.replica is not None else t.model).requires_grad_(False).eval()
+        if native.FUSE_PROJECTIONS:  # deepcopy clones each parameter apart: one buffer per group again
+            fuse_projections(self.model)  # (refreshed in place by copy_full_weights, never saved)
         t.free_replica()
         self.sampler = Sampler(self.model, sampler.tokenizer, sampler.config)
         self.queue = TrajectoryQueue(max_staleness + 1)

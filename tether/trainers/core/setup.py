@@ -44,6 +44,8 @@ from tether.models.lora import adapters_off, apply_lora
 from tether.model_card import CARD, write_best_card, write_model_card
 from tether.plots import plot_metrics
 from tether.trackers import check_installed
+from tether.rollout import native
+from tether.rollout.fuse import fuse_projections
 from tether.rollout.hf import generate
 from tether.run import (RunDir, check_lock, latest_checkpoint, load_master_weights, refuse_previous_run,
                         seed_everything)
@@ -202,6 +204,8 @@ class Training(Ranks):
         if self.replica_shapes is not None:  # lent to the training pass: memory of its own again
             for name, p in self.replica.named_parameters():
                 p.data = torch.empty(self.replica_shapes[name], dtype=p.dtype, device=p.device)
+            if native.FUSE_PROJECTIONS:  # q/k/v and gate/up in one buffer each again (sampling_copy)
+                fuse_projections(self.replica)
             self.replica_shapes, self.replica_stale = None, True
         if self.replica_stale:
             started = time.perf_counter()

@@ -11,20 +11,26 @@ import torch
 
 from tether import distributed
 from tether.models.load import decoder_layers
+from tether.rollout import native
+from tether.rollout.fuse import fuse_projections
 
 
 def sampling_copy(model, device, bf16: bool) -> torch.nn.Module:
     """A frozen copy of `model` to sample from, on `device`; bf16: its *parameters* in bf16 (the
     compute dtype). Buffers keep their dtype: RoPE's inv_freq is a non-persistent fp32 buffer that no
     weight refresh (copy_full_weights walks state_dict) restores, and in bf16 it put the cos/sin
-    tables up to 0.36 off at position 2047 — the trainer computes them in fp32 (autocast, FSDP2)."""
+    tables up to 0.36 off at position 2047 — the trainer computes them in fp32 (autocast, FSDP2).
+    With native.FUSE_PROJECTIONS each layer's q/k/v and gate/up weights are laid out in one buffer
+    each (fuse.fuse_projections: the sampler runs one GEMM per group); the copy is only ever refreshed
+    in place (copy_full_weights), which keeps that layout, and never saved."""
     # Each parameter is copied straight into its place on `device` in its dtype (deepcopy takes the
     # memo's copies in place of the originals, ties included): no whole fp32 copy first, on the GPU
     # (one process) nor in CPU memory (torchrun, where the model is still there; 30 GB a rank at 7B).
     dtype = torch.bfloat16 if bf16 else None
     memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype=dtype, copy=True), requires_grad=False)
             for p in model.parameters()}
-    return copy.deepcopy(model, memo).requires_grad_(False).eval().to(device)  # (.to: the buffers)
+    replica = copy.deepcopy(model, memo).requires_grad_(False).eval().to(device)  # (.to: the buffers)
+    return fuse_projections(replica) if native.FUSE_PROJECTIONS else replica
 
 
 def state_hint(models, gpu_bytes: int) -> str | None:
