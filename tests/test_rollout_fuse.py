@@ -10,12 +10,14 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from tether.models import make_tiny_model
 from tether.rollout import Sampler, native
 from tether.rollout.fuse import fuse_projections
 from tether.rollout.native import NativeBackend
+from queue_support import digit_frac
+from test_rollout_cpu import _model as _tiny_hf_model
 
 VOCAB = 64
 
@@ -47,17 +49,7 @@ CONFIGS = {
 
 def _model(family, dtype=torch.float32, seed=0):
     cfg_cls, shape = CONFIGS[family]
-    cfg = cfg_cls(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=True,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_theta=10000.0, **shape)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # weights with enough scale that sampling is far from uniform
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-            else:  # norm weights and Qwen2's q/k/v biases: not all ones / zeros
-                p.add_(torch.randn_like(p) * 0.1)
-    return m.to(dtype)
+    return _tiny_hf_model(cfg_cls, seed, **shape).to(dtype)
 
 
 def _prompts():
@@ -241,16 +233,12 @@ def grpo_setup(tmp_path_factory):
     return root
 
 
-def _digit_frac(prompts, completions, completion_ids, **_):
-    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
-
-
 def _grpo(root, name, **kw):
     from tether.trainers.grpo import GRPOConfig, train_grpo
     cfg = GRPOConfig(model=str(root / "model"), data=str(root / "prompts.jsonl"), runs_dir=str(root / "runs"),
                      name=name, batch_size=2, num_generations=4, max_new_tokens=8, max_steps=3, lr=1e-2,
                      device="cpu", progress=False, seed=0, sampler_copy=True, **kw)
-    train_grpo(cfg, reward_funcs=[_digit_frac])
+    train_grpo(cfg, reward_funcs=[digit_frac])
     volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
                 "gather_time", "queue/wait_seconds"}
     rows = [json.loads(x) for x in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
