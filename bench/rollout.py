@@ -145,13 +145,17 @@ class Replies(Episodes):
         return self.reply
 
 
-def bench_multiturn(model, B, P, new, vocab, device, repeats, mean_turn, reply_len=16):
-    """Episodes of ~mean_turn-token model turns and reply_len-token replies, `new` tokens in all."""
+def bench_multiturn(model, B, P, new, vocab, device, repeats, mean_turn, reply_len=16, sync_every=0):
+    """Episodes of ~mean_turn-token model turns and reply_len-token replies, `new` tokens in all.
+    `sync_every`: decode steps between host checks (0: the engine's default, 8 on CUDA). A row whose
+    turn ended waits, masked, until the next check schedules its reply: about sync_every / 2 steps a
+    boundary, against the cost of each check's host sync."""
     g = torch.Generator().manual_seed(B)
     ids = torch.randint(10, vocab, (B, P), generator=g).to(device).tolist()
     ends = torch.randperm(vocab, generator=g)[: max(1, vocab // mean_turn)].tolist()
     reply = torch.randint(10, vocab, (reply_len,), generator=g).tolist()
-    sampler = Sampler(model, None, SamplingConfig(max_new_tokens=new, temperature=1.0, stop_token_ids=ends))
+    sampler = Sampler(model, None, SamplingConfig(max_new_tokens=new, temperature=1.0, stop_token_ids=ends,
+                                                  sync_every=sync_every))
     timed(lambda: sampler.sample(ids, seed=0, episodes=Replies(reply)), device)
     runs = []
     for r in range(repeats):
@@ -161,7 +165,7 @@ def bench_multiturn(model, B, P, new, vocab, device, repeats, mean_turn, reply_l
     sampler.release()
     t, tokens, model_tokens, turns, ms = sorted(runs)[len(runs) // 2]
     return dict(wall_s=t, tok_s=tokens / t, tokens=tokens, model_tokens=model_tokens, ms_step=ms,
-                mean_turn=model_tokens / max(turns + B, 1), turns_per_episode=turns / B + 1)
+                mean_turn=model_tokens / max(turns + B, 1), turns_per_episode=turns / B + 1, sync_every=sync_every)
 
 
 @torch.no_grad()
@@ -202,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--no-fuse", action="store_true",
                     help="keep one weight per projection (one GEMM each) instead of q|k|v and gate|up fused")
     ap.add_argument("--turns", type=int, default=0, help="also multi-turn rows: model turns of about this many tokens")
+    ap.add_argument("--sync-every", type=int, default=0,
+                    help="multi-turn rows: decode steps between host checks (0: the engine's default)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU: on a shared 2-core box a 2-thread parallel "
                          "region stalls for a scheduler quantum whenever the other core is busy)")
@@ -221,7 +227,8 @@ def main(argv=None):
     for B in map(int, args.batches.split(",")):
         results[B], extras[B] = bench_batch(model, B, P, new, vocab, dev, repeats, args.skip_hf)
         if args.turns:
-            results[B]["multi-turn"] = bench_multiturn(model, B, P, new, vocab, dev, repeats, args.turns)
+            results[B]["multi-turn"] = bench_multiturn(model, B, P, new, vocab, dev, repeats, args.turns,
+                                                       sync_every=args.sync_every)
         print(f"batch {B}: {json.dumps(results[B])}", flush=True)
     if dev == "cuda":
         extras["greedy"] = greedy_graphs_vs_eager(model, vocab, dev)
