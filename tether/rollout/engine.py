@@ -437,9 +437,16 @@ class Sampler:
         ended = [(i, r) for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in ep.over]
         if not ended:
             return
-        rows = torch.tensor([r for _, r in ended], device=st.out_tok.device)
+        dev = st.out_tok.device
+        rows = torch.tensor([r for _, r in ended], device=dev)
         toks, kinds = st.out_tok[rows, :t].tolist(), st.out_kind[rows, :t].tolist()
         P, T = ep.width, st.steps
+        # The writes of every row that runs again are gathered here and made below as a few batched
+        # ops (one host-to-device copy): per-row indexing of device tensors costs ~10 launches a
+        # row, and the GPU idles for the host's work at a check.
+        waited = []  # (batch row, output row, the reply's first token, first slot waited, end slot)
+        forced_at = []  # (output row, step, token): the reply's other tokens, forced at later steps
+        resumed = []  # (batch row, its RoPE position)
         for (i, r), tk, kd in zip(ended, toks, kinds):
             start = ep.turn_start.get(r, 0)
             e = max(s for s in range(start, t) if kd[s] == 1)  # the step of the turn's end token
@@ -450,24 +457,44 @@ class Sampler:
             # The end token was fed to the cache at step e+1 unless e is the last step (then it is
             # fed next). Waiting steps e+1..t-1 wrote slots P+e+1..P+t-2; their last output (step
             # t-1) is replaced by the reply's first token, which step t feeds.
-            waited = e < t - 1
-            if (t - 1 if waited else t) + len(reply) >= T:  # no step left for the model to answer
+            was_waiting = e < t - 1
+            if (t - 1 if was_waiting else t) + len(reply) >= T:  # no step left for the model to answer
                 ep.episodes.truncated(ep.offset + r)
                 ep.over.add(r)
                 continue
-            n_real = sum(1 for k in kd[:t - 1] if k)
             forced = reply
-            if waited:
-                st.out_tok[r, t - 1], st.out_kind[r, t - 1] = reply[0], 2
-                st.tokens[i] = reply[0]
-                st.bias[i, P + e + 1:P + t - 1] = float("-inf")
+            if was_waiting:
+                waited.append((i, r, reply[0], P + e + 1, P + t - 1))
                 forced = reply[1:]
-            if forced:
-                st.force_tok[r, t:t + len(forced)] = torch.tensor(forced, device=st.force_tok.device)
-                st.force_on[r, t:t + len(forced)] = True
-            st.pos[i] = ep.prompt_len[r] + n_real
-            st.finished[i] = False
+            forced_at += [(r, t + k, y) for k, y in enumerate(forced)]
+            resumed.append((i, ep.prompt_len[r] + sum(1 for k in kd[:t - 1] if k)))
             ep.turn_start[r] = t + len(forced)
+        if resumed:
+            self._resume(waited, forced_at, resumed, t)
+
+    def _resume(self, waited, forced_at, resumed, t: int) -> None:
+        """The device side of :meth:`_turn_boundaries`, batched: rows that waited get the reply's
+        first token as step t-1's output and next input, and their waiting slots masked out; the
+        reply's other tokens are forced at their steps; every resumed row gets its position and runs."""
+        st = self.state
+        host = [v for w in waited for v in w] + [v for f in forced_at for v in f] + [v for x in resumed for v in x]
+        vals = torch.tensor(host, dtype=torch.long).to(st.out_tok.device)  # one copy to the device
+        nw, nf = 5 * len(waited), 3 * len(forced_at)
+        if waited:
+            i, r, y, lo, hi = vals[:nw].view(-1, 5).unbind(1)
+            st.out_tok[r, t - 1] = y
+            st.out_kind[r, t - 1] = 2
+            st.tokens[i] = y
+            slots = torch.arange(st.bias.shape[1], device=vals.device)
+            wait = (slots >= lo[:, None]) & (slots < hi[:, None])
+            st.bias[i] = st.bias[i].masked_fill(wait, float("-inf"))
+        if forced_at:
+            r, s, y = vals[nw:nw + nf].view(-1, 3).unbind(1)
+            st.force_tok[r, s] = y
+            st.force_on[r, s] = True
+        i, pos = vals[nw + nf:].view(-1, 2).unbind(1)
+        st.pos[i] = pos
+        st.finished[i] = False
 
 
 class Episodes:
