@@ -27,8 +27,8 @@ from fastapi.staticfiles import StaticFiles
 from tether.studio.common import Studio
 
 # the pages, in navigation order: each is the module tether.studio.<name> (docs/studio.md gives the
-# order: runs, stages, labeler, grpo, algorithms, hacking, episodes)
-PAGES: tuple[str, ...] = ("runs", "stages", "labeler", "grpo", "algorithms", "hacking", "episodes")
+# order: runs, stages, labeler, grpo, algorithms, hacking, prm, episodes)
+PAGES: tuple[str, ...] = ("runs", "stages", "labeler", "grpo", "algorithms", "hacking", "prm", "episodes")
 STATIC = Path(__file__).parent / "static"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 COOKIE = "tether_token"

@@ -1,4 +1,4 @@
-"""Studio page 7, Episodes: the multi-turn samples of a run trained on an environment (`env=...`),
+"""Studio page 8, Episodes: the multi-turn samples of a run trained on an environment (`env=...`),
 turn by turn, with the tokens the loss was computed on told apart from the masked ones.
 
 What a GRPO run over an environment writes per logged episode, in samples.jsonl beside `step`,
