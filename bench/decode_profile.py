@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from rollout import build_model, device_name  # noqa: E402  (bench/rollout.py)
 from tether.rollout import Sampler, SamplingConfig  # noqa: E402
 import tether.rollout.engine as engine  # noqa: E402
+import tether.rollout.native as native  # noqa: E402
 
 SYNC, WAVE, CSTEP = "tether::sync", "tether::decode_wave", "tether::cpu_decode_step"
 MARKERS = (SYNC, WAVE)  # ranges this script adds to cut the profile; not work of their own
@@ -304,7 +305,8 @@ def profile_decode(model, B, P, T, dev, graphs=True, trace=None, hbm_gbps=4800.0
     backend = dict(name=sampler.backend.name, attention=getattr(sampler.backend, "attention", None),
                    cuda_graphs=used_graphs, layers=len(layers),
                    qkv_fused=sum(L.qkv is not None and L.qkv.fused for L in layers),
-                   gate_up_fused=sum(L.gate_up is not None and L.gate_up.fused for L in layers))
+                   gate_up_fused=sum(L.gate_up is not None and L.gate_up.fused for L in layers),
+                   rope_in_attention=sum(getattr(sampler.backend, "rope_in_kernel", [])))
     sampler.release()
 
     events = prof.events()
@@ -416,6 +418,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (op by op)")
     ap.add_argument("--no-fuse", action="store_true",
                     help="keep one weight per projection (one GEMM each) instead of q|k|v and gate|up fused")
+    ap.add_argument("--no-fuse-kernels", action="store_true",
+                    help="RoPE and silu(gate) * up as torch ops, not in the Triton kernels (native.FUSE_KERNELS)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU, as bench/rollout.py)")
     ap.add_argument("--results", default=None, help="append the markdown section to this file")
@@ -428,6 +432,8 @@ def main(argv=None) -> dict:
     kind = args.model or ("qwen0.5b" if dev == "cuda" else "tiny")
     if args.threads or dev == "cpu":
         torch.set_num_threads(args.threads or 1)
+    if args.no_fuse_kernels:
+        native.FUSE_KERNELS = False
     model = build_model(kind, dev, fuse=not args.no_fuse)
     r = profile_decode(model, args.batch, args.prompt_len, args.new_tokens, dev, graphs=not args.no_graphs,
                        trace=args.trace, hbm_gbps=args.hbm_gbps, kind=kind)

@@ -44,6 +44,7 @@ from tether.objectives.logprobs import token_logps  # noqa: E402
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch  # noqa: E402
 from tether.rollout.engine import Episodes  # noqa: E402
 from tether.rollout.fuse import fuse_projections  # noqa: E402
+import tether.rollout.native as native  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
@@ -205,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-fuse", action="store_true",
                     help="keep one weight per projection (one GEMM each) instead of q|k|v and gate|up fused")
+    ap.add_argument("--no-fuse-kernels", action="store_true",
+                    help="RoPE and silu(gate) * up as torch ops, not in the Triton kernels (native.FUSE_KERNELS)")
     ap.add_argument("--turns", type=int, default=0, help="also multi-turn rows: model turns of about this many tokens")
     ap.add_argument("--sync-every", type=int, default=0,
                     help="multi-turn rows: decode steps between host checks (0: the engine's default)")
@@ -221,6 +224,8 @@ def main(argv=None):
     repeats = args.repeats or (3 if dev == "cuda" else 1)
     if args.threads or dev == "cpu":
         torch.set_num_threads(args.threads or 1)
+    if args.no_fuse_kernels:
+        native.FUSE_KERNELS = False
     model = build_model(kind, dev, fuse=not args.no_fuse)
     vocab = model.config.vocab_size
     results, extras = {}, {}
@@ -245,6 +250,10 @@ def render(results, extras, kind, P, new, dev, args) -> str:
     date = datetime.date.today().isoformat()
     cmd = "python bench/rollout.py " + " ".join(sys.argv[1:])
     fused = "one GEMM per projection (--no-fuse)" if args.no_fuse else "q|k|v and gate|up fused"
+    if args.no_fuse_kernels:
+        fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
+    if args.no_fuse_kernels:
+        fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
     lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens, {fused}",
              "", f"Card: {device_name(dev)}. Date: {date}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}. Command: `{cmd.strip()}`", "",
