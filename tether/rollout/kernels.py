@@ -14,8 +14,35 @@ float32: scores s = q·k × scale + bias (the additive 0 / −inf mask), running
 acc = Σ exp(s − m) v, out = acc / l. P·V uses float32 P (TF32 tensor cores). The kernel also writes
 the step's key and value into the cache slot first. Used by the native backend on CUDA when Triton is
 importable and the head size is a power of two; otherwise torch ops (native.py).
+
+Decode attention with RoPE (:func:`decode_attention_rope`): the same attention, reading q, k and v
+straight from the output y of the layer's fused q|k|v GEMM ([B, (H + 2 Hkv) D]: q heads, then k
+heads, then v heads), rotating q and k at each row's position ``pos[b]`` and writing the rotated k
+and the raw v into the cache slot. The position and the slot are loaded from device memory, so a
+captured CUDA graph replays both; the kernel gathers the table rows from [slots, D] views of the
+backend's tables. It replaces per layer torch's RoPE (native.py ``_rope``: two multiplies, a
+half-swap copy and an add). The rotation is torch's, bit for bit: rotate-half RoPE as
+x·cos + swap(x)·sin± (sin± = [−sin_1, sin_2], the backend's table; swap(x)[d] = x[(d + D/2) mod D]),
+where torch computes each op in float32 and rounds to the model dtype after it: a = rnd(x·c),
+b = rnd(swap(x)·s), out = rnd(a + b). In half precision the float32 product of two 16-bit values is
+exact; in float32 the products are PTX's mul.rn (inline assembly), which the compiler never
+contracts with the add into an FMA (torch runs them as separate kernels). Both kernels share the
+online-softmax loop (:func:`_attend`), so the attention's code, and its rounding, is the same.
+
+SwiGLU (:func:`silu_mul`): silu(gate) · up from the fused gate|up GEMM's output in one kernel, in
+torch's rounding order: silu in float32 (x / (1 + exp(−x)), IEEE division, CUDA's expf through
+libdevice) rounded to the model dtype, then the product in float32, rounded. It replaces an in-place
+silu over a strided view and a multiply (two kernels, two reads of the gate half); its output is a
+new contiguous [.., n] tensor.
+
+Under Triton's interpreter (TRITON_INTERPRET=1, CPU) plain float32 ops stand in for mul.rn and
+libdevice's expf (numpy contracts nothing either); the interpreter rounds float32 to bfloat16 by truncation
+and multiplies bfloat16 matrices wrongly, so bfloat16 is checked on CUDA alone
+(tests/test_rollout_kernels.py).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -23,6 +50,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs: the native backend uses torch ops
     triton = None
 
@@ -30,6 +58,11 @@ BLOCK = 64  # cache slots per inner step (64 × 64 bf16 keys = 8 KB per load)
 # decode attention's launch: no point of a BLOCK / num_warps / num_stages sweep is more than 3 %
 # faster than 64 / 4 / 3 (benchmarks/RESULTS.md)
 NUM_WARPS, NUM_STAGES = 4, 3
+# PTX's mul.rn for a float32 multiply that is never contracted into an FMA, libdevice for CUDA's expf.
+# Triton's interpreter (CPU; read at import, as triton.jit reads it) has neither, and ROCm no PTX:
+# plain float32 ops there
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+PTX = not INTERPRET and torch.version.hip is None
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -42,21 +75,12 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int, group: in
 
 if triton is not None:
     @triton.jit
-    def _decode_attn(Q, K, V, Bias, O, KN, VN, Slot, scale, kv_len,
-                     sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, sbb, sob, soh, sog, sknb, sknh, svnb, svnh,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                     PREC: tl.constexpr, PREC_PV: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        g = tl.arange(0, GP)
+    def _attend(q, K, V, Bias, kv_len, scale, skb, skh, sks, svb, svh, svs, sbb, b, h,
+                GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                PREC_PV: tl.constexpr):
+        """softmax(q kᵀ · scale + bias) v for q [GP, D] over the first kv_len slots of the cache of
+        (row b, KV head h), online (flash attention) in float32. -> [GP, D] float32."""
         d = tl.arange(0, D)
-        # this step's key and value into the cache slot (read from device memory: a graph replays it)
-        slot = tl.load(Slot)
-        tl.store(K + b * skb + h * skh + slot * sks + d, tl.load(KN + b * sknb + h * sknh + d))
-        tl.store(V + b * svb + h * svh + slot * svs + d, tl.load(VN + b * svnb + h * svnh + d))
-        tl.debug_barrier()  # the block's loads below see those stores
-        gmask = g[:, None] < G
-        q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + d[None, :], mask=gmask, other=0.0)
         m = tl.full([GP], -1.0e30, tl.float32)  # finite: a block masked entirely keeps exp() at 0, not NaN
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -75,7 +99,26 @@ if triton is not None:
             # P stays float32 (TF32 on tensor cores: 3 more mantissa bits than rounding it to bf16)
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC_PV)
             m = m_new
-        out = acc / l[:, None]
+        return acc / l[:, None]
+
+    @triton.jit
+    def _decode_attn(Q, K, V, Bias, O, KN, VN, Slot, scale, kv_len,
+                     sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, sbb, sob, soh, sog, sknb, sknh, svnb, svnh,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                     PREC: tl.constexpr, PREC_PV: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        # this step's key and value into the cache slot (read from device memory: a graph replays it)
+        slot = tl.load(Slot)
+        tl.store(K + b * skb + h * skh + slot * sks + d, tl.load(KN + b * sknb + h * sknh + d))
+        tl.store(V + b * svb + h * svh + slot * svs + d, tl.load(VN + b * svnb + h * svnh + d))
+        tl.debug_barrier()  # the block's loads below see those stores
+        gmask = g[:, None] < G
+        q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + d[None, :], mask=gmask, other=0.0)
+        out = _attend(q, K, V, Bias, kv_len, scale, skb, skh, sks, svb, svh, svs, sbb, b, h,
+                      GP, D, BLOCK_S, PREC, PREC_PV)
         tl.store(O + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(O.dtype.element_ty), mask=gmask)
 
 
@@ -103,6 +146,130 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
                            PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "tf32",
                            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return o
+
+
+if triton is not None:
+    @triton.jit
+    def _mul_rn(a, b, RN: tl.constexpr):
+        """a · b in float32, correctly rounded: PTX's mul.rn, which is never contracted into an FMA
+        with a later add and keeps subnormals (libdevice's mul_rn flushes them here)."""
+        if RN:
+            p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            p = a * b
+        return p
+
+    @triton.jit
+    def _rope(x, xs, c, s, RN: tl.constexpr):
+        """torch's x·cos + swap(x)·sin± with a rounding to x's dtype after each op (x, xs = swap(x)
+        in the model dtype; c, s the table rows in it too). -> the model dtype."""
+        dt = x.dtype
+        a = _mul_rn(x.to(tl.float32), c.to(tl.float32), RN).to(dt)
+        b = _mul_rn(xs.to(tl.float32), s.to(tl.float32), RN).to(dt)
+        return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _decode_attn_rope(Y, Cos, Sin, Pos, K, V, Bias, O, Slot, scale, kv_len, H, HKV,
+                          syb, scs, sss, spb, skb, skh, sks, svb, svh, svs, sbb, sob, soh, sog,
+                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                          PREC: tl.constexpr, PREC_PV: tl.constexpr, RN: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        ds = (d + D // 2) % D  # rotate-half: each element's partner in the other half
+        # this row's RoPE position and the step's cache slot, read from device memory (a graph replays them)
+        pos = tl.load(Pos + b * spb)
+        slot = tl.load(Slot)
+        c = tl.load(Cos + pos * scs + d)
+        s = tl.load(Sin + pos * sss + d)
+        y = Y + b * syb
+        # KV head h: its key rotated, its value as is, into the cache slot
+        kh = y + (H + h) * D
+        tl.store(K + b * skb + h * skh + slot * sks + d, _rope(tl.load(kh + d), tl.load(kh + ds), c, s, RN))
+        tl.store(V + b * svb + h * svh + slot * svs + d, tl.load(y + (H + HKV + h) * D + d))
+        tl.debug_barrier()  # the block's loads below see those stores
+        # its G query heads h·G .. h·G + G − 1, rotated
+        gmask = g[:, None] < G
+        qh = y + (h * G + g[:, None]) * D
+        q = tl.load(qh + d[None, :], mask=gmask, other=0.0)
+        q_swap = tl.load(qh + ds[None, :], mask=gmask, other=0.0)
+        q = _rope(q, q_swap, tl.broadcast_to(c[None, :], (GP, D)), tl.broadcast_to(s[None, :], (GP, D)), RN)
+        out = _attend(q, K, V, Bias, kv_len, scale, skb, skh, sks, svb, svh, svs, sbb, b, h,
+                      GP, D, BLOCK_S, PREC, PREC_PV)
+        tl.store(O + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(O.dtype.element_ty), mask=gmask)
+
+
+def decode_attention_rope(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+                          bias: Tensor, scale: float, slot: Tensor, n_heads: int, n_kv: int,
+                          head_dim: int) -> Tensor:
+    """:func:`decode_attention` with q, k, v taken from the fused q|k|v projection and RoPE applied
+    inside: ``qkv`` [B, 1, (H + 2 Hkv) D] or [B, (H + 2 Hkv) D] (last dim contiguous; q heads, then
+    k heads, then v heads), ``cos`` / ``sin`` [slots, D] (rows of the backend's tables, sin with its
+    first half negated; any row stride), ``pos`` [B] int64 each row's position. Rotates q and k at
+    ``pos`` as torch's RoPE does, bit for bit (module docstring), writes the rotated k and the raw v
+    into cache slot ``slot`` (a [1] int64 tensor) of k / v [B, Hkv, S, D], then attends as
+    :func:`decode_attention`. Returns [B, Hkv, G, D] in qkv's dtype."""
+    B, D, S = qkv.shape[0], head_dim, k.shape[2]
+    G = n_heads // n_kv
+    y = qkv.reshape(B, -1)
+    assert y.shape[1] == (n_heads + 2 * n_kv) * D and y.stride(1) == 1
+    assert cos.stride(1) == sin.stride(1) == k.stride(3) == v.stride(3) == bias.stride(1) == 1
+    assert pos.dim() == 1 and pos.shape[0] == B
+    o = torch.empty((B, n_kv, G, D), dtype=qkv.dtype, device=qkv.device)
+    GP = max(16, triton.next_power_of_2(G))
+    fp32 = qkv.dtype == torch.float32
+    _decode_attn_rope[(B, n_kv)](y, cos, sin, pos, k, v, bias, o, slot, float(scale), S, n_heads, n_kv,
+                                 y.stride(0), cos.stride(0), sin.stride(0), pos.stride(0),
+                                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                                 bias.stride(0), o.stride(0), o.stride(1), o.stride(2),
+                                 G=G, GP=GP, D=D, BLOCK_S=BLOCK,
+                                 PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "tf32",
+                                 RN=PTX, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return o
+
+
+if triton is not None:
+    @triton.jit
+    def _exp(x, RN: tl.constexpr):
+        """exp(x) in float32 as CUDA's expf (torch's silu), not Triton's faster ex2.approx-based exp."""
+        if RN:
+            e = libdevice.exp(x)
+        else:
+            e = tl.exp(x)
+        return e
+
+    @triton.jit
+    def _silu_mul(Y, O, n, syr, sor, BLOCK_N: tl.constexpr, RN: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)  # r · syr passes 2³¹ in a long prefill
+        i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = i < n
+        gate = tl.load(Y + r * syr + i, mask=mask, other=0.0)
+        up = tl.load(Y + r * syr + n + i, mask=mask, other=0.0)
+        x = gate.to(tl.float32)
+        silu = tl.math.div_rn(x, 1.0 + _exp(-x, RN)).to(gate.dtype)
+        tl.store(O + r * sor + i, (silu.to(tl.float32) * up.to(tl.float32)).to(O.dtype.element_ty), mask=mask)
+
+
+def elementwise_available(x: Tensor) -> bool:
+    """Whether :func:`silu_mul` runs for ``x``: Triton importable and x on CUDA."""
+    return triton is not None and x.is_cuda
+
+
+SILU_BLOCK = 1024  # elements of a row per program
+
+
+def silu_mul(y: Tensor, n: int) -> Tensor:
+    """silu(y[..., :n]) · y[..., n:] for y [..., 2n] (last dim contiguous), as torch's
+    ``F.silu(gate) * up`` rounds it (module docstring). Returns a new contiguous [..., n] tensor."""
+    assert y.shape[-1] == 2 * n and y.stride(-1) == 1
+    y2 = y.reshape(-1, 2 * n)
+    o = torch.empty((y2.shape[0], n), dtype=y.dtype, device=y.device)
+    if o.numel():
+        _silu_mul[(y2.shape[0], triton.cdiv(n, SILU_BLOCK))](y2, o, n, y2.stride(0), o.stride(0),
+                                                             BLOCK_N=SILU_BLOCK, RN=PTX)
+    return o.view(*y.shape[:-1], n)
 
 
 def sampling_available(logits: Tensor) -> bool:

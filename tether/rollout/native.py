@@ -7,9 +7,10 @@ Two backends with one interface (``alloc``, ``prefill``, ``decode``, ``select``)
   e.g. a LoRA/PEFT wrapper, is called as a module so its adapters apply). The math is HF's (RMSNorm
   in float32; RoPE products in the model dtype from tables made by HF's own rotary module), with
   fewer ops: a static cache, one additive mask per step, q and k rotated together, (``FUSE``) the
-  norm weight and residual adds fused into neighbouring kernels, and (``FUSE_PROJECTIONS``) one GEMM
-  for q|k|v and one for gate|up where the weights lie in one buffer (fuse.py); a shape-static decode
-  step is what lets the step be captured in a CUDA graph.
+  norm weight and residual adds fused into neighbouring kernels, (``FUSE_PROJECTIONS``) one GEMM
+  for q|k|v and one for gate|up where the weights lie in one buffer (fuse.py), and (``FUSE_KERNELS``,
+  CUDA) the decode step's RoPE inside its attention kernel and silu(gate) * up as one kernel
+  (kernels.py); a shape-static decode step is what lets the step be captured in a CUDA graph.
   On the CPU, for float32 models with plain layers, the whole decode step and the whole prefill
   are one call each into C (:mod:`cpu`, cpu_decode.c: the same math, BLAS sgemm from torch, a
   KV cache tiled for streaming); this module's torch code is then not run.
@@ -102,6 +103,19 @@ FUSE = True
 # per projection, as HF. Read when a backend is built.
 FUSE_PROJECTIONS = True
 
+# Triton kernels for the elementwise work around the decode attention and the MLP (kernels.py), on
+# CUDA with Triton importable. Where q|k|v is one GEMM and the layer has no q/k norm, RoPE, the cache
+# write and the attention are one kernel (decode_attention_rope: it reads q, k and v from the GEMM's
+# output and each row's position from device memory); where gate|up is one GEMM and the activation
+# is silu, silu(gate) * up is one kernel (silu_mul; the prefill's MLP too). A decode step on an H200
+# (Qwen2.5-0.5B shape, batch 64: one CUDA graph of 444 kernels, 1.69 ms) spends 141 us in RoPE's 48
+# strided multiplies, 56 us in its 24 half-swap copies, ~30 us in its 24 adds, 66 us in 24 silus over
+# a strided view and ~30 us in the 24 multiplies after them, plus ~1 us of gap per kernel in the
+# graph; the kernels remove 5 kernels per layer (120 of the 444) and the step's 2 table gathers.
+# The same math and rounding as the torch ops (RoPE bit for bit; silu with torch's expf and IEEE
+# division). The prefill's RoPE stays in torch. False: the torch ops. Read when a backend is built.
+FUSE_KERNELS = True
+
 
 # Decode attention: "auto" = our Triton kernel (kernels.py) on CUDA when Triton is importable; on
 # CPU the C step (cpu.py) when it can run the model and builds, else baddbmm + softmax + bmm ("bmm");
@@ -187,8 +201,14 @@ def _mlp_add(m, gu: _Fused | None = None):
         if gu is not None:  # gate|up in one GEMM: [.., 2I], gate and up views of its halves
             n = m.gate_proj.weight.shape[0]
             if is_silu(act):
+                fuse = FUSE_KERNELS
+
                 def silu_mlp(x, res):
                     y = gu(x)
+                    if fuse and kernels.elementwise_available(y):
+                        # one kernel (FUSE_KERNELS); its output is a new [.., I] tensor beside y: three
+                        # [T, I] tensors at a time in the prefill instead of two
+                        return down(kernels.silu_mul(y, n), res)
                     return down(F.silu(y[..., :n], inplace=True).mul_(y[..., n:]), res)
                 return silu_mlp
 
@@ -257,6 +277,9 @@ class NativeBackend:
         own = kernels.available(p.device, p.dtype, self.head_dim, self.n_heads // self.n_kv)
         auto = "triton" if own else ("bmm" if p.device.type == "cpu" else "sdpa")
         self.attention = auto if DECODE_ATTN == "auto" else DECODE_ATTN
+        # RoPE inside the decode attention kernel, for the layers whose q|k|v is one GEMM (FUSE_KERNELS)
+        self.rope_in_kernel = [FUSE_KERNELS and self.attention == "triton" and L.qkv is not None
+                               and L.qn is None for L in self.layers]
         self.cstep = None  # the whole CPU decode step in C (cpu.py), when it can run this model
         if DECODE_ATTN in ("auto", "c") and p.device.type == "cpu":
             why = cpu.support(m)
@@ -362,6 +385,28 @@ class NativeBackend:
             x = L.mlp(L.ln2(x), x)
         return self.lm_head(self.norm(x[:, -1:]))[:, 0]
 
+    def _decode_attention(self, L: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor,
+                          bias: Tensor, slot: Tensor, kv_len: int) -> Tensor:
+        """A decode step's attention of layer L for normed input h [B, 1, hidden] with torch's RoPE:
+        this step's k, v into slot ``slot`` of the layer's cache kc / vc [B, Hkv, slots, D], then
+        attention over slots < kv_len (bias shaped for self.attention). -> [B, Hkv, G, D] or
+        [B * Hkv, G, D]."""
+        B, G, D = h.shape[0], self.n_heads // self.n_kv, self.head_dim
+        q, k, v = self._qkv(L, h, cos, sin)
+        # GQA without repeating the cache: the G query heads of one KV head act as G queries.
+        if self.attention == "triton":  # the kernel also writes k, v into the cache slot
+            return kernels.decode_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len], vc[:, :, :kv_len],
+                                            bias, self.scaling, k[:, 0], v[:, 0], slot)
+        kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
+        vc.index_copy_(2, slot, v.transpose(1, 2))
+        if self.attention == "bmm":
+            kk = kc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)  # views of the cache
+            vv = vc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)
+            scores = torch.baddbmm(bias, q.reshape(B * self.n_kv, G, D), kk.transpose(1, 2), alpha=self.scaling)
+            return torch.bmm(torch.softmax(scores, -1, dtype=torch.float32).to(vv.dtype), vv)
+        return F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
+                                              vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
+
     @torch.no_grad()
     def decode(self, tokens: Tensor, pos: Tensor, slot: Tensor, bias: Tensor, kv_len: int) -> Tensor:
         """One token per row: ``tokens``/``pos`` [B] go into cache slot ``slot`` (a [1] tensor, so a
@@ -369,36 +414,27 @@ class NativeBackend:
         (additive, kept as such so no layer converts a bool mask). -> logits [B, V]."""
         if self.cstep is not None:  # the whole step in C (it also unmasks the new slot)
             return self.cstep(tokens, pos, slot, bias, kv_len)
-        B = tokens.shape[0]
-        G, D = self.n_heads // self.n_kv, self.head_dim
+        B, D = tokens.shape[0], self.head_dim
         bias.index_fill_(1, slot, 0.0)
         bias = bias[:, :kv_len]
-        own, bmm = self.attention == "triton", self.attention == "bmm"
-        if bmm:  # one [B*Hkv, 1, S] mask per step, broadcast over the G query heads by baddbmm
+        if self.attention == "bmm":  # one [B*Hkv, 1, S] mask per step, broadcast over G query heads by baddbmm
             bias = bias[:, None].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
-        elif not own:
+        elif self.attention != "triton":
             bias = bias[:, None, None]
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        cos = sin = None
+        if not all(self.rope_in_kernel):  # the RoPE table rows of each row's position, for torch's RoPE
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        cos0, sin0 = self.cos[:, 0], self.sin[:, 0]  # [slots, D] views: the kernel gathers its rows
         x = self.embed(tokens[:, None])
         for i, L in enumerate(self.layers):
-            q, k, v = self._qkv(L, L.ln1(x), cos, sin)
+            h = L.ln1(x)
             kc, vc = self.k[i, :B], self.v[i, :B]
-            # GQA without repeating the cache: the G query heads of one KV head act as G queries.
-            if own:  # the kernel also writes k, v into the cache slot
-                o = kernels.decode_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
-                                               vc[:, :, :kv_len], bias, self.scaling, k[:, 0], v[:, 0], slot)
+            if self.rope_in_kernel[i]:  # one GEMM for q|k|v; RoPE, the cache write and attention: one kernel
+                o = kernels.decode_attention_rope(L.qkv(h), cos0, sin0, pos, kc[:, :, :kv_len],
+                                                  vc[:, :, :kv_len], bias, self.scaling, slot,
+                                                  self.n_heads, self.n_kv, D)
             else:
-                kc.index_copy_(2, slot, k.transpose(1, 2))  # [B, 1, Hkv, D] -> [B, Hkv, 1, D]
-                vc.index_copy_(2, slot, v.transpose(1, 2))
-                if bmm:
-                    kk = kc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)  # views of the cache
-                    vv = vc[:, :, :kv_len].reshape(B * self.n_kv, kv_len, D)
-                    scores = torch.baddbmm(bias, q.reshape(B * self.n_kv, G, D), kk.transpose(1, 2),
-                                           alpha=self.scaling)
-                    o = torch.bmm(torch.softmax(scores, -1, dtype=torch.float32).to(vv.dtype), vv)
-                else:
-                    o = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, D), kc[:, :, :kv_len],
-                                                       vc[:, :, :kv_len], attn_mask=bias, scale=self.scaling)
+                o = self._decode_attention(L, h, cos, sin, kc, vc, bias, slot, kv_len)
             x = L.o(o.reshape(B, 1, -1), x)
             x = L.mlp(L.ln2(x), x)
         return self.lm_head(self.norm(x))[:, 0]
