@@ -86,7 +86,8 @@ def publish(runs: Path) -> Path:
     """benchmarks/prm/ beside the runs directory: copies of the repository's published files."""
     out = runs.parent / "benchmarks" / "prm"
     out.mkdir(parents=True)
-    for f in ("summary.json", "summary-steps.json", "selection.png", "selection-steps.png", "report.md"):
+    for f in ("summary.json", "summary-steps.json", "summary-smollm2.json", "selection.png", "selection-steps.png",
+              "selection-smollm2.png", "report.md"):
         shutil.copyfile(BENCH / f, out / f)
     return out
 
@@ -118,7 +119,7 @@ def test_studies_lists_prm_studies_and_published_summaries(tmp_path):
     listed = c.get("/api/prm/studies").json()["studies"]
     assert [(s["kind"], s["id"]) for s in listed] == [
         ("run", "bench/prm-real"), ("run", "running"), ("run", "study-prm"),
-        ("published", "summary-steps.json"), ("published", "summary.json")]
+        ("published", "summary-smollm2.json"), ("published", "summary-steps.json"), ("published", "summary.json")]
     by_id = {s["id"]: s for s in listed}
     assert by_id["study-prm"]["state"] == "finished" and by_id["study-prm"]["has_summary"]
     assert by_id["running"]["state"] == "failed" and not by_id["running"]["has_summary"]  # no process, no summary
@@ -179,7 +180,8 @@ def test_published_summaries_are_read_as_written(tmp_path):
     runs = tmp_path / "runs"
     pub = publish(runs)
     c = client(make_app(runs))
-    for name, figure in (("summary-steps.json", "selection-steps.png"), ("summary.json", "selection.png")):
+    for name, figure in (("summary-steps.json", "selection-steps.png"), ("summary.json", "selection.png"),
+                         ("summary-smollm2.json", "selection-smollm2.png")):
         s = json.loads((BENCH / name).read_text())
         v = c.get("/api/prm/study", params={"published": name}).json()
         assert v["file"] == f"benchmarks/prm/{name}" and v["ns"] == s["ns"] == NS
