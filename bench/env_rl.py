@@ -128,11 +128,14 @@ def run(a) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     spec, r = env_spec(a.no_tools), overrides(a.set)
     # step 0: the untrained model, greedy, on the held-out rows the run evaluates on (same seed)
-    subprocess.run([sys.executable, "-m", "tether", "eval", f"model={a.model}", f"env={spec}", "data=env",
-                    "decoding=greedy", f"seed={a.seed}", f"eval_rows={r['environment.eval_rows']}",
-                    f"train_rows={r['environment.train_rows']}", f"max_turns={r['environment.max_turns']}",
-                    f"max_new_tokens={r['rollout.max_new_tokens']}", f"out={out / 'before'}", "table=false"],
-                   check=True, env=env, stdout=open(out / "before.log", "w"), stderr=subprocess.STDOUT)
+    done = subprocess.run([sys.executable, "-m", "tether", "eval", f"model={a.model}", f"env={spec}", "data=env",
+                           "decoding=greedy", f"seed={a.seed}", f"eval_rows={r['environment.eval_rows']}",
+                           f"train_rows={r['environment.train_rows']}", f"max_turns={r['environment.max_turns']}",
+                           f"max_new_tokens={r['rollout.max_new_tokens']}", f"out={out / 'before'}", "table=false"],
+                          env=env, stdout=open(out / "before.log", "w"), stderr=subprocess.STDOUT)
+    if done.returncode != 0:  # its error into this run's own log, which travels
+        tail = (out / "before.log").read_text().strip().splitlines()[-20:]
+        sys.exit("the untrained model's eval failed (" + str(out / "before.log") + "):\n" + "\n".join(tail))
     before = json.loads((out / "before" / "eval.json").read_text())["metrics"]
     cfg: dict = {}
     for k, v in {**r, "model.path": a.model, "data.path": "env", "data.eval_data": "env",
