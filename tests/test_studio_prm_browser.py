@@ -45,6 +45,7 @@ def test_prm_page(tmp_path, browser):  # noqa: F811 - the fixture
                    what="one curve per selector")
         options = page.eval_on_selector_all("#study-pick option", "es => es.map(e => [e.value, e.textContent])")
         assert [t for _, t in options] == ["study-prm (finished)", "study-prm-broken (finished)",
+                                           "benchmarks/prm/summary-smollm2.json (published)",
                                            "benchmarks/prm/summary-steps.json (published)",
                                            "benchmarks/prm/summary.json (published)"]
         assert page.text_content("#study-file") == "study-prm/summary.json"
