@@ -526,6 +526,53 @@ def table(a) -> None:
               f"{rate:.3f} | {last.get('tool_calls') or 0:.2f} |")
 
 
+def _curve(path: str) -> dict:
+    """A run's curve: <run>/curve.json, or a curve file itself (benchmarks/env/*.json)."""
+    p = Path(path)
+    return json.loads((p / "curve.json" if p.is_dir() else p).read_text())
+
+
+def plot(a) -> None:
+    """Held-out greedy success of every curve against the training step (left: the same step on both
+    sides is the same recipe's learning) and against seconds of training (right: what a budget buys).
+    Colour: library and tool; line style: the start (untrained, or the number of SFT steps it began
+    from: bench/gpu.sh names an SFT start <family>-<tools|plain>-<steps>)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colours = {("tether", True): "C0", ("tether", False): "C1", ("trl", True): "C3", ("trl", False): "C4"}
+    styles = ["-", "--", "-.", ":"]
+    kinds: list[str] = []  # "untrained", then each SFT length in order of appearance
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4), sharey=True)
+    seen = set()
+    for f in a.curves:
+        c = _curve(f)
+        lib, tools, start = c.get("library", "tether"), not c["no_tools"], c.get("start", "untrained")
+        kind = start if start == "untrained" else start.rsplit("-", 1)[-1]
+        if kind not in kinds:
+            kinds.append(kind)
+        pts = c.get("points", [])
+        ys = [c["before"]["success"]] + [p["success"] for p in pts]
+        key = (lib, tools, start)
+        label = None if key in seen else f"{lib}, {'tool' if tools else 'no tool'}, from {start}"
+        seen.add(key)
+        style = dict(color=colours[(lib, tools)], ls=styles[kinds.index(kind) % len(styles)], marker="o", ms=3,
+                     lw=1.4, alpha=0.85)
+        axes[0].plot([0] + [p["step"] for p in pts], ys, label=label, **style)
+        axes[1].plot([0] + [p["train_seconds"] for p in pts], ys, **style)
+    axes[0].set_xlabel("training step")
+    axes[1].set_xlabel("seconds of training")
+    axes[0].set_ylabel("held-out greedy success")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.set_ylim(-0.02, 1.02)
+    fig.legend(fontsize=8, loc="lower center", ncol=4, frameon=False)
+    fig.suptitle(a.title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(a.out, dpi=130)
+    print(f"wrote {a.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -556,8 +603,12 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="override a RECIPE key: k=v (JSON value)")
     p = sub.add_parser("table")
     p.add_argument("runs", nargs="+")
+    p = sub.add_parser("plot", help="held-out success against step and seconds, one curve per run")
+    p.add_argument("curves", nargs="+", help="run folders or curve files (benchmarks/env/*.json)")
+    p.add_argument("--out", required=True, help="the figure (.png)")
+    p.add_argument("--title", default="SmolLM2-135M-Instruct, two-digit arithmetic with the calculator's tools")
     a = ap.parse_args()
-    {"run": run, "sft": sft, "trl": run_trl, "table": table}[a.cmd](a)
+    {"run": run, "sft": sft, "trl": run_trl, "table": table, "plot": plot}[a.cmd](a)
 
 
 if __name__ == "__main__":
