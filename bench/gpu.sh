@@ -13,7 +13,8 @@
 #   rollout     bench/rollout.py: the rollout engine vs HF generate, Qwen2.5-0.5B shape; multi-turn rows
 #               (turns of ~64 tokens, 16-token replies) against single-turn at the same length; rows
 #               qwen05, decode, decode256 (bench/decode_profile.py: the decode step's kernel time by
-#               category against its memory floor, batch 64 / 256)
+#               category against its memory floor, batch 64 / 256), [turns, turns-overlap] (the multi-turn
+#               rows alone at batch 64, 5 repeats, without / with --overlap-turns)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -224,11 +225,15 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
         case $ROW in
         qwen05) row qwen05 540 python3 bench/rollout.py --device cuda --turns 64 --results "$O/results.md" \
                     --json "$O/qwen05.json" ;;
+        turns) row turns 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf --repeats 5 \
+                   --results "$O/results.md" --json "$O/turns.json" ;;
+        turns-overlap) row turns-overlap 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf \
+                           --repeats 5 --overlap-turns --results "$O/results.md" --json "$O/turns-overlap.json" ;;
         decode) row decode 150 python3 bench/decode_profile.py --device cuda --batch 64 --results "$O/results.md" \
                     --json "$O/decode_profile.json" ;;
         decode256) row decode256 150 python3 bench/decode_profile.py --device cuda --batch 256 \
                        --results "$O/results.md" --json "$O/decode_profile256.json" ;;
-        *) echo "rollout: no row $ROW (qwen05, decode, decode256)" ;;
+        *) echo "rollout: no row $ROW (qwen05, decode, decode256, turns, turns-overlap)" ;;
         esac
     done
 }

@@ -44,6 +44,7 @@ from tether.objectives.logprobs import token_logps  # noqa: E402
 from tether.rollout import Sampler, SamplingConfig, logprob_mismatch  # noqa: E402
 from tether.rollout.engine import Episodes  # noqa: E402
 from tether.rollout.fuse import fuse_projections  # noqa: E402
+import tether.rollout.engine as engine  # noqa: E402
 import tether.rollout.native as native  # noqa: E402
 
 QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -214,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--no-fuse-kernels", action="store_true",
                     help="RoPE and silu(gate) * up as torch ops, not in the Triton kernels (native.FUSE_KERNELS)")
     ap.add_argument("--turns", type=int, default=0, help="also multi-turn rows: model turns of about this many tokens")
+    ap.add_argument("--overlap-turns", action="store_true",
+                    help="multi-turn rows: one more decode step runs while the host answers (engine.OVERLAP_TURNS)")
     ap.add_argument("--sync-every", type=int, default=0,
                     help="multi-turn rows: decode steps between host checks (0: the engine's default)")
     ap.add_argument("--threads", type=int, default=None,
@@ -231,6 +234,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads or 1)
     if args.no_fuse_kernels:
         native.FUSE_KERNELS = False
+    if args.overlap_turns:
+        engine.OVERLAP_TURNS = True
     model = build_model(kind, dev, fuse=not args.no_fuse)
     vocab = model.config.vocab_size
     results, extras = {}, {}
@@ -257,8 +262,12 @@ def render(results, extras, kind, P, new, dev, args) -> str:
     fused = "one GEMM per projection (--no-fuse)" if args.no_fuse else "q|k|v and gate|up fused"
     if args.no_fuse_kernels:
         fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
+    if args.overlap_turns:
+        fused += ", turn boundaries overlapped with a decode step (--overlap-turns)"
     if args.no_fuse_kernels:
         fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
+    if args.overlap_turns:
+        fused += ", turn boundaries overlapped with a decode step (--overlap-turns)"
     lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens, {fused}",
              "", f"Card: {device_name(dev)}. Date: {date}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}. Command: `{cmd.strip()}`", "",

@@ -10,6 +10,7 @@ import torch
 from tether.models import make_tiny_model
 from tether.objectives.logprobs import token_logps
 from tether.rollout import Sampler
+import tether.rollout.engine as engine
 from tether.rollout.engine import Episodes
 
 PROMPTS = ["2+3=", "hello world, this is", "x", "The quick brown fox jumps", "ab"]
@@ -79,9 +80,12 @@ def _transcript(ro, i, replies, eos):
     return out
 
 
-@pytest.mark.parametrize("backend,sync_every,graphs", [("native", 1, False), ("native", 5, False),
-                                                       ("native", 3, True), ("hf", 4, False)])
-def test_episode_logprobs_equal_one_forward_over_the_transcript(eosy, backend, sync_every, graphs):
+@pytest.mark.parametrize("backend,sync_every,graphs,overlap", [
+    ("native", 1, False, False), ("native", 5, False, False), ("native", 3, True, False), ("hf", 4, False, False),
+    ("native", 5, False, True), ("native", 3, True, True), ("hf", 4, False, True)])
+def test_episode_logprobs_equal_one_forward_over_the_transcript(eosy, backend, sync_every, graphs, overlap,
+                                                                monkeypatch):
+    monkeypatch.setattr(engine, "OVERLAP_TURNS", overlap)  # one more step while the host answers
     model, tok = eosy
     replies = Replies(tok)
     s = Sampler(model, tok, max_new_tokens=120, temperature=0.9, backend=backend, sync_every=sync_every)
@@ -118,6 +122,39 @@ def test_waiting_steps_between_turns_change_nothing(eosy):
             PROMPTS, n=1, episodes=r)
         out.append(([ro.completion_ids[i][ro.token_mask[i]].tolist() for i in range(len(ro))], r.seen))
     assert out[0] == out[1]
+
+
+class UnevenReplies(Replies):
+    """Sequence i's episode runs 1 + i % 3 turns: episodes end at different steps, so the batch
+    compacts while other rows are between turns."""
+
+    def turn_ended(self, seq, ids):
+        got = self.seen.setdefault(seq, [])
+        got.append(ids)
+        return self.reply(seq, len(got)) if len(got) < 1 + seq % 3 else None
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_overlapped_boundaries_change_no_greedy_episode(eosy, graphs, monkeypatch):
+    """With OVERLAP_TURNS a row whose turn ended waits one step more (the step the GPU runs while the
+    host asks the environment), and a turn that ends in that step is answered at the next check;
+    greedy episodes are the same token for token, turn for turn, batch compaction included."""
+    model, tok = eosy
+    out = []
+    for overlap in (False, True):
+        monkeypatch.setattr(engine, "OVERLAP_TURNS", overlap)
+        r = UnevenReplies(tok)
+        s = Sampler(model, tok, max_new_tokens=100, temperature=0, sync_every=3)
+        s._emulate_graphs = graphs
+        ro = s.sample(PROMPTS * 3, n=1, episodes=r)
+        out.append(([ro.completion_ids[i][ro.token_mask[i]].tolist() for i in range(len(ro))], r.seen,
+                    list(ro.finish_reasons)))
+        if overlap:
+            b, lp = _train_logps(model, ro)
+            m = b["completion_mask"].bool()
+            assert (lp[m] - b["logprobs"][m]).abs().max() <= 1e-4
+    assert out[0] == out[1]
+    assert sum(len(v) for v in out[1][1].values()) > len(PROMPTS) * 3  # episodes of several turns ran
 
 
 def test_budget_cuts_an_episode_and_a_reply_that_does_not_fit(eosy):

@@ -38,6 +38,14 @@ from .types import Rollout
 # ~half a decode step at batch 256: on an H100, 74 us per layer over 400 slots).
 KV_BUCKET = 64
 
+# Multi-turn calls: at a host check that finds ended turns, replay one more decode step before asking
+# the environment, so the GPU works through the host's part of the check (reading the ended rows'
+# tokens, the environment's replies, scheduling them) instead of idling; the ended rows wait one step
+# more, masked. On an H200 (bench/rollout.py --turns 64, batch 64) the episode rows' decode step was
+# 0.1-0.2 ms longer than single-turn's, about 1 ms of host time a check; what this recovers is not
+# measured yet, so it is off. Sampling depends on it (a row's random stream is indexed by step).
+OVERLAP_TURNS = False
+
 _DEFAULT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -370,7 +378,12 @@ class Sampler:
                 self._step(b, P + t, cfg)
             t += 1
             if t % sync_every == 0 or t == T:
-                b, running = self._check(b, t, checked, cfg, checker, done, stop_end, use_graphs)
+                # multi-turn, OVERLAP_TURNS: one more step may run while the host asks the environment
+                step = None
+                if self._episodes is not None and OVERLAP_TURNS and t < T:
+                    def step(b=b, t=t):
+                        self._one_step(b, t, P, cfg, stats, use_graphs)
+                b, running, t = self._check(b, t, checked, cfg, checker, done, stop_end, use_graphs, step)
                 checked = t
                 if not running:
                     break
@@ -383,10 +396,19 @@ class Sampler:
         stats["decode_steps"] += t - 1
         return t, stop_end
 
-    def _check(self, b, t, checked, cfg, checker, done, stop_end, use_graphs):
-        """Host sync: match stop strings in the tokens since the last check, then compact the batch
-        when at most half of it (three quarters without graphs) is still running.
-        Returns (b, any_running)."""
+    def _one_step(self, b: int, t: int, P: int, cfg: SamplingConfig, stats: dict, use_graphs: bool) -> None:
+        """The decode step that writes slot P + t - 1, outside the decode loop (the loop's own steps
+        keep their graph at hand)."""
+        if use_graphs:
+            self._graph(b, self._kv(P + t), cfg, stats).replay()
+        else:
+            self._step(b, P + t, cfg)
+
+    def _check(self, b, t, checked, cfg, checker, done, stop_end, use_graphs, step=None):
+        """Host sync: match stop strings in the tokens since the last check, schedule the environment's
+        replies (multi-turn; ``step``: one more decode step to run meanwhile, see OVERLAP_TURNS), then
+        compact the batch when at most half of it (three quarters without graphs) is still running.
+        Returns (b, any_running, t): t is one more when ``step`` ran."""
         st = self.state
         if checker is not None:
             live = [i for i in range(len(checker.ids)) if i not in done]
@@ -406,15 +428,18 @@ class Sampler:
                     st.finished[:b] |= torch.isin(st.row_id[:b], hit)
         if self._stream is not None:
             self._stream.send(st.out_tok, checked, t, stop_end)
+        live = None
         if self._episodes is not None:
-            self._turn_boundaries(b, t)
+            t = self._turn_boundaries(b, t, step)
+            if step is not None:  # a turn that ended in that step is not over: compaction keeps its row
+                live = self._episodes.pending(st, b)
         fin = st.finished[:b]
         row_id = st.row_id[:b].tolist()
-        running = (~fin).nonzero().squeeze(1)
+        running = (~fin if live is None else live).nonzero().squeeze(1)
         n = running.numel()
         done.update(r for r, f in zip(row_id, fin.tolist()) if f and r < st.rows)
         if n == 0:
-            return b, False
+            return b, False, t
         new_b = bucket(n) if use_graphs else n
         if new_b <= b // 2 or (not use_graphs and n <= 3 * b // 4):
             idx = torch.cat([running, running[:1].expand(new_b - n)])  # spare rows repeat a live one
@@ -424,22 +449,27 @@ class Sampler:
             st.row_id[n:new_b] = st.rows
             self.backend.select(idx)
             b = new_b
-        return b, True
+        return b, True, t
 
-    def _turn_boundaries(self, b: int, t: int) -> None:
+    def _turn_boundaries(self, b: int, t: int, step=None) -> int:
         """Host side of a multi-turn call, at a check after step t-1: every row whose turn ended
         (finished, episode not over) gets the environment's reply scheduled as forced tokens and
         runs again. The cache continues: the reply's tokens go into the next slots, the slots the
         row spent waiting for this check are masked out, and its position counts its real tokens
-        only — so the transcript's keys, values and positions are those of one contiguous sequence."""
+        only — so the transcript's keys, values and positions are those of one contiguous sequence.
+        ``step`` (OVERLAP_TURNS): one more decode step, run once the ended rows' tokens are read and
+        before the environment is asked. Returns the step count after it (t, or t + 1)."""
         st, ep = self.state, self._episodes
         fin, rid = st.finished[:b].tolist(), st.row_id[:b].tolist()
         ended = [(i, r) for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in ep.over]
         if not ended:
-            return
+            return t
         dev = st.out_tok.device
         rows = torch.tensor([r for _, r in ended], device=dev)
         toks, kinds = st.out_tok[rows, :t].tolist(), st.out_kind[rows, :t].tolist()
+        if step is not None:  # the GPU decodes step t for every row while the host asks the environment:
+            step()            # the ended rows wait (masked) one step more
+            t += 1
         P, T = ep.width, st.steps
         # The writes of every row that runs again are gathered here and made below as a few batched
         # ops (one host-to-device copy): per-row indexing of device tensors costs ~10 launches a
@@ -449,7 +479,7 @@ class Sampler:
         resumed = []  # (batch row, its RoPE position)
         for (i, r), tk, kd in zip(ended, toks, kinds):
             start = ep.turn_start.get(r, 0)
-            e = max(s for s in range(start, t) if kd[s] == 1)  # the step of the turn's end token
+            e = max(s for s in range(start, len(kd)) if kd[s] == 1)  # the step of the turn's end token
             reply = ep.episodes.turn_ended(ep.offset + r, [y for y, k in zip(tk[start:e + 1], kd[start:e + 1]) if k == 1])
             if not reply:
                 ep.over.add(r)
@@ -471,6 +501,7 @@ class Sampler:
             ep.turn_start[r] = t + len(forced)
         if resumed:
             self._resume(waited, forced_at, resumed, t)
+        return t
 
     def _resume(self, waited, forced_at, resumed, t: int) -> None:
         """The device side of :meth:`_turn_boundaries`, batched: rows that waited get the reply's
@@ -521,6 +552,16 @@ class _Turns:
         self.over: set[int] = set()
         self.turn_start: dict[int, int] = {}
         self.width = max(self.prompt_len)
+
+    def pending(self, st, b: int) -> Tensor:
+        """Batch rows still decoding or whose episode goes on (a turn that ended after the check read
+        the finished flags waits for the next check): the rows compaction keeps. [b] bool."""
+        live = ~st.finished[:b]
+        fin, rid = st.finished[:b].tolist(), st.row_id[:b].tolist()
+        wait = [i for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in self.over]
+        if wait:
+            live[wait] = True
+        return live
 
 
 class _Stream:
