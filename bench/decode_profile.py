@@ -67,13 +67,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from rollout import build_model, device_name  # noqa: E402  (bench/rollout.py)
+from rollout import Replies, build_model, device_name  # noqa: E402  (bench/rollout.py)
 from tether.rollout import Sampler, SamplingConfig  # noqa: E402
 import tether.rollout.engine as engine  # noqa: E402
 import tether.rollout.native as native  # noqa: E402
 
-SYNC, WAVE, CSTEP = "tether::sync", "tether::decode_wave", "tether::cpu_decode_step"
-MARKERS = (SYNC, WAVE)  # ranges this script adds to cut the profile; not work of their own
+SYNC, WAVE, CSTEP, CHECK = "tether::sync", "tether::decode_wave", "tether::cpu_decode_step", "tether::check"
+MARKERS = (SYNC, WAVE, CHECK)  # ranges this script adds to cut the profile; not work of their own
 
 CATEGORIES = ("gemm", "attention", "norm/elementwise", "sampling", "copy", "other")
 
@@ -146,19 +146,20 @@ class _Annotated:
 
 @contextmanager
 def marked(sampler: Sampler):
-    """The engine's `_sync` calls and its decode wave inside record_function ranges (SYNC, WAVE),
-    and on CPU the C decode step as one op (CSTEP), for the duration of the block."""
+    """The engine's `_sync` calls, its decode wave and its host checks inside record_function ranges
+    (SYNC, WAVE, CHECK), and on CPU the C decode step as one op (CSTEP), for the duration of the block."""
     sync, be = engine._sync, sampler.backend
     cstep = getattr(be, "cstep", None)
     engine._sync = _Annotated(sync, SYNC)
     sampler._decode_wave = _Annotated(sampler._decode_wave, WAVE)
+    sampler._check = _Annotated(sampler._check, CHECK)
     if cstep is not None:
         be.cstep = _Annotated(cstep, CSTEP)
     try:
         yield
     finally:
         engine._sync = sync
-        del sampler._decode_wave  # the class's method again
+        del sampler._decode_wave, sampler._check  # the class's methods again
         if cstep is not None:
             be.cstep = cstep
 
@@ -284,19 +285,28 @@ def git_commit() -> str | None:
     return (sha + ("+dirty" if dirty else "")) if sha else None
 
 
-def profile_decode(model, B, P, T, dev, graphs=True, trace=None, hbm_gbps=4800.0, kind="?") -> dict:
+def profile_decode(model, B, P, T, dev, graphs=True, trace=None, hbm_gbps=4800.0, kind="?", turns=0) -> dict:
+    """``turns`` > 0: multi-turn episodes as bench/rollout.py's rows (model turns of about ``turns``
+    tokens ending at an end token, a 16-token reply fed back each time) instead of one turn."""
     vocab = model.config.vocab_size
-    ids = torch.randint(10, vocab, (B, P), generator=torch.Generator().manual_seed(B)).tolist()
-    sampler = Sampler(model, None, SamplingConfig(max_new_tokens=T, temperature=1.0, ignore_eos=True,
-                                                  cuda_graphs=graphs))
-    sampler.sample(ids, seed=0)  # warm-up: graphs captured, kernels picked
-    plain = sampler.sample(ids, seed=1).stats
+    g = torch.Generator().manual_seed(B)
+    ids = torch.randint(10, vocab, (B, P), generator=g).tolist()
+    if turns:
+        ends = torch.randperm(vocab, generator=g)[: max(1, vocab // turns)].tolist()
+        reply = torch.randint(10, vocab, (16,), generator=g).tolist()
+        cfg = SamplingConfig(max_new_tokens=T, temperature=1.0, stop_token_ids=ends, cuda_graphs=graphs)
+    else:
+        cfg = SamplingConfig(max_new_tokens=T, temperature=1.0, ignore_eos=True, cuda_graphs=graphs)
+    sampler = Sampler(model, None, cfg)
+    call = lambda seed: sampler.sample(ids, seed=seed, episodes=Replies(reply) if turns else None)  # noqa: E731
+    call(0)  # warm-up: graphs captured, kernels picked
+    plain = call(1).stats
     on_gpu = dev == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with marked(sampler), profile(activities=acts) as prof:
-        ro = sampler.sample(ids, seed=2)
+        ro = call(2)
     stats = ro.stats
-    assert int(ro.completion_mask.sum()) == B * T
+    assert int(ro.token_mask.sum()) <= B * T and (turns or int(ro.completion_mask.sum()) == B * T)
     if stats["capture_s"] > 0:
         warnings.warn(f"the profiled call captured graphs ({stats['capture_s']:.3f} s): its window includes them")
     used_graphs = bool(graphs and on_gpu and sampler.backend.name == "native")
@@ -312,6 +322,7 @@ def profile_decode(model, B, P, T, dev, graphs=True, trace=None, hbm_gbps=4800.0
     events = prof.events()
     t0, t1 = decode_window(events)
     work, launches = window_work(events, t0, t1, on_gpu)
+    checks = [e.time_range for e in events if e.name == CHECK and _cpu(e) and t0 <= e.time_range.start < t1]
     steps = stats["decode_steps"]
     b = breakdown(work, steps, intervals=on_gpu)
     if used_graphs and b["kernels"] < 2:
@@ -330,13 +341,15 @@ def profile_decode(model, B, P, T, dev, graphs=True, trace=None, hbm_gbps=4800.0
     return dict(
         device=device_name(dev), torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
         commit=git_commit(), command="python bench/decode_profile.py " + " ".join(sys.argv[1:]),
-        config=dict(model=kind, batch=B, prompt_len=P, new_tokens=T, dtype=str(next(model.parameters()).dtype),
+        config=dict(model=kind, batch=B, prompt_len=P, new_tokens=T, turns=turns,
+                    dtype=str(next(model.parameters()).dtype),
                     params=sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
                     backend=backend),
         steps=steps,
         per_step=dict(wall_ms=wall, wall_ms_unprofiled=plain["ms_per_step"], window_ms=window_ms / steps,
                       busy_ms=b["busy_ms"], busy_union_ms=b["busy_union_ms"], gap_ms=wall - b["busy_union_ms"],
                       kernels=b["kernels"], launches=len(launches) / steps if on_gpu else None,
+                      host_check_ms=sum(r.end - r.start for r in checks) / 1e3 / steps, checks=len(checks),
                       graph_launches=sum("Graph" in n for n in launches) / steps if on_gpu else None),
         categories=b["categories"], floors=fl, top=b["top"])
 
@@ -367,7 +380,7 @@ def render(r: dict) -> str:
     fused = "" if be["attention"] == "c" or "layers" not in be else \
         f", q|k|v / gate|up one GEMM in {be['qkv_fused']} / {be['gate_up_fused']} of {be['layers']} layers"
     lines = [f"## decode step profile — {c['model']}, batch {c['batch']}, {c['prompt_len']}-token prompts, "
-             f"{c['new_tokens']} new tokens", "",
+             f"{c['new_tokens']} new tokens" + (f", episodes of ~{c['turns']}-token turns" if c.get("turns") else ""), "",
              f"Card: {r['device']}. Date: {r['date']}. torch {r['torch']}, commit {r['commit']}. Backend "
              f"{c['backend']['name']}, attention {c['backend']['attention']}, CUDA graphs "
              f"{'on' if c['backend']['cuda_graphs'] else 'off'}{fused}. Per decode step: totals over the engine's "
@@ -377,6 +390,7 @@ def render(r: dict) -> str:
              f"| wall, engine timer, call without the profiler (ms) | {s['wall_ms_unprofiled']:.3f} |",
              f"| {what} (ms) | {s['busy_ms']:.3f} |",
              f"| idle gap: wall − busy (union {s['busy_union_ms']:.3f} ms) (ms) | {s['gap_ms']:.3f} |",
+             f"| host checks: {s['checks']} in the window, their host time (ms) | {s['host_check_ms']:.3f} |",
              f"| kernels | {s['kernels']:.1f} |"]
     if s["launches"] is not None:
         lines.append(f"| host launch calls (graph launches) | {s['launches']:.1f} ({s['graph_launches']:.2f}) |")
@@ -414,6 +428,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=0,
+                    help="multi-turn episodes with model turns of about this many tokens (bench/rollout.py's rows)")
+    ap.add_argument("--overlap-turns", action="store_true",
+                    help="with --turns: one more decode step runs while the host answers (engine.OVERLAP_TURNS)")
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="the card's HBM bandwidth (H200: 4800)")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (op by op)")
     ap.add_argument("--no-fuse", action="store_true",
@@ -434,8 +452,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads or 1)
     if args.no_fuse_kernels:
         native.FUSE_KERNELS = False
+    if args.overlap_turns:
+        engine.OVERLAP_TURNS = True
     model = build_model(kind, dev, fuse=not args.no_fuse)
-    r = profile_decode(model, args.batch, args.prompt_len, args.new_tokens, dev, graphs=not args.no_graphs,
+    r = profile_decode(model, args.batch, args.prompt_len, args.new_tokens, dev, graphs=not args.no_graphs, turns=args.turns,
                        trace=args.trace, hbm_gbps=args.hbm_gbps, kind=kind)
     table = render(r)
     print(table)

@@ -14,7 +14,8 @@
 #               (turns of ~64 tokens, 16-token replies) against single-turn at the same length; rows
 #               qwen05, decode, decode256 (bench/decode_profile.py: the decode step's kernel time by
 #               category against its memory floor, batch 64 / 256), [turns, turns-overlap] (the multi-turn
-#               rows alone at batch 64, 5 repeats, without / with --overlap-turns)
+#               rows alone at batch 64, 5 repeats, without / with --overlap-turns), [decode-turns,
+#               decode-turns-overlap] (the profile of an episode call: its host checks against its kernels)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -229,11 +230,15 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
                    --results "$O/results.md" --json "$O/turns.json" ;;
         turns-overlap) row turns-overlap 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf \
                            --repeats 5 --overlap-turns --results "$O/results.md" --json "$O/turns-overlap.json" ;;
+        decode-turns) row decode-turns 150 python3 bench/decode_profile.py --device cuda --batch 64 --turns 64 \
+                          --results "$O/results.md" --json "$O/decode_turns.json" ;;
+        decode-turns-overlap) row decode-turns-overlap 150 python3 bench/decode_profile.py --device cuda --batch 64 \
+                                  --turns 64 --overlap-turns --results "$O/results.md" --json "$O/decode_turns_overlap.json" ;;
         decode) row decode 150 python3 bench/decode_profile.py --device cuda --batch 64 --results "$O/results.md" \
                     --json "$O/decode_profile.json" ;;
         decode256) row decode256 150 python3 bench/decode_profile.py --device cuda --batch 256 \
                        --results "$O/results.md" --json "$O/decode_profile256.json" ;;
-        *) echo "rollout: no row $ROW (qwen05, decode, decode256, turns, turns-overlap)" ;;
+        *) echo "rollout: no row $ROW (qwen05, decode, decode256, turns, turns-overlap, decode-turns[-overlap])" ;;
         esac
     done
 }

@@ -139,6 +139,19 @@ def test_cpu_run_adds_up(tmp_path):
         assert cats[c]["floor_ms"] > 0 and cats[c]["x_floor"] == pytest.approx(cats[c]["ms"] / cats[c]["floor_ms"])
 
 
+def test_cpu_run_of_episodes_times_its_host_checks(tmp_path):
+    """--turns: an episode call (turns end at end tokens, replies fed back); every host check of the
+    window is counted and timed, inside the decode wall."""
+    out = tmp_path / "profile.json"
+    D.main(["--device", "cpu", "--model", "tiny", "--batch", "4", "--prompt-len", "8", "--new-tokens", "40",
+            "--turns", "8", "--json", str(out)])
+    r = json.loads(out.read_text())
+    s = r["per_step"]
+    assert r["config"]["turns"] == 8
+    assert s["checks"] >= 1 and s["checks"] <= r["steps"]  # the CPU checks every step until all end
+    assert 0 < s["host_check_ms"] < s["wall_ms"]
+
+
 def _ev(name, start, end, gpu=False, annotation=False):
     from types import SimpleNamespace
     from torch.autograd import DeviceType
