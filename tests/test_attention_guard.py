@@ -48,17 +48,23 @@ def test_extra_masked_keys_change_no_output_and_no_gradient(float_mask):
     if float_mask:
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
 
-    def run(pad):
-        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        kk, vv, m = with_extra_keys(k, v, mask) if pad else (k, v, mask)
+    def run(pad, dtype=torch.float32):
+        q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q0, k0, v0))
+        m = mask.to(dtype) if float_mask else mask
+        kk, vv, m = with_extra_keys(k, v, m) if pad else (k, v, m)
         out, _ = sdpa_attention_forward(module, q, kk, vv, m)
-        out.backward(torch.ones_like(out) * torch.arange(T)[None, :, None, None])
+        out.backward(torch.ones_like(out) * torch.arange(T, dtype=dtype)[None, :, None, None])
         return out, q.grad, k.grad, v.grad
-    padded, plain = run(True), run(False)
+    padded, plain, truth = run(True), run(False), run(False, torch.float64)
     assert padded[0].shape == plain[0].shape == (B, T, Hq, D)
     assert with_extra_keys(k0, v0, mask)[0].shape[-2] == T + 16
-    for a, b in zip(padded, plain):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # the padded call is as close to the float64 truth as the plain one: the extra keys add only
+    # float32 rounding (the kernel blocks another key length otherwise, which rounds differently on
+    # another CPU), where a visible or leaking key would be off by orders of magnitude more
+    for a, b, t in zip(padded, plain, truth):
+        assert torch.isnan(a).equal(torch.isnan(b))
+        err = lambda x: (x.double() - t).nan_to_num().abs().max().item()  # noqa: E731
+        assert err(a) <= 4 * err(b) + 1e-6, (err(a), err(b))
     # what the padding must be: visible extra keys (mask True / 0.0) change the output
     wrong = F.pad(mask, (0, 16), value=True if not float_mask else 0.0)
     out, _ = sdpa_attention_forward(module, q0, F.pad(k0, (0, 0, 0, 16)), F.pad(v0, (0, 0, 0, 16)), wrong)
