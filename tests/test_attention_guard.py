@@ -5,6 +5,7 @@ unguarded, every GRPO step of SmolLM2 at 384 new tokens on an H200; a saved such
 gives NaN with cuDNN only)."""
 
 import contextlib
+import copy
 import json
 import types
 
@@ -127,12 +128,13 @@ def test_a_tiny_model_left_padded_gives_the_same_logps_and_gradients_with_the_ex
     batch = {"input_ids": ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
              "completion_mask": comp}
 
-    def logps_and_grads():
-        model.zero_grad(set_to_none=True)
-        lp, _ = completion_token_logps(model, batch, 1.0, contextlib.nullcontext())
+    def logps_and_grads(m=model):
+        m.zero_grad(set_to_none=True)
+        lp, _ = completion_token_logps(m, batch, 1.0, contextlib.nullcontext())
         (lp * comp).sum().backward()
-        return [lp.detach()] + [p.grad.clone() for p in model.parameters()]
+        return [lp.detach()] + [p.grad.clone() for p in m.parameters()]
     plain = logps_and_grads()
+    truth = logps_and_grads(copy.deepcopy(model).double())
     calls = []
     def pad_here(q, k, m):  # this CPU's stand-in for CUDA's bad case: every masked forward with gradients
         calls.append((k.shape[-2], m is not None and torch.is_grad_enabled()))
@@ -144,8 +146,11 @@ def test_a_tiny_model_left_padded_gives_the_same_logps_and_gradients_with_the_ex
     finally:
         restore()
     assert calls == [(W, True), (W, True)]  # both layers' attention padded, from the batch's width
-    for a, b in zip(padded, plain):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # as close to the float64 truth as the unpadded run: the extra keys add float32 rounding only
+    # (another key length blocks the kernel otherwise, which rounds differently on another CPU)
+    for a, b, t in zip(padded, plain, truth):
+        err = lambda x: (x.double() - t).abs().max().item()  # noqa: E731
+        assert err(a) <= 4 * err(b) + 1e-6, (err(a), err(b))
 
 
 @pytest.fixture
