@@ -231,7 +231,7 @@ def test_backends_agree_and_waves_equal_one_batch(eosy):
 
 
 def test_other_architectures_fall_back_to_the_hf_backend():
-    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig
+    from transformers import GPT2Config, GPT2LMHeadModel
     _, tok = make_tiny_model(None)
     gpt2 = _sharpen(GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2,
                                                bos_token_id=1, eos_token_id=2)))
@@ -239,13 +239,47 @@ def test_other_architectures_fall_back_to_the_hf_backend():
     ro = Sampler(gpt2, tok).sample(PROMPTS[:3], max_new_tokens=10, temperature=0)
     assert ro.stats["backend"] == "hf"
     assert _completion(ro, 0) == _hf_greedy(gpt2, tok, PROMPTS[0], 10)[:len(_completion(ro, 0))]
-    mistral = MistralConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1, intermediate_size=64, sliding_window=16)
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_config(mistral)
-    assert "sliding" in native_support(m, 64) and native_support(m, 16) is None
     with pytest.raises(ValueError, match="native backend"):
         Sampler(gpt2, tok, backend="native").sample(PROMPTS[:1], max_new_tokens=2)
+
+
+def _windowed(family):
+    """A tiny model whose local layers attend over 8 tokens: Gemma 3's layout (four norms a layer with
+    (1 + w) weights, q/k norms, a scaled embedding, gelu-tanh, RoPE tables per layer type, local and
+    global layers alternating) or Mistral's (every layer local)."""
+    if family == "gemma3":
+        model, tok = make_tiny_model(None, family="gemma3", hidden_size=32, num_layers=2, num_heads=2,
+                                     num_kv_heads=1, intermediate_size=64, sliding_window=8)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # norm weights away from their zero init: a (1 + w) read as w shows
+            for n, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        return _sharpen(model), tok
+    from transformers import AutoModelForCausalLM, MistralConfig
+    _, tok = make_tiny_model(None)
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=64, sliding_window=8, tie_word_embeddings=True,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    return _sharpen(AutoModelForCausalLM.from_config(cfg)), tok
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_families_match_hf_generate_and_a_training_forward(family):
+    """Past the window (prompts + 24 tokens > 8), the native backend's greedy tokens equal HF generate's
+    on each prompt alone, and sampled log-probs in a ragged batch equal a training forward."""
+    model, tok = _windowed(family)
+    assert native_support(model, 64) is None
+    ro = Sampler(model, tok, backend="native").sample(PROMPTS, max_new_tokens=24, temperature=0)
+    for i, p in enumerate(PROMPTS):
+        hf, ours = _hf_greedy(model, tok, p, 24), _completion(ro, i)
+        assert ours == hf[:len(ours)] and (len(ours) == 24 or ours[-1] == tok.eos_token_id)
+    assert len({tuple(_completion(ro, i)) for i in range(len(PROMPTS))}) >= 3
+    ro = Sampler(model, tok).sample(PROMPTS, n=2, seed=0, max_new_tokens=32, temperature=1.0)
+    assert ro.stats["backend"] == "native"
+    b, lp = _train_logps(model, ro)
+    assert logprob_mismatch(b["logprobs"], lp, b["completion_mask"])["sampling/sampling_logp_difference/max"] <= 1e-4
 
 
 def test_hf_generate_helper_keeps_its_contract(lm):

@@ -35,7 +35,7 @@ def _mismatch(model, ro):
                             b["completion_mask"])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])  # gemma3: local layers over 32 tokens
 def test_graphs_equal_eager_and_fp32_logprobs_are_exact(family):
     model, tok = _model(torch.float32, family)
     for settings in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50)):
@@ -86,8 +86,9 @@ def test_lent_kv_storage_under_graphs():
         assert r.texts == own.texts and torch.equal(r.logprobs, own.logprobs)
 
 
-def test_bf16_mismatch_is_small():
-    model, tok = _model(torch.bfloat16)
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_bf16_mismatch_is_small(family):
+    model, tok = _model(torch.bfloat16, family)
     ro = Sampler(model, tok, max_new_tokens=64).sample(PROMPTS, n=2, seed=0)
     m = _mismatch(model, ro)
     print(m)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>",
                   "<|end|>"]
@@ -62,8 +62,11 @@ def unique_chars(chars: Iterable[str]) -> list[str]:
 def tiny_config(vocab_size: int, family: str = "llama", hidden_size: int = 128,
                 num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
                 intermediate_size: int = 384, max_position_embeddings: int = 512,
-                bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0):
-    """A transformers config of the Llama or Qwen2 family (GQA, RoPE, SwiGLU, RMSNorm)."""
+                bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,
+                sliding_window: int = 32):
+    """A transformers config of the Llama or Qwen2 family (GQA, RoPE, SwiGLU, RMSNorm), or of Gemma 3
+    (``gemma3``: four norms a layer, q/k norms, gelu-tanh MLP, scaled embedding; its layers alternate
+    local attention over ``sliding_window`` tokens, RoPE base 10k, and global attention, base 1M)."""
     kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
@@ -73,7 +76,14 @@ def tiny_config(vocab_size: int, family: str = "llama", hidden_size: int = 128,
         return LlamaConfig(**kwargs)
     if family == "qwen2":
         return Qwen2Config(**kwargs)
-    raise ValueError(f"tiny model family must be 'llama' or 'qwen2'; got {family!r}")
+    if family == "gemma3":
+        kwargs.pop("rope_theta")
+        head_dim = hidden_size // num_heads
+        return Gemma3TextConfig(**kwargs, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                                sliding_window=sliding_window,
+                                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(num_layers)])
+    raise ValueError(f"tiny model family must be 'llama', 'qwen2' or 'gemma3'; got {family!r}")
 
 
 def make_tiny_model(out_dir: str | Path | None = None, family: str = "llama", seed: int = 0,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .layers import is_silu, rmsnorm_eps
+from .layers import is_silu, rmsnorm_eps, sliding_window
 
 SRC = Path(__file__).with_name("cpu_decode.c")
 HEADER = SRC.with_name("cpu_attention.h")  # included by SRC: part of what is built
@@ -203,6 +203,8 @@ def support(model) -> str | None:
         for n in ("input_layernorm", "post_attention_layernorm"):
             if rmsnorm_eps(getattr(layer, n)) != eps:
                 return "layer norms are not RMSNorms with the model's epsilon"
+        if sliding_window(a, model.config) is not None:
+            return "sliding-window attention (the torch path masks it)"
         if hasattr(a, "q_norm") != hasattr(a, "k_norm"):
             return "q_norm without k_norm"
         if hasattr(a, "q_norm"):

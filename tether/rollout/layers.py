@@ -14,5 +14,21 @@ def rmsnorm_eps(m) -> float | None:
     return float(m.variance_epsilon) if ok else None
 
 
+def gemma_rmsnorm_eps(m) -> float | None:
+    """The epsilon of an HF Gemma-style RMSNorm module (normalize in float32, times (1 + weight) in
+    float32, cast back), else None."""
+    ok = type(m).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm") and hasattr(m, "eps") \
+        and hasattr(m, "weight")
+    return float(m.eps) if ok else None
+
+
 def is_silu(act) -> bool:
     return type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"
+
+
+def sliding_window(attn, cfg) -> int | None:
+    """A layer's sliding window in tokens (a query at position p sees keys at positions > p - w), or
+    None: the attention module's own (Qwen2/3, Gemma 3: None on full-attention layers), else the
+    config's (Mistral)."""
+    w = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
+    return None if w is None else int(w)

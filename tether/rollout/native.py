@@ -2,7 +2,7 @@
 
 Two backends with one interface (``alloc``, ``prefill``, ``decode``, ``select``):
 
-* :class:`NativeBackend` — our own forward for the Llama / Mistral / Qwen2 / Qwen3 families over the
+* :class:`NativeBackend` — our own forward for the Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 families over the
   Hugging Face model's own parameters (never a copy; a linear that is not a plain ``nn.Linear``,
   e.g. a LoRA/PEFT wrapper, is called as a module so its adapters apply). The math is HF's (RMSNorm
   in float32; RoPE products in the model dtype from tables made by HF's own rotary module), with
@@ -20,9 +20,21 @@ What NativeBackend relies on (stable across transformers 5.x; checked by :func:`
 ``model.model.{embed_tokens, layers, norm, rotary_emb}``, ``model.lm_head``; per layer
 ``input_layernorm``, ``post_attention_layernorm``, ``mlp`` (``gate_proj/up_proj/down_proj/act_fn``
 inlined when present, else called), ``self_attn.{q,k,v,o}_proj``, ``self_attn.{head_dim, scaling}``
-and optionally ``self_attn.{q_norm, k_norm}`` (Qwen3); RMSNorm modules' ``weight`` and
-``variance_epsilon`` (else the module is called); the rotary module's
-``forward(x, position_ids) -> (cos, sin)`` and ``rope_type``.
+and optionally ``self_attn.{q_norm, k_norm}`` (Qwen3, Gemma 3); RMSNorm modules' ``weight`` and
+``variance_epsilon`` (Gemma's: ``eps``, times 1 + weight; else the module is called); the rotary
+module's ``forward(x, position_ids[, layer_type]) -> (cos, sin)`` and ``rope_type``.
+
+Gemma 3 (``gemma3_text``) differs from Llama in four places, each taken from the model itself: the
+embedding module scales by sqrt(hidden) (it is called); every layer has four norms, ``input_layernorm``
+before attention, ``post_attention_layernorm`` on the attention's output before the residual add,
+``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around the MLP (gelu-tanh, called
+through the model's ``act_fn``); RoPE tables per ``config.layer_types`` entry (local layers base 10k,
+global 1M); and the local layers attend over a sliding window.
+
+Sliding windows (Gemma 3's local layers, Mistral's ``sliding_window``): a query at position p sees
+keys at positions > p - window, HF's rule. Keys are masked by their RoPE *position*, kept per cache
+slot (``kpos``), not by slot distance: a multi-turn row's waiting slots and left padding sit between
+its tokens, and the transcript the trainer reads has neither.
 
 Layout: every row of a batch shares cache slot indices (prompts are left-padded to a common width P;
 token t of the completion sits in slot P + t). Each row's RoPE position is its own (pad excluded);
@@ -39,10 +51,10 @@ from torch import Tensor, nn
 import tether.rollout.cpu as cpu  # by module path: `from . import` goes through the package __init__
 import tether.rollout.kernels as kernels
 from .fuse import GATE_UP, QKV, fused_view, group
-from .layers import is_silu, rmsnorm_eps
+from .layers import gemma_rmsnorm_eps, is_silu, rmsnorm_eps, sliding_window
 from tether.distributed import is_sharded
 
-NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def unwrap(model):
@@ -62,17 +74,27 @@ def native_support(model, max_len: int) -> str | None:
     if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
             or not hasattr(m, "lm_head"):
         return "unexpected module layout"
-    rope = str(getattr(base.rotary_emb, "rope_type", "default"))
-    if "dynamic" in rope or rope == "longrope":
-        return f"rope_type {rope!r} changes frequencies with the sequence length"
+    rope = getattr(base.rotary_emb, "rope_type", "default")
+    for r in (rope.values() if isinstance(rope, dict) else [rope]):  # Gemma 3: one per layer type
+        if "dynamic" in str(r) or r == "longrope":
+            return f"rope_type {r!r} changes frequencies with the sequence length"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if isinstance(rope, dict) and not _per_type_rope(base.rotary_emb, cfg):
+        return "per-layer-type RoPE without config.layer_types"
     for layer in base.layers:
         a = layer.self_attn
-        w = a.sliding_window if hasattr(a, "sliding_window") else getattr(cfg, "sliding_window", None)
-        if w is not None and max_len > w:
-            return f"sliding-window attention ({w} tokens) and sequences of up to {max_len}"
         if not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
             return "unexpected attention module"
     return None
+
+
+def _per_type_rope(rotary, cfg) -> bool:
+    """Whether the rotary module makes tables per ``config.layer_types`` entry (Gemma 3)."""
+    return getattr(cfg, "layer_types", None) is not None and \
+        "layer_type" in inspect.signature(rotary.forward).parameters
 
 
 def _linear(m):
@@ -131,7 +153,12 @@ PREFILL_CAUSAL = True  # pad-free prefill chunks use mask-free causal attention 
 
 def _rmsnorm(m):
     """HF's Llama/Qwen RMSNorm: normalize in float32, cast back, times the weight in the model dtype.
-    F.rms_norm without a weight is that first part in one op (its float32 upcast is internal)."""
+    F.rms_norm without a weight is that first part in one op (its float32 upcast is internal).
+    Gemma's: normalize and multiply by (1 + weight) both in float32, then cast back."""
+    geps = gemma_rmsnorm_eps(m)
+    if geps is not None:
+        w = m.weight
+        return lambda x: F.rms_norm(x.float(), (x.shape[-1],), eps=geps).mul_(w.float() + 1.0).to(x.dtype)
     if rmsnorm_eps(m) is not None:
         w, eps = m.weight, m.variance_epsilon
         if FUSE:
@@ -224,6 +251,28 @@ def _mlp_add(m, gu: _Fused | None = None):
     return lambda x, res: res + m(x)
 
 
+def _mlp(m, gu: _Fused | None = None):
+    """x -> down(act(gate(x)) * up(x)) (Gemma's MLP, whose output is normed before the residual add);
+    ``gu``: gate and up as one :class:`_Fused` GEMM."""
+    if not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return m
+    down, act = _linear(m.down_proj), m.act_fn
+    if gu is not None:
+        n = m.gate_proj.weight.shape[0]
+
+        def fused(x):
+            y = gu(x)
+            return down(act(y[..., :n]) * y[..., n:])
+        return fused
+    gate, up = _linear(m.gate_proj), _linear(m.up_proj)
+    return lambda x: down(act(gate(x)) * up(x))
+
+
+def _normed_add(f, norm):
+    """(x, residual) -> residual + norm(f(x)): Gemma's post-attention and post-MLP norms."""
+    return lambda x, res: res + norm(f(x))
+
+
 def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """HF's rotate-half RoPE, x*cos + rotate_half(x)*sin, with rotate_half(x)*sin written as
     roll(x, D/2) * [-sin_1, sin_2]: the same products (negation is exact), two ops fewer.
@@ -239,9 +288,14 @@ def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 class _Layer:
     """One decoder layer's callables, resolved once (attribute lookups are per-token overhead)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, rope: str | None = None, window: int | None = None):
         a = layer.self_attn
-        self.ln1, self.ln2 = _rmsnorm(layer.input_layernorm), _rmsnorm(layer.post_attention_layernorm)
+        # Gemma: four norms a layer (module docstring); post_attention_layernorm then norms the
+        # attention's output, pre_feedforward_layernorm the MLP's input
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        self.ln1 = _rmsnorm(layer.input_layernorm)
+        self.ln2 = _rmsnorm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm)
+        self.rope, self.window = rope, window  # its RoPE table's key; its sliding window or None
         # q|k|v in one GEMM when their weights share one buffer (FUSE_PROJECTIONS); else one each
         self.qkv = _fused(a, QKV)
         self.q = self.k = self.v = self.nq = self.nk = None
@@ -249,12 +303,16 @@ class _Layer:
             self.q, self.k, self.v = (_linear(getattr(a, n)) for n in QKV)
         else:  # output columns of q, of k
             self.nq, self.nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
-        self.o = _linear_add(a.o_proj)  # (attention output, residual) -> residual + o_proj(...)
+        # (attention output, residual) -> residual + o_proj(...) (Gemma: + norm(o_proj(...)))
+        self.o = _normed_add(_linear(a.o_proj), _rmsnorm(layer.post_attention_layernorm)) if sandwich \
+            else _linear_add(a.o_proj)
         # Qwen3: RMSNorm over head_dim of q and k before RoPE
         self.qn = _rmsnorm(a.q_norm) if hasattr(a, "q_norm") else None
         self.kn = _rmsnorm(a.k_norm) if hasattr(a, "k_norm") else None
         self.gate_up = _fused(layer.mlp, GATE_UP)  # gate|up in one GEMM (FUSE_PROJECTIONS), or None
-        self.mlp = _mlp_add(layer.mlp, self.gate_up)  # (normed x, residual) -> residual + mlp(normed x)
+        # (normed x, residual) -> residual + mlp(normed x) (Gemma: + norm(mlp(normed x)))
+        self.mlp = _normed_add(_mlp(layer.mlp, self.gate_up), _rmsnorm(layer.post_feedforward_layernorm)) \
+            if sandwich else _mlp_add(layer.mlp, self.gate_up)
 
 
 class NativeBackend:
@@ -267,9 +325,12 @@ class NativeBackend:
         emb = base.embed_tokens
         self.embed = (lambda ids: F.embedding(ids, emb.weight)) if type(emb) is nn.Embedding else emb
         self.norm, self.lm_head = _rmsnorm(base.norm), _linear(m.lm_head)
-        self.layers = [_Layer(layer) for layer in base.layers]
-        a = base.layers[0].self_attn
         cfg = m.config
+        types = cfg.layer_types if _per_type_rope(self.rotary, cfg) else [None] * len(base.layers)
+        self.layers = [_Layer(layer, t, sliding_window(layer.self_attn, cfg)) for layer, t in zip(base.layers, types)]
+        self.windows = sorted({L.window for L in self.layers if L.window is not None})
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2's; None on Gemma 3
+        a = base.layers[0].self_attn
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.scaling = a.head_dim, a.scaling
         p = next(m.parameters())
@@ -289,7 +350,8 @@ class NativeBackend:
                 self.attention = "c"
             elif DECODE_ATTN == "c":
                 raise ValueError(f"DECODE_ATTN='c' can't run this model: {why or 'the C step did not build'}")
-        self.k = self.v = self.cos = self.sin = None
+        self.k = self.v = self.cos = self.sin = self.kpos = None
+        self.tables = {}  # RoPE table key (a layer type, or None) -> (cos, sin) [slots, q + kv heads, D]
         self.borrowed = False  # the cache is a view of a lent buffer, written by others between calls
 
     def alloc(self, rows: int, slots: int, storage: Tensor | None = None) -> None:
@@ -314,17 +376,24 @@ class NativeBackend:
                 self.v = torch.zeros(vshape, device=self.device, dtype=self.dtype)
             self.borrowed = lend
             x = torch.zeros(1, device=self.device, dtype=self.dtype)
-            cos, sin = self.rotary(x, torch.arange(slots, device=self.device)[None])
             h, heads = self.head_dim // 2, self.n_heads + self.n_kv
-            sin = torch.cat([-sin[0, :, :h], sin[0, :, h:]], -1)
-            # [slots, q + kv heads, D]: q and k are rotated together, one row gather per step
-            self.cos = cos[0, :, None].expand(-1, heads, -1).contiguous()
-            self.sin = sin[:, None].expand(-1, heads, -1).contiguous()
+            self.tables = {}
+            for key in dict.fromkeys(L.rope for L in self.layers):
+                kw = {} if key is None else {"layer_type": key}
+                cos, sin = self.rotary(x, torch.arange(slots, device=self.device)[None], **kw)
+                sin = torch.cat([-sin[0, :, :h], sin[0, :, h:]], -1)
+                # [slots, q + kv heads, D]: q and k are rotated together, one row gather per step
+                self.tables[key] = (cos[0, :, None].expand(-1, heads, -1).contiguous(),
+                                    sin[:, None].expand(-1, heads, -1).contiguous())
+            self.cos, self.sin = self.tables[self.layers[0].rope]
+            # each slot's RoPE position, for the sliding windows' masks
+            self.kpos = torch.zeros(rows, slots, dtype=torch.long, device=self.device) if self.windows else None
             if self.cstep is not None:
                 self.cstep.alloc(self.k, self.v, self.cos, self.sin)
 
     def release(self) -> None:
-        self.k = self.v = self.cos = self.sin = None
+        self.k = self.v = self.cos = self.sin = self.kpos = None
+        self.tables = {}
         if self.cstep is not None:
             self.cstep.release()
         self.borrowed = False
@@ -359,31 +428,42 @@ class NativeBackend:
             return self.cstep.prefill(ids, attn_mask, row0)
         B, P = ids.shape
         pos = (attn_mask.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self.cos[pos], self.sin[pos]
+        rope = {k: (c[pos], s[pos]) for k, (c, s) in self.tables.items()}
+        if self.kpos is not None:
+            self.kpos[row0:row0 + B, :P] = pos
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(P, dtype=torch.bool, device=ids.device)
         # Pad queries attend to themselves only: every softmax row stays finite (no NaN to leak).
-        mask = (causal & attn_mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)
-        mask = mask[:, None]
+        mask = ((causal & attn_mask[:, None, :]) | eye)[:, None]
+        # a window shorter than the chunk: keys more than w - 1 positions back are masked too
+        near = {w: ((causal & attn_mask[:, None, :] & (pos[:, :, None] - pos[:, None, :] < w)) | eye)[:, None]
+                for w in self.windows if w < P}
         G = self.n_heads // self.n_kv
         # No padding in this chunk (equal-length prompts): plain causal attention, which SDPA runs as
         # flash attention with GQA and no mask tensor, instead of a masked kernel over repeated K/V.
         causal_only = PREFILL_CAUSAL and bool(attn_mask.all())
         x = self.embed(ids)
         for i, L in enumerate(self.layers):
-            q, k, v = self._qkv(L, L.ln1(x), cos, sin)
+            q, k, v = self._qkv(L, L.ln1(x), *rope[L.rope])
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             self.k[i, row0:row0 + B, :, :P] = k
             self.v[i, row0:row0 + B, :, :P] = v
-            if causal_only:
+            if causal_only and L.window not in near:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                    scale=self.scaling, enable_gqa=G > 1)
             else:
                 if G > 1:
                     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scaling)
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=near.get(L.window, mask),
+                                                   scale=self.scaling)
             x = L.o(o.transpose(1, 2).reshape(B, P, -1), x)
             x = L.mlp(L.ln2(x), x)
-        return self.lm_head(self.norm(x[:, -1:]))[:, 0]
+        return self._logits(x[:, -1:])[:, 0]
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """The final norm and the LM head (Gemma 2's soft cap, cap · tanh(logits / cap), where set)."""
+        y = self.lm_head(self.norm(x))
+        return y if self.softcap is None else torch.tanh(y / self.softcap) * self.softcap
 
     def _decode_attention(self, L: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor,
                           bias: Tensor, slot: Tensor, kv_len: int) -> Tensor:
@@ -417,33 +497,44 @@ class NativeBackend:
         B, D = tokens.shape[0], self.head_dim
         bias.index_fill_(1, slot, 0.0)
         bias = bias[:, :kv_len]
-        if self.attention == "bmm":  # one [B*Hkv, 1, S] mask per step, broadcast over G query heads by baddbmm
-            bias = bias[:, None].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
-        elif self.attention != "triton":
-            bias = bias[:, None, None]
-        cos = sin = None
+        biases = {None: bias}  # the mask of the full-attention layers, and one per sliding window
+        if self.kpos is not None:
+            kp = self.kpos[:B]
+            kp.index_copy_(1, slot, pos[:, None])
+            for w in self.windows:  # positions differ by less than slots do: none masked within w slots
+                if kv_len > w:
+                    biases[w] = bias.masked_fill(kp[:, :kv_len] <= (pos - w)[:, None], float("-inf"))
+        for w, b in biases.items():
+            if self.attention == "bmm":  # one [B*Hkv, 1, S] mask a step, broadcast over G query heads by baddbmm
+                biases[w] = b[:, None].expand(B, self.n_kv, kv_len).reshape(B * self.n_kv, 1, kv_len)
+            elif self.attention != "triton":
+                biases[w] = b[:, None, None]
+        rope = {}
         if not all(self.rope_in_kernel):  # the RoPE table rows of each row's position, for torch's RoPE
-            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        cos0, sin0 = self.cos[:, 0], self.sin[:, 0]  # [slots, D] views: the kernel gathers its rows
+            rope = {k: (c[pos][:, None], s[pos][:, None]) for k, (c, s) in self.tables.items()}
         x = self.embed(tokens[:, None])
         for i, L in enumerate(self.layers):
             h = L.ln1(x)
             kc, vc = self.k[i, :B], self.v[i, :B]
+            b = biases.get(L.window, biases[None])
             if self.rope_in_kernel[i]:  # one GEMM for q|k|v; RoPE, the cache write and attention: one kernel
-                o = kernels.decode_attention_rope(L.qkv(h), cos0, sin0, pos, kc[:, :, :kv_len],
-                                                  vc[:, :, :kv_len], bias, self.scaling, slot,
+                cos, sin = self.tables[L.rope]  # [slots, D] views: the kernel gathers its rows
+                o = kernels.decode_attention_rope(L.qkv(h), cos[:, 0], sin[:, 0], pos, kc[:, :, :kv_len],
+                                                  vc[:, :, :kv_len], b, self.scaling, slot,
                                                   self.n_heads, self.n_kv, D)
             else:
-                o = self._decode_attention(L, h, cos, sin, kc, vc, bias, slot, kv_len)
+                o = self._decode_attention(L, h, *rope[L.rope], kc, vc, b, slot, kv_len)
             x = L.o(o.reshape(B, 1, -1), x)
             x = L.mlp(L.ln2(x), x)
-        return self.lm_head(self.norm(x))[:, 0]
+        return self._logits(x)[:, 0]
 
     def select(self, idx: Tensor) -> None:
         """Keep cache rows ``idx`` (in that order) as rows 0..len(idx)-1 (batch compaction)."""
         n, dim = idx.numel(), 1 if self.cstep is None else 2  # the C step's caches are tile-major
         for c in (self.k, self.v):
             c.narrow(dim, 0, n).copy_(c.index_select(dim, idx))
+        if self.kpos is not None:
+            self.kpos.narrow(0, 0, n).copy_(self.kpos.index_select(0, idx))
 
 
 class HFBackend:
