@@ -96,7 +96,7 @@ def test_bf16_mismatch_is_small(family):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("G,D", [(7, 64), (2, 16), (4, 128)])
+@pytest.mark.parametrize("G,D", [(7, 64), (2, 16), (4, 128), (4, 256)])
 def test_decode_attention_kernel_equals_sdpa(dtype, tol, G, D):
     """The Triton decode-attention kernel against torch's SDPA: strided cache views (a slice of a
     larger cache), left-padding and future-slot masks, a block of 64 slots masked entirely."""
