@@ -69,8 +69,9 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int, group: in
     """Whether :func:`decode_attention` can run: CUDA, Triton importable, a power-of-two head size,
     at most 64 query heads per KV head."""
     D = head_dim
+    # float32 at D = 256 (Gemma 3) needs 283 KB of shared memory, more than an H100/H200 has (227 KB)
     return (triton is not None and torch.device(device).type == "cuda" and 16 <= D <= 256 and D & (D - 1) == 0
-            and group <= 64 and dtype in (torch.bfloat16, torch.float16, torch.float32))
+            and group <= 64 and (dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and D <= 128)))
 
 
 if triton is not None:
