@@ -1,6 +1,6 @@
 """One weight buffer per projection group, so the sampler runs one GEMM where the model has several.
 
-A decoder layer of the Llama / Mistral / Qwen2 / Qwen3 families reads one input through three
+A decoder layer of the Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 families reads one input through three
 attention projections (q, k, v) and two MLP projections (gate, up). :func:`fuse_projections`
 re-lays each group's weights into one contiguous buffer, [W_q; W_k; W_v] (and [b_q; b_k; b_v] in a
 second one when the projections have biases), and points every Parameter's ``.data`` at its row
@@ -92,7 +92,7 @@ def _relayout(tensors: list[Tensor]) -> None:
 
 def fuse_projections(model) -> nn.Module:
     """Re-lay every decoder layer's q/k/v weights (and biases) and gate/up weights of ``model`` (a
-    transformers causal LM of the Llama / Mistral / Qwen2 / Qwen3 layout, or a PEFT wrapper of one)
+    transformers causal LM of the Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 layout, or a PEFT wrapper of one)
     each into one contiguous buffer (module doc). Groups with a non-plain linear (LoRA) are left as
     they are. Values, shapes and Parameter objects are unchanged; returns ``model``.
 

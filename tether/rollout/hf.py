@@ -1,6 +1,6 @@
 """Text in, text out: the helper the SFT trainer and the quickstart use for eval samples.
 
-It runs on the rollout engine (native forward for Llama/Mistral/Qwen2/Qwen3, HF forward + cache
+It runs on the rollout engine (native forward for Llama/Mistral/Qwen2/Qwen3/Gemma 3, HF forward + cache
 for anything else) with Hugging Face `generate`'s text-level semantics: batched prompts are left-padded, completions are cut at EOS and decoded without special tokens.
 Nothing is kept between calls (trainers that sample every step should hold a `Sampler`).
 Sampling draws its seed from torch's global RNG, so a caller that forks/seeds that RNG (the SFT

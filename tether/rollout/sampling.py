@@ -49,7 +49,7 @@ class SamplingConfig:
     max_batch_size: int = 0
     "sequences decoded at once; more are run in consecutive waves (0 = all at once)"
     backend: str = "auto"
-    "'native' (own forward for Llama/Mistral/Qwen2/Qwen3 over the HF modules), 'hf' (HF forward + DynamicCache), or 'auto'"
+    "'native' (own forward for Llama/Mistral/Qwen2/Qwen3/Gemma 3 over the HF modules), 'hf' (HF forward + DynamicCache), or 'auto'"
     cuda_graphs: bool = True
     "capture the decode step in CUDA graphs (native backend on CUDA only)"
     sync_every: int = 0
