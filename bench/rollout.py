@@ -59,6 +59,12 @@ def build_model(kind: str, device: str, fuse: bool = True):
         from tether.models import make_tiny_model
         model, _ = make_tiny_model(None)  # Llama: hidden 128, 4 layers, 4 heads / 2 KV heads
         model = model.to(device).eval()
+    elif Path(kind).is_dir():  # a real model's HF folder (e.g. `tether convert`'s Gemma 3 270M), in bf16
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(kind, dtype=torch.bfloat16).to(device)
+        model.generation_config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens
+        model.generation_config.pad_token_id = model.config.pad_token_id or 0
+        model = model.eval()
     else:
         from transformers import AutoModelForCausalLM, Qwen2Config
         cfg = Qwen2Config(**QWEN05, bos_token_id=None, eos_token_id=None, pad_token_id=0)
@@ -204,7 +210,7 @@ def device_name(device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default=None, help="tiny | qwen0.5b (default: tiny on CPU, qwen0.5b on CUDA)")
+    ap.add_argument("--model", default=None, help="tiny | qwen0.5b | an HF model folder (default: tiny on CPU, qwen0.5b on CUDA)")
     ap.add_argument("--batches", default="8,64,256")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
