@@ -434,8 +434,6 @@ def main(argv=None) -> dict:
                     help="with --turns: one more decode step runs while the host answers (engine.OVERLAP_TURNS)")
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="the card's HBM bandwidth (H200: 4800)")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (op by op)")
-    ap.add_argument("--no-lookahead", action="store_true",
-                    help="the GPU idles at each host check (engine.LOOKAHEAD off: the flags are read, then the next step queued)")
     ap.add_argument("--no-fuse", action="store_true",
                     help="keep one weight per projection (one GEMM each) instead of q|k|v and gate|up fused")
     ap.add_argument("--no-fuse-kernels", action="store_true",
@@ -456,8 +454,6 @@ def main(argv=None) -> dict:
         native.FUSE_KERNELS = False
     if args.overlap_turns:
         engine.OVERLAP_TURNS = True
-    if args.no_lookahead:
-        engine.LOOKAHEAD = False
     model = build_model(kind, dev, fuse=not args.no_fuse)
     r = profile_decode(model, args.batch, args.prompt_len, args.new_tokens, dev, graphs=not args.no_graphs, turns=args.turns,
                        trace=args.trace, hbm_gbps=args.hbm_gbps, kind=kind)

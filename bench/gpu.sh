@@ -16,8 +16,7 @@
 #               category against its memory floor, batch 64 / 256), [turns, turns-overlap] (the multi-turn
 #               rows alone at batch 64, 5 repeats, without / with --overlap-turns), [decode-turns,
 #               decode-turns-overlap] (the profile of an episode call: its host checks against its kernels),
-#               [decode-nolookahead] (decode's profile with engine.LOOKAHEAD off), [gemma3] (bench/rollout.py on
-#               Gemma 3 270M at batch 8 and 64: its bundle, as env's g- rows)
+#               [gemma3] (bench/rollout.py on Gemma 3 270M at batch 8 and 64: its bundle, as env's g- rows)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -225,8 +224,7 @@ suite_tests() {  # the files holding gpu-marked tests (collecting every test fil
 }
 
 suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/decode_profile.py at batch 64, 256);
-    # [decode-nolookahead] (decode with the GPU idle at host checks), [gemma3] (bench/rollout.py on Gemma 3 270M:
-    # its bundle, as the env suite's g- rows)
+    # [gemma3] (bench/rollout.py on Gemma 3 270M: its bundle, as the env suite's g- rows)
     for ROW in ${ROWS:-qwen05 decode decode256}; do
         case $ROW in
         qwen05) row qwen05 540 python3 bench/rollout.py --device cuda --turns 64 --results "$O/results.md" \
@@ -241,13 +239,11 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
                                   --turns 64 --overlap-turns --results "$O/results.md" --json "$O/decode_turns_overlap.json" ;;
         decode) row decode 150 python3 bench/decode_profile.py --device cuda --batch 64 --results "$O/results.md" \
                     --json "$O/decode_profile.json" ;;
-        decode-nolookahead) row decode-nolookahead 150 python3 bench/decode_profile.py --device cuda --batch 64 \
-                                --no-lookahead --results "$O/results.md" --json "$O/decode_profile_nolookahead.json" ;;
         gemma3) gemma && row gemma3 300 python3 bench/rollout.py --device cuda --model "$GEMMA" --batches 8,64 \
                     --results "$O/results.md" --json "$O/gemma3.json" ;;
         decode256) row decode256 150 python3 bench/decode_profile.py --device cuda --batch 256 \
                        --results "$O/results.md" --json "$O/decode_profile256.json" ;;
-        *) echo "rollout: no row $ROW (qwen05, decode, decode256, decode-nolookahead, gemma3, turns, turns-overlap," \
+        *) echo "rollout: no row $ROW (qwen05, decode, decode256, gemma3, turns, turns-overlap," \
                 "decode-turns[-overlap])" ;;
         esac
     done

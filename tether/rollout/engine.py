@@ -46,16 +46,6 @@ KV_BUCKET = 64
 # measured yet, so it is off. Sampling depends on it (a row's random stream is indexed by step).
 OVERLAP_TURNS = False
 
-# Single-turn calls with no stop strings and no stream (CUDA, or the graph path emulated on CPU): at a
-# host check the finished flags are copied to pinned host memory behind an event, the next decode
-# step is queued, and only then does the host wait for the copy and decide compaction, so the GPU
-# decodes while the host works instead of idling for the check. On an H200 (bench/decode_profile.py,
-# Qwen2.5-0.5B shape, batch 64) a check every 8 steps left the GPU idle 0.11 ms a step on average
-# (wall 1.26 ms against 1.15 ms of kernels). The tokens are the same (the step queued is the one the
-# loop would run next; a row's random stream is indexed by its step); a row that finished just before
-# the check is dropped by compaction one check later, having decoded one more masked step.
-LOOKAHEAD = True
-
 _DEFAULT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -81,7 +71,6 @@ class Sampler:
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
         self._episodes = None  # the wave's turn bookkeeping while a multi-turn call decodes (_Turns)
         self._stream = None  # the wave's streaming callback while a call with stream= decodes (_Stream)
-        self._pinned = None  # pinned host buffers for the finished flags and row ids (_check_ahead)
         # A flat tensor the KV cache may live in (native backend; when large enough and of the
         # model's dtype): the RL trainers lend their gradient buffer, idle while sampling. Its
         # contents are overwritten by every call; the lender must not need them meanwhile.
@@ -391,15 +380,10 @@ class Sampler:
             if t % sync_every == 0 or t == T:
                 # multi-turn, OVERLAP_TURNS: one more step may run while the host asks the environment
                 step = None
-                ahead = LOOKAHEAD and self._episodes is None and checker is None and self._stream is None \
-                    and use_graphs
-                if t < T and ((self._episodes is not None and OVERLAP_TURNS) or ahead):
+                if self._episodes is not None and OVERLAP_TURNS and t < T:
                     def step(b=b, t=t):
                         self._one_step(b, t, P, cfg, stats, use_graphs)
-                if ahead:
-                    b, running, t = self._check_ahead(b, t, done, use_graphs, step)
-                else:
-                    b, running, t = self._check(b, t, checked, cfg, checker, done, stop_end, use_graphs, step)
+                b, running, t = self._check(b, t, checked, cfg, checker, done, stop_end, use_graphs, step)
                 checked = t
                 if not running:
                     break
@@ -456,42 +440,6 @@ class Sampler:
         done.update(r for r, f in zip(row_id, fin.tolist()) if f and r < st.rows)
         if n == 0:
             return b, False, t
-        return self._compact(b, running, use_graphs), True, t
-
-    def _check_ahead(self, b, t, done, use_graphs, step=None):
-        """:meth:`_check` for a call with no stop strings, stream or environment (LOOKAHEAD): the
-        finished flags and row ids go to pinned host buffers behind an event, ``step`` (the next decode
-        step, or None at the last step) is queued, then the host waits for the copy alone and compacts.
-        Returns (b, any_running, t): t is one more when ``step`` ran and some row is still running."""
-        st = self.state
-        fin_d, rid_d = st.finished[:b], st.row_id[:b]
-        if fin_d.is_cuda:
-            if self._pinned is None or self._pinned[0].numel() < st.rows:
-                self._pinned = (torch.empty(st.rows, dtype=torch.bool, pin_memory=True),
-                                torch.empty(st.rows, dtype=torch.long, pin_memory=True))
-            fin_h, rid_h = self._pinned[0][:b], self._pinned[1][:b]
-            fin_h.copy_(fin_d, non_blocking=True)
-            rid_h.copy_(rid_d, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        else:
-            fin_h, rid_h, ev = fin_d.clone(), rid_d.clone(), None
-        if step is not None:
-            step()
-        if ev is not None:
-            ev.synchronize()
-        fin, rid = fin_h.tolist(), rid_h.tolist()
-        done.update(r for r, f in zip(rid, fin) if f and r < st.rows)
-        live = [i for i, f in enumerate(fin) if not f]
-        if not live:  # every row had finished: the step queued decoded none of them, nothing of it is kept
-            return b, False, t
-        running = torch.tensor(live, device=fin_d.device)
-        return self._compact(b, running, use_graphs), True, t + (step is not None)
-
-    def _compact(self, b: int, running: Tensor, use_graphs: bool) -> int:
-        """Keep batch rows ``running`` (indices, in order) when at most half of the batch (three quarters
-        without graphs) runs; spare rows of the new bucket repeat a live one, finished. -> the batch size."""
-        st, n = self.state, running.numel()
         new_b = bucket(n) if use_graphs else n
         if new_b <= b // 2 or (not use_graphs and n <= 3 * b // 4):
             idx = torch.cat([running, running[:1].expand(new_b - n)])  # spare rows repeat a live one
@@ -501,7 +449,7 @@ class Sampler:
             st.row_id[n:new_b] = st.rows
             self.backend.select(idx)
             b = new_b
-        return b
+        return b, True, t
 
     def _turn_boundaries(self, b: int, t: int, step=None) -> int:
         """Host side of a multi-turn call, at a check after step t-1: every row whose turn ended
