@@ -1,5 +1,5 @@
-"""`tether init-model`: a small model from scratch for your own task — a transformers config (Llama
-or Qwen2 family) with random weights and a character tokenizer whose vocabulary is the characters
+"""`tether init-model`: a small model from scratch for your own task — a transformers config (Llama,
+Qwen2 or Gemma 3 family) with random weights and a character tokenizer whose vocabulary is the characters
 of your data (or the ones you give), written as a normal Hugging Face folder that every command
 takes as `model=`.
 
@@ -31,8 +31,8 @@ class InitModelConfig:
     "split to read when `data` is a dataset directory or hub name"
     chars: str = ""
     "the vocabulary's characters: a file (its characters) or the characters themselves (quote digit-only strings); with data both count; neither: the built-in set (digits, ASCII letters, punctuation, whitespace, ×÷−)"
-    family: Literal["llama", "qwen2"] = "llama"
-    "architecture (both: GQA, RoPE, SwiGLU, RMSNorm, tied embeddings)"
+    family: Literal["llama", "qwen2", "gemma3"] = "llama"
+    "architecture (all: GQA, RoPE, RMSNorm, tied embeddings; llama and qwen2: SwiGLU; gemma3: Gemma 3's layout, gelu-tanh MLP, four norms a layer, local layers over 32 tokens alternating with global ones)"
     hidden_size: int = 128
     "width of the residual stream"
     layers: int = 4
