@@ -246,7 +246,7 @@ def test_other_architectures_fall_back_to_the_hf_backend():
 def _windowed(family):
     """A tiny model whose local layers attend over 8 tokens: Gemma 3's layout (four norms a layer with
     (1 + w) weights, q/k norms, a scaled embedding, gelu-tanh, RoPE tables per layer type, local and
-    global layers alternating) or Mistral's (every layer local)."""
+    global layers alternating; its logits soft-capped at 5) or Mistral's (every layer local)."""
     if family == "gemma3":
         model, tok = make_tiny_model(None, family="gemma3", hidden_size=32, num_layers=2, num_heads=2,
                                      num_kv_heads=1, intermediate_size=64, sliding_window=8)
@@ -255,6 +255,7 @@ def _windowed(family):
             for n, p in model.named_parameters():
                 if p.dim() == 1:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        model.config.final_logit_softcapping = 5.0  # cap · tanh(logits / cap), as HF's forward applies it
         return _sharpen(model), tok
     from transformers import AutoModelForCausalLM, MistralConfig
     _, tok = make_tiny_model(None)

@@ -329,7 +329,7 @@ class NativeBackend:
         types = cfg.layer_types if _per_type_rope(self.rotary, cfg) else [None] * len(base.layers)
         self.layers = [_Layer(layer, t, sliding_window(layer.self_attn, cfg)) for layer, t in zip(base.layers, types)]
         self.windows = sorted({L.window for L in self.layers if L.window is not None})
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2's; None on Gemma 3
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)  # where the config sets one (not Gemma 3)
         a = base.layers[0].self_attn
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.scaling = a.head_dim, a.scaling
@@ -461,7 +461,7 @@ class NativeBackend:
         return self._logits(x[:, -1:])[:, 0]
 
     def _logits(self, x: Tensor) -> Tensor:
-        """The final norm and the LM head (Gemma 2's soft cap, cap · tanh(logits / cap), where set)."""
+        """The final norm and the LM head (and the soft cap cap · tanh(logits / cap) where the config sets one)."""
         y = self.lm_head(self.norm(x))
         return y if self.softcap is None else torch.tanh(y / self.softcap) * self.softcap
 
