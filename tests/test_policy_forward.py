@@ -47,6 +47,31 @@ def test_split_head_found_for_llama(setup):
     assert head is setup[0].lm_head and body is setup[0].model
 
 
+def test_chunked_head_equals_full_logits_for_gemma3(setup, monkeypatch):
+    """Gemma 3's layout (scaled embedding tied to the head, four norms a layer, sliding windows): the
+    chunked head's log-probs, entropy and gradients equal the model's own logits'; a config with a
+    final soft cap (Gemma 2's) keeps the model's forward."""
+    torch.manual_seed(0)
+    model, _ = make_tiny_model(None, family="gemma3", sliding_window=8)
+    model.float()
+    assert model.config.model_type == "gemma3_text"
+    body, head = common._split_head(model)
+    assert head is model.lm_head and body is model.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the embedding's scale is not in it
+    _, batch = setup
+    batch = dict(batch, input_ids=batch["input_ids"] % model.config.vocab_size)
+    lp_full, ent_full, g_full = _run(model, batch, False, None, monkeypatch=monkeypatch)
+    lp, ent, g = _run(model, batch, True, 700, monkeypatch=monkeypatch)
+    torch.testing.assert_close(lp, lp_full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ent_full, atol=1e-5, rtol=0)
+    for n in g_full:
+        torch.testing.assert_close(g[n], g_full[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert lp_full.abs().sum() > 1.0 and (lp - lp_full).abs().max() < 1e-5
+    capped = copy.deepcopy(model)
+    capped.config.final_logit_softcapping = 30.0
+    assert common._split_head(capped) is None
+
+
 def test_chunked_only_when_logits_exceed_one_chunk(setup, monkeypatch):
     """Small logits take the plain forward (same numbers, less overhead); large ones the chunked head."""
     model, batch = setup

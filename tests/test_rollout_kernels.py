@@ -218,3 +218,26 @@ def test_rope_stays_in_torch_where_the_kernel_does_not_apply(monkeypatch):
         == [False, False]
     monkeypatch.setattr(native, "DECODE_ATTN", "sdpa")
     assert NativeBackend(fuse_projections(plain)).rope_in_kernel == [False, False]
+
+
+@pytest.mark.parametrize("T,V", [(1.0, 5000), (0.7, 5000), (1.0, 1500)])  # 1500: one block, not a power of 2
+def test_blockwise_draw_equals_the_softmax_draw(T, V):
+    """block_stats + draw (two kernels, no float32 [B, V] copy) pick the token that the softmax +
+    inverse-CDF draw picks for the same uniform (but for float32 rounding at a token boundary), with
+    log_softmax(z / T) at it; a block of -inf logits is never drawn from. Shifting the uniforms
+    moves the draws: the test reads u."""
+    from tether.rollout import sampling
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float16 if DEV != "cuda" else torch.bfloat16
+    logits = (torch.randn(256, V, generator=g) * 3).to(DEV, dtype)
+    logits[0, 1200:] = float("-inf")  # whole blocks of -inf logits (V = 5000)
+    u = torch.rand(256, generator=g).to(DEV)
+    p = torch.softmax(logits.float() / T, -1)
+    want = sampling._inverse_cdf(p, u).squeeze(1)
+    y, lp = sampling._sample_blockwise(logits, u, T)
+    assert y.dtype == torch.int64 and lp.dtype == torch.float32
+    assert (y == want).float().mean() >= 0.99 and (y[0] < 1200 or V == 1500)
+    ref = torch.log_softmax(logits.float() / T, -1).gather(1, y[:, None]).squeeze(1)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    y2, _ = sampling._sample_blockwise(logits, (u + 0.5) % 1, T)
+    assert (y2 != y).float().mean() > 0.5

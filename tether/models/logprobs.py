@@ -26,9 +26,12 @@ def supports_logits_to_keep(model) -> bool:
     return _KEEP_SUPPORT[t]
 
 
-# Families whose logits are exactly lm_head(body(x)) (no soft-capping or logit scale), so the head
-# can be applied by us, chunk by chunk, to the completion positions only.
-_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gpt_neox", "phi3")
+# Families whose logits are exactly lm_head(body(x)) (no soft-capping or logit scale; a config that sets
+# either is refused in _split_head), so the head can be applied by us, chunk by chunk, to the completion
+# positions only. Gemma 3 (gemma3_text): its embedding's sqrt(hidden) scale is in the embedding's forward,
+# not in the tied weight, and its final norm is the body's; its 262k vocabulary makes the full
+# [tokens, V] logits the largest tensor of a step.
+_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "gpt_neox", "phi3", "gemma3_text")
 # Logits held at once by the chunked head: 2^25 (~220 tokens at V = 152k, 128 MB per float32
 # temporary) on an accelerator, 2^22 on CPU (cache-sized). None: per device.
 HEAD_CHUNK_ELEMENTS: int | None = None

@@ -11,7 +11,9 @@ of each tile; on an H100 cuDNN's kernel took 74 µs per layer at batch 256 over 
 Here one program handles one (row, KV head): its G queries (padded to 16, the smallest tensor-core
 tile) against the cache in blocks of BLOCK slots, with the online softmax of flash attention in
 float32: scores s = q·k × scale + bias (the additive 0 / −inf mask), running max m and sum l,
-acc = Σ exp(s − m) v, out = acc / l. P·V uses float32 P (TF32 tensor cores). The kernel also writes
+acc = Σ exp(s − m) v, out = acc / l. For P·V, P is rounded to the cache's 16-bit type, as flash attention
+(and the training forward's SDPA) rounds it; a float32 P through TF32 costs 0.7–1.5 µs more a call at
+batch 64 (bench/decode_attention.py; the shared-memory path of a float32 operand). The kernel also writes
 the step's key and value into the cache slot first. Used by the native backend on CUDA when Triton is
 importable and the head size is a power of two; otherwise torch ops (native.py).
 
@@ -55,9 +57,27 @@ except ImportError:  # CPU-only installs: the native backend uses torch ops
     triton = None
 
 BLOCK = 64  # cache slots per inner step (64 × 64 bf16 keys = 8 KB per load)
-# decode attention's launch: no point of a BLOCK / num_warps / num_stages sweep is more than 3 %
-# faster than 64 / 4 / 3 (benchmarks/RESULTS.md)
+# Twice that where the grid has no more programs than the card has SMs (batch 64 × 2 KV heads on an
+# H200's 132) and a block stays 8k elements: one program an SM walks the cache block by block, ~1.8 µs
+# a block, and fewer, longer blocks take 2–12 % off a call from 128 slots on (at 64 slots, half of one
+# wide block is masked: 13 % slower); with several programs an SM (batch 256) the 64-slot block is
+# 2–45 % faster. Splitting a row's slots over several programs merged at the end
+# (flash decoding) was no faster at either batch (0.212 vs 0.210 ms a step at batch 64): it is not kept.
+WIDE_BLOCK_ELEMENTS = 8192
+# decode attention's launch: 2 warps or 2 stages are slower at batch 64 (bench/decode_attention.py)
 NUM_WARPS, NUM_STAGES = 4, 3
+_SMS: dict = {}
+
+
+def _block(rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Cache slots per inner step of the decode attention for a grid of rows × kv_heads programs."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or dtype == torch.float32 or 2 * BLOCK * head_dim > WIDE_BLOCK_ELEMENTS:
+        return BLOCK
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return 2 * BLOCK if rows * kv_heads <= _SMS[i] else BLOCK
 # PTX's mul.rn for a float32 multiply that is never contracted into an FMA, libdevice for CUDA's expf.
 # Triton's interpreter (CPU; read at import, as triton.jit reads it) has neither, and ROCm no PTX:
 # plain float32 ops there
@@ -97,8 +117,10 @@ if triton is not None:
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(V + b * svb + h * svh + s[:, None] * svs + d[None, :], mask=smask[:, None], other=0.0)
-            # P stays float32 (TF32 on tensor cores: 3 more mantissa bits than rounding it to bf16)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC_PV)
+            if PREC_PV == "16":  # P rounded to the cache's 16-bit type (flash attention's P · V)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:  # P in float32 (TF32 or IEEE), V widened to it
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC_PV)
             m = m_new
         return acc / l[:, None]
 
@@ -143,8 +165,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
                            v.stride(0), v.stride(1), v.stride(2), bias.stride(0),
                            o.stride(0), o.stride(1), o.stride(2), k_new.stride(0), k_new.stride(1),
                            v_new.stride(0), v_new.stride(1),
-                           G=G, GP=GP, D=D, BLOCK_S=BLOCK,
-                           PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "tf32",
+                           G=G, GP=GP, D=D, BLOCK_S=_block(B, Hkv, D, q.dtype, q.device),
+                           PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "16",
                            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return o
 
@@ -225,8 +247,8 @@ def decode_attention_rope(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k:
                                  y.stride(0), cos.stride(0), sin.stride(0), pos.stride(0),
                                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                  bias.stride(0), o.stride(0), o.stride(1), o.stride(2),
-                                 G=G, GP=GP, D=D, BLOCK_S=BLOCK,
-                                 PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "tf32",
+                                 G=G, GP=GP, D=D, BLOCK_S=_block(B, n_kv, D, qkv.dtype, qkv.device),
+                                 PREC="ieee" if fp32 else "tf32", PREC_PV="ieee" if fp32 else "16",
                                  RN=PTX, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return o
 
@@ -303,3 +325,53 @@ def block_stats(logits: Tensor, temperature: float, block: int) -> tuple[Tensor,
     _block_stats[(B, nb)](logits, M, S, V, logits.stride(0), nb, float(temperature), block,
                           BLOCK_P2=triton.next_power_of_2(block))
     return M, S
+
+
+if triton is not None:
+    @triton.jit
+    def _draw(Z, M, S, U, Y, LP, V, nb, szb, smb, temperature, block,
+              NB_P2: tl.constexpr, BLOCK_P2: tl.constexpr, RN: tl.constexpr):
+        r = tl.program_id(0)
+        # the block holding the draw: the first whose cumulative weight S_j · exp(M_j − m) reaches u · total
+        j = tl.arange(0, NB_P2)
+        Mj = tl.load(M + r * smb + j, mask=j < nb, other=float("-inf"))
+        m = tl.max(Mj, 0)
+        w = tl.where(j < nb, tl.load(S + r * smb + j, mask=j < nb, other=0.0) * _exp(Mj - m, RN), 0.0)
+        cs = tl.cumsum(w, 0)
+        total = tl.max(cs, 0)  # the last cumulative weight (weights are >= 0)
+        target = tl.maximum(tl.load(U + r) * total, 1.1754943508222875e-38)  # float32's smallest normal
+        bi = tl.minimum(tl.sum((cs < target).to(tl.int32), 0), nb - 1)
+        before = tl.sum(tl.where(j == bi - 1, cs, 0.0), 0)
+        # inside it: the first token whose cumulative weight exp(z / T − m) reaches what is left
+        i = tl.arange(0, BLOCK_P2)
+        cols = bi * block + i
+        z = tl.load(Z + r * szb + cols, mask=(i < block) & (cols < V), other=float("-inf")).to(tl.float32)
+        wb = _exp(z / temperature - m, RN)
+        cb = tl.cumsum(wb, 0)
+        k = tl.sum((cb < target - before).to(tl.int32), 0)
+        # rounding (block sums vs the scan inside the block) may put the target past the block's last
+        # token of positive weight: never beyond it, so a zero-weight token is never drawn
+        k = tl.minimum(k, tl.sum((cb < tl.max(cb, 0)).to(tl.int32), 0))
+        y = bi * block + k
+        zy = tl.load(Z + r * szb + y).to(tl.float32) / temperature
+        tl.store(Y + r, y.to(tl.int64))
+        tl.store(LP + r, zy - m - tl.log(total))
+
+
+def draw(logits: Tensor, M: Tensor, S: Tensor, u: Tensor, temperature: float, block: int) -> tuple[Tensor, Tensor]:
+    """One token per row of ``logits`` [B, V] by inverse-CDF sampling at ``temperature``, from the block
+    statistics ``M``, ``S`` of :func:`block_stats` (blocks of ``block`` entries) and uniforms ``u`` [B]:
+    the first block whose cumulative weight Σ S_j · exp(M_j − m) (m the row's max) reaches u times the
+    total, then the first token inside it whose cumulative exp(z / T − m) reaches the rest.
+    -> (tokens [B] int64, log_softmax(z / T) at them [B] float32 = z_y / T − m − log total).
+    One program a row; the exps are CUDA's expf (torch's). The cumulative sums are Triton's scans,
+    which may add in another order than torch's cumsum: a draw can differ from the dense softmax
+    draw's only where the uniform lands within float32 rounding of a token boundary."""
+    B, V = logits.shape
+    nb = M.shape[1]
+    assert logits.stride(1) == 1 and M.stride(1) == S.stride(1) == 1 and M.stride(0) == S.stride(0)
+    y = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _draw[(B,)](logits, M, S, u.float().contiguous(), y, lp, V, nb, logits.stride(0), M.stride(0), float(temperature),
+                block, NB_P2=triton.next_power_of_2(nb), BLOCK_P2=triton.next_power_of_2(block), RN=PTX)
+    return y, lp

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .kernels import block_stats, sampling_available
+from .kernels import block_stats, draw, sampling_available
 
 
 @dataclass
@@ -145,31 +145,16 @@ def _inverse_cdf(w: Tensor, u: Tensor) -> Tensor:
 
 
 def _sample_blockwise(logits: Tensor, u: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """Full-vocabulary sampling at ``temperature`` from per-block statistics (a Triton kernel reads
-    the logits once): the same inverse-CDF draw as :func:`_inverse_cdf` on softmax(z / T), without
-    materializing the float32 [B, V] probabilities (on an H100 at batch 256 those cost a bf16 → fp32
-    copy and a softmax, 0.33 ms of a 3 ms decode step). Block weights are S_j · exp(M_j − m) with m
-    the row max; the log-prob is z_y / T − (m + log Σ_j weights)."""
-    B, V = logits.shape
+    """Full-vocabulary sampling at ``temperature`` in two Triton kernels: per-block statistics (one
+    read of the logits, :func:`kernels.block_stats`), then the draw from them (:func:`kernels.draw`,
+    one program a row: the block, then the token inside it, and its log-prob) — the same inverse-CDF
+    draw as :func:`_inverse_cdf` on softmax(z / T), without materializing the float32 [B, V]
+    probabilities (on an H100 at batch 256 those cost a bf16 → fp32 copy and a softmax, 0.33 ms of a
+    3 ms decode step) and in two kernels where torch's ops of the same draw take fifteen."""
+    V = logits.shape[1]
     blk = CDF_BLOCK if V > 2 * CDF_BLOCK else V
-    nb = -(-V // blk)
     M, S = block_stats(logits, temperature, blk)
-    m = M.amax(-1, keepdim=True)
-    cs = S.mul_(torch.exp(M - m)).cumsum_(-1)  # cumulative block weights
-    total = cs[:, -1:]
-    target = (u.to(cs.dtype)[:, None] * total).clamp_min(torch.finfo(cs.dtype).tiny)
-    bi = torch.searchsorted(cs, target).clamp_max(nb - 1)
-    before = cs.gather(1, (bi - 1).clamp_min(0)).masked_fill(bi == 0, 0.0)
-    cols = bi * blk + torch.arange(blk, device=logits.device)
-    zb = logits.gather(1, cols.clamp_max(V - 1)).float()
-    zb = zb / temperature if temperature != 1.0 else zb
-    wb = zb.sub_(m).exp_().masked_fill_(cols >= V, 0.0).cumsum_(-1)
-    j = torch.searchsorted(wb, target - before)
-    j = torch.minimum(j, torch.searchsorted(wb, wb[:, -1:].contiguous()))  # see _inverse_cdf
-    y = bi * blk + j
-    zy = logits.gather(1, y).float()
-    zy = zy / temperature if temperature != 1.0 else zy
-    return y.squeeze(1), (zy - m - total.log()).squeeze(1)
+    return draw(logits, M, S, u, temperature, blk)
 
 
 def sample_tokens(logits: Tensor, u: Tensor, cfg: SamplingConfig) -> tuple[Tensor, Tensor]:
