@@ -52,6 +52,14 @@ QWEN05 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_atte
               rope_theta=1e6, max_position_embeddings=32768)
 
 
+# Gemma 3 270M's shape (its config.json): 18 layers, five local (512-token window, RoPE base 10k) to one
+# global (base 1M), 4 query heads over 1 KV head of 256, a 262k vocabulary
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=256, intermediate_size=2048, query_pre_attn_scalar=256,
+                   sliding_window=512, max_position_embeddings=32768, tie_word_embeddings=True,
+                   layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)])
+
+
 def build_model(kind: str, device: str, fuse: bool = True):
     """The benchmark's model; fuse: its q/k/v and gate/up weights in one buffer per layer and group
     (fuse_projections: the sampler runs one GEMM each; the same values, HF's forward unchanged)."""
@@ -66,8 +74,11 @@ def build_model(kind: str, device: str, fuse: bool = True):
         model.generation_config.pad_token_id = model.config.pad_token_id or 0
         model = model.eval()
     else:
-        from transformers import AutoModelForCausalLM, Qwen2Config
-        cfg = Qwen2Config(**QWEN05, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen2Config
+        if kind == "gemma3-270m":  # random weights in Gemma 3 270M's shape (the speed does not read them)
+            cfg = Gemma3TextConfig(**GEMMA3_270M, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        else:
+            cfg = Qwen2Config(**QWEN05, bos_token_id=None, eos_token_id=None, pad_token_id=0)
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -210,7 +221,7 @@ def device_name(device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default=None, help="tiny | qwen0.5b | an HF model folder (default: tiny on CPU, qwen0.5b on CUDA)")
+    ap.add_argument("--model", default=None, help="tiny | qwen0.5b | gemma3-270m (random weights in that shape) | an HF model folder (default: tiny on CPU, qwen0.5b on CUDA)")
     ap.add_argument("--batches", default="8,64,256")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)

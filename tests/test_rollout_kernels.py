@@ -241,3 +241,53 @@ def test_blockwise_draw_equals_the_softmax_draw(T, V):
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
     y2, _ = sampling._sample_blockwise(logits, (u + 0.5) % 1, T)
     assert (y2 != y).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemma_rmsnorm_equals_hf_module(dtype):
+    """One kernel against HF's Gemma3RMSNorm (float32 throughout, times 1 + w, one rounding) on a
+    contiguous [B, T, n] input and on a head view of a fused q|k|v output (rows on two strides): float32
+    within a few ulps (the reciprocal square root's approximation), half precision within one ulp on at
+    most 1 % of the elements. Reading w for 1 + w fails it."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    g = torch.Generator().manual_seed(3)
+    for shape, view in (((3, 2, 640), None), ((4, 1, (4 + 2) * 256), (4, 256))):
+        n = shape[-1] if view is None else view[1]
+        norm = Gemma3RMSNorm(n, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=g) * 0.5)
+        norm = norm.to(DEV, dtype)
+        y = (torch.randn(*shape, generator=g) * 3).to(DEV, dtype)
+        x = y if view is None else y[..., :view[0] * view[1]].view(*shape[:2], *view)
+        got = kernels.gemma_rmsnorm(x, norm.weight, 1e-6)
+        want = norm(x)
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        ulps = _ulps(got, want)
+        if dtype == torch.float32:
+            assert ulps.max() <= 8, ulps.max()
+        else:
+            assert ulps.max() <= 1 and (ulps > 0).float().mean() <= 0.01, (ulps.max(), (ulps > 0).float().mean())
+        wrong = (norm.weight.float() * x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert (got.float() - wrong).abs().max() > 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemma_backend_decode_with_and_without_the_norm_kernel(dtype, monkeypatch):
+    """A tiny Gemma 3 layout (four norms a layer and q/k norms, sliding windows): NativeBackend's
+    prefill and decode with every Gemma RMSNorm as one kernel (FUSE_KERNELS) against the torch ops:
+    the same logits to float rounding, and the kernel runs for all 6 norms of a layer plus the final one."""
+    from tether.models import make_tiny_model
+    model, _ = make_tiny_model(None, family="gemma3", sliding_window=8)
+    model = model.to(DEV, dtype).eval()
+    calls = _count(monkeypatch, "gemma_rmsnorm")
+    monkeypatch.setattr(kernels, "elementwise_available", lambda x: True)
+    monkeypatch.setattr(native, "FUSE_KERNELS", False)
+    _, off = _decode_logits(model)
+    assert not calls
+    monkeypatch.setattr(native, "FUSE_KERNELS", True)
+    _, on = _decode_logits(model)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 5 * (6 * layers + 1)  # the prefill and 4 decode steps
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert (on.float() - off.float()).abs().max() <= tol, (on.float() - off.float()).abs().max()
+    assert off.float().std() > 0.1

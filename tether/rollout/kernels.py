@@ -295,6 +295,41 @@ def silu_mul(y: Tensor, n: int) -> Tensor:
     return o.view(*y.shape[:-1], n)
 
 
+if triton is not None:
+    @triton.jit
+    def _gemma_rmsnorm(X, W, O, n, inner, sxo, sxi, eps, BLOCK_N: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK_N)
+        mask = i < n
+        x = tl.load(X + (r // inner) * sxo + (r % inner) * sxi + i, mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.math.rsqrt(tl.sum(x * x, 0) / n + eps)
+        w = tl.load(W + i, mask=mask, other=0.0).to(tl.float32)
+        tl.store(O + r * n + i, (y * (1.0 + w)).to(O.dtype.element_ty), mask=mask)
+
+
+def gemma_rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's RMSNorm in one kernel: x / sqrt(mean(x²) + eps) · (1 + w), all in float32, rounded once to
+    x's dtype (HF's Gemma3RMSNorm; torch's ops of it are five kernels, the (1 + w) two more). x [..., n]
+    with its last dim contiguous and its rows on at most two strides (a head view of the fused q|k|v
+    output: [B, T, heads, n]). Returns a new contiguous tensor of x's shape. The reciprocal square root
+    is the hardware's (rsqrt.approx), as torch's: the float32 result may differ from torch's in its last
+    ulps, the rounded 16-bit one where it lies next to a rounding boundary."""
+    n = x.shape[-1]
+    assert x.stride(-1) == 1 and weight.shape == (n,) and weight.is_contiguous()
+    if x.dim() == 1:
+        x = x[None]
+    try:
+        x3 = x.view(-1, 1, n)
+    except RuntimeError:  # rows on two strides (heads within a token, tokens); a copy if on more
+        x3 = x.reshape(-1, x.shape[-2], n)
+    o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x3.shape[0] * x3.shape[1]
+    if rows:
+        _gemma_rmsnorm[(rows,)](x3, weight, o, n, x3.shape[1], x3.stride(0), x3.stride(1), float(eps),
+                                BLOCK_N=triton.next_power_of_2(n))
+    return o
+
+
 def sampling_available(logits: Tensor) -> bool:
     return triton is not None and logits.is_cuda
 

@@ -135,7 +135,9 @@ FUSE_PROJECTIONS = True
 # a strided view and ~30 us in the 24 multiplies after them, plus ~1 us of gap per kernel in the
 # graph; the kernels remove 5 kernels per layer (120 of the 444) and the step's 2 table gathers.
 # The same math and rounding as the torch ops (RoPE bit for bit; silu with torch's expf and IEEE
-# division). The prefill's RoPE stays in torch. False: the torch ops. Read when a backend is built.
+# division). The prefill's RoPE stays in torch. Gemma's RMSNorm (float32 throughout, times 1 + w) is
+# one kernel too (gemma_rmsnorm: seven torch kernels a norm, six norms a layer with q and k's). False:
+# the torch ops. Read when a backend is built.
 FUSE_KERNELS = True
 
 
@@ -157,8 +159,13 @@ def _rmsnorm(m):
     Gemma's: normalize and multiply by (1 + weight) both in float32, then cast back."""
     geps = gemma_rmsnorm_eps(m)
     if geps is not None:
-        w = m.weight
-        return lambda x: F.rms_norm(x.float(), (x.shape[-1],), eps=geps).mul_(w.float() + 1.0).to(x.dtype)
+        w, fuse = m.weight, FUSE_KERNELS
+
+        def gemma(x):
+            if fuse and kernels.elementwise_available(x):  # one kernel (FUSE_KERNELS; kernels.py)
+                return kernels.gemma_rmsnorm(x, w, geps)
+            return F.rms_norm(x.float(), (x.shape[-1],), eps=geps).mul_(w.float() + 1.0).to(x.dtype)
+        return gemma
     if rmsnorm_eps(m) is not None:
         w, eps = m.weight, m.variance_epsilon
         if FUSE:
