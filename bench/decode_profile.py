@@ -81,8 +81,9 @@ CATEGORIES = ("gemm", "attention", "norm/elementwise", "sampling", "copy", "othe
 RULES = (
     ("copy", ("memcpy", "memset")),  # CUPTI's names: "Memcpy DtoD (Device -> Device)", "Memset (Device)"
     ("attention", ("_decode_attn", "attention", "attn", "flash", "fmha", "sdpa")),
+    ("norm/elementwise", ("rmsnorm",)),  # before "gemm", which _gemma_rmsnorm holds
     ("gemm", ("gemm", "gemv", "cublas", "cutlass", "nvjet", "xmma", "matmul", "splitkreduce", "triton_tem")),
-    ("sampling", ("_block_stats", "softmax", "sort", "topk", "cumsum", "scan", "argmax", "argmin", "maxops",
+    ("sampling", ("_block_stats", "_draw", "softmax", "sort", "topk", "cumsum", "scan", "argmax", "argmin", "maxops",
                   "minops", "amax", "amin", "searchsorted", "logsumexp", "multinomial", "philox", "curand",
                   "random", "uniform", "distribution", "normal_kernel", "bernoulli")),
     ("norm/elementwise", ("norm", "rsqrt", "welford", "meanops", "masked", "where", "with_index")),

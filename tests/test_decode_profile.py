@@ -31,6 +31,8 @@ NAMES = {
     "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, float, "
     "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, c10::BFloat16 const*, int)": "sampling",
     "_block_stats": "sampling",
+    "_draw": "sampling",
+    "_gemma_rmsnorm": "norm/elementwise",  # holds "gemm"
     "void at_cuda_detail::cub::DeviceScanKernel<at_cuda_detail::cub::DeviceScanPolicy<float, std::plus<float> >"
     "::Policy900, float const*, float*>(float const*, float*, int)": "sampling",
     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "

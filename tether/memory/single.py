@@ -181,8 +181,9 @@ def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int, d: int | None =
     return tokens * shape.layers * per_token_layer
 
 
-# The RL and preference trainers apply the LM head themselves, chunk by chunk (trainers/core/common.py,
-# `_HeadLogps`, for Llama / Mistral / Qwen / GPT-2-style heads): at most this many logits at once,
+# The RL and preference trainers apply the LM head themselves, chunk by chunk (models/logprobs.py,
+# `_HeadLogps`, for the plain-head families: Llama / Mistral / Qwen / GPT-2-style / Gemma 3): at most
+# this many logits at once,
 # with ~14 bytes of transients each (bf16 logits, float32 logits, probabilities, log-probs, bf16 grad).
 HEAD_CHUNK_LOGITS, HEAD_CHUNK_BYTES_PER_LOGIT = 1 << 25, 14
 
