@@ -16,7 +16,9 @@
 #               category against its memory floor, batch 64 / 256), [turns, turns-overlap] (the multi-turn
 #               rows alone at batch 64, 5 repeats, without / with --overlap-turns), [decode-turns,
 #               decode-turns-overlap] (the profile of an episode call: its host checks against its kernels),
-#               [gemma3] (bench/rollout.py on Gemma 3 270M at batch 8 and 64: its bundle, as env's g- rows)
+#               [gemma3] (bench/rollout.py on Gemma 3 270M at batch 8 and 64: its bundle, as env's g- rows),
+#               [attention] (bench/decode_attention.py: the decode attention kernel alone against the
+#               cache length), [gemma3-shape] (decode_profile on random weights in Gemma 3 270M's shape)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -243,8 +245,12 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
                     --results "$O/results.md" --json "$O/gemma3.json" ;;
         decode256) row decode256 150 python3 bench/decode_profile.py --device cuda --batch 256 \
                        --results "$O/results.md" --json "$O/decode_profile256.json" ;;
+        attention) row attention 150 python3 bench/decode_attention.py --results "$O/results.md" \
+                       --json "$O/attention.json" ;;
+        gemma3-shape) row gemma3-shape 150 python3 bench/decode_profile.py --device cuda --model gemma3-270m \
+                          --batch 64 --results "$O/results.md" --json "$O/decode_gemma3_shape.json" ;;
         *) echo "rollout: no row $ROW (qwen05, decode, decode256, gemma3, turns, turns-overlap," \
-                "decode-turns[-overlap])" ;;
+                "decode-turns[-overlap], attention, gemma3-shape)" ;;
         esac
     done
 }
