@@ -273,21 +273,62 @@ def test_gemma_rmsnorm_equals_hf_module(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_gemma_backend_decode_with_and_without_the_norm_kernel(dtype, monkeypatch):
-    """A tiny Gemma 3 layout (four norms a layer and q/k norms, sliding windows): NativeBackend's
-    prefill and decode with every Gemma RMSNorm as one kernel (FUSE_KERNELS) against the torch ops:
-    the same logits to float rounding, and the kernel runs for all 6 norms of a layer plus the final one."""
+    """A tiny Gemma 3 layout (four norms a layer and q/k norms, sliding windows, gate|up fused):
+    NativeBackend's prefill and decode with every Gemma RMSNorm as one kernel (the post-attention and
+    post-MLP ones with their residual add) and gelu(gate) · up as one kernel (FUSE_KERNELS), against
+    the torch ops: the same logits to float rounding; the norm kernel runs for all 6 norms of a layer
+    plus the final one, the GELU kernel once a layer."""
     from tether.models import make_tiny_model
     model, _ = make_tiny_model(None, family="gemma3", sliding_window=8)
-    model = model.to(DEV, dtype).eval()
-    calls = _count(monkeypatch, "gemma_rmsnorm")
+    model = fuse_projections(model.to(DEV, dtype).eval())
+    calls, gelu_calls = _count(monkeypatch, "gemma_rmsnorm"), _count(monkeypatch, "gelu_tanh_mul")
     monkeypatch.setattr(kernels, "elementwise_available", lambda x: True)
     monkeypatch.setattr(native, "FUSE_KERNELS", False)
     _, off = _decode_logits(model)
-    assert not calls
+    assert not calls and not gelu_calls
     monkeypatch.setattr(native, "FUSE_KERNELS", True)
     _, on = _decode_logits(model)
     layers = model.config.num_hidden_layers
     assert len(calls) == 5 * (6 * layers + 1)  # the prefill and 4 decode steps
+    assert len(gelu_calls) == 5 * layers
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert (on.float() - off.float()).abs().max() <= tol, (on.float() - off.float()).abs().max()
     assert off.float().std() > 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemma_rmsnorm_adds_the_residual_as_torch_does(dtype):
+    """residual + norm(x) in the kernel equals torch's add of the kernel's own norm, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 1, 640, generator=g) * 3).to(DEV, dtype)
+    res = (torch.randn(5, 1, 640, generator=g) * 20).to(DEV, dtype)
+    w = (torch.randn(640, generator=g) * 0.5).to(DEV, dtype)
+    got = kernels.gemma_rmsnorm(x, w, 1e-6, res)
+    assert torch.equal(got, res + kernels.gemma_rmsnorm(x, w, 1e-6))
+    assert not torch.equal(got, kernels.gemma_rmsnorm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n", [300, 1100])
+def test_gelu_tanh_mul_equals_torch(dtype, n):
+    """Gemma's gelu_tanh(gate) · up in one kernel against F.gelu(approximate="tanh") * up: float32 within
+    1e-5 of the largest value (FMA contraction of the polynomial may differ); on CUDA (CUDA's tanhf,
+    torch's) half precision within one ulp on at most 1 % of the elements. Under the interpreter tanh
+    comes from exp, and 1 + tanh cancels in the far negative tail where the two tanh differ by an
+    ulp of 1: there, within 1e-3 of the largest value. Gate and up are not interchangeable."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(2, 3, 2 * n + 8, generator=g).mul(3).to(DEV, dtype)
+    y = big[..., 8:]
+    got = kernels.gelu_tanh_mul(y, n)
+    want = F.gelu(y[..., :n], approximate="tanh") * y[..., n:]
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    ulps = _ulps(got, want)
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    if dtype == torch.float32:
+        assert err <= 1e-5, err
+    elif INTERPRET:
+        assert err <= 1e-3, err
+    else:
+        assert ulps.max() <= 1 and (ulps > 0).float().mean() <= 0.01, (ulps.max(), (ulps > 0).float().mean())
+    swapped = torch.cat([y[..., n:], y[..., :n]], -1)
+    assert (kernels.gelu_tanh_mul(swapped, n).float() - want.float()).abs().max() > 0.1 * want.float().abs().max()

@@ -275,8 +275,26 @@ if triton is not None:
         tl.store(O + r * sor + i, (silu.to(tl.float32) * up.to(tl.float32)).to(O.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _gelu_tanh_mul(Y, O, n, syr, sor, BLOCK_N: tl.constexpr, RN: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = i < n
+        gate = tl.load(Y + r * syr + i, mask=mask, other=0.0)
+        up = tl.load(Y + r * syr + n + i, mask=mask, other=0.0)
+        x = gate.to(tl.float32)
+        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # sqrt(2 / pi) (x + 0.044715 x³)
+        if RN:  # CUDA's tanhf, torch's
+            t = libdevice.tanh(inner)
+        else:
+            t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        gelu = (0.5 * x * (1.0 + t)).to(gate.dtype)
+        tl.store(O + r * sor + i, (gelu.to(tl.float32) * up.to(tl.float32)).to(O.dtype.element_ty), mask=mask)
+
+
 def elementwise_available(x: Tensor) -> bool:
-    """Whether :func:`silu_mul` runs for ``x``: Triton importable and x on CUDA."""
+    """Whether :func:`silu_mul`, :func:`gelu_tanh_mul` and :func:`gemma_rmsnorm` run for ``x``: Triton
+    importable and x on CUDA."""
     return triton is not None and x.is_cuda
 
 
@@ -295,25 +313,46 @@ def silu_mul(y: Tensor, n: int) -> Tensor:
     return o.view(*y.shape[:-1], n)
 
 
+def gelu_tanh_mul(y: Tensor, n: int) -> Tensor:
+    """gelu_tanh(y[..., :n]) · y[..., n:] for y [..., 2n] (last dim contiguous): Gemma's MLP, as torch's
+    ``F.gelu(gate, approximate="tanh") * up`` rounds it — the GELU in float32 (0.5 x (1 + tanh(sqrt(2/π)
+    (x + 0.044715 x³))), CUDA's tanhf) rounded to the model dtype, then the product in float32, rounded.
+    Where the compilers contract the polynomial into FMAs differently, the float32 GELU may differ in its
+    last ulps. One kernel where torch's ops are two (the GELU over a strided view, the product).
+    Returns a new contiguous [..., n] tensor."""
+    assert y.shape[-1] == 2 * n and y.stride(-1) == 1
+    y2 = y.reshape(-1, 2 * n)
+    o = torch.empty((y2.shape[0], n), dtype=y.dtype, device=y.device)
+    if o.numel():
+        _gelu_tanh_mul[(y2.shape[0], triton.cdiv(n, SILU_BLOCK))](y2, o, n, y2.stride(0), o.stride(0),
+                                                                 BLOCK_N=SILU_BLOCK, RN=PTX)
+    return o.view(*y.shape[:-1], n)
+
+
 if triton is not None:
     @triton.jit
-    def _gemma_rmsnorm(X, W, O, n, inner, sxo, sxi, eps, BLOCK_N: tl.constexpr):
+    def _gemma_rmsnorm(X, W, R, O, n, inner, sxo, sxi, eps, BLOCK_N: tl.constexpr, ADD: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         mask = i < n
         x = tl.load(X + (r // inner) * sxo + (r % inner) * sxi + i, mask=mask, other=0.0).to(tl.float32)
         y = x * tl.math.rsqrt(tl.sum(x * x, 0) / n + eps)
         w = tl.load(W + i, mask=mask, other=0.0).to(tl.float32)
-        tl.store(O + r * n + i, (y * (1.0 + w)).to(O.dtype.element_ty), mask=mask)
+        out = (y * (1.0 + w)).to(O.dtype.element_ty)
+        if ADD:  # residual + the rounded norm, added in float32 and rounded: torch's order
+            out = (tl.load(R + r * n + i, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32))
+        tl.store(O + r * n + i, out.to(O.dtype.element_ty), mask=mask)
 
 
-def gemma_rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def gemma_rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
     """Gemma's RMSNorm in one kernel: x / sqrt(mean(x²) + eps) · (1 + w), all in float32, rounded once to
     x's dtype (HF's Gemma3RMSNorm; torch's ops of it are five kernels, the (1 + w) two more). x [..., n]
     with its last dim contiguous and its rows on at most two strides (a head view of the fused q|k|v
     output: [B, T, heads, n]). Returns a new contiguous tensor of x's shape. The reciprocal square root
     is the hardware's (rsqrt.approx), as torch's: the float32 result may differ from torch's in its last
-    ulps, the rounded 16-bit one where it lies next to a rounding boundary."""
+    ulps, the rounded 16-bit one where it lies next to a rounding boundary. ``residual`` (contiguous, x's
+    shape and dtype): residual + norm(x) instead, in the same kernel (Gemma's post-attention and
+    post-MLP norms), rounded as torch's ``residual + norm(x)``."""
     n = x.shape[-1]
     assert x.stride(-1) == 1 and weight.shape == (n,) and weight.is_contiguous()
     if x.dim() == 1:
@@ -323,10 +362,13 @@ def gemma_rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     except RuntimeError:  # rows on two strides (heads within a token, tokens); a copy if on more
         x3 = x.reshape(-1, x.shape[-2], n)
     o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     rows = x3.shape[0] * x3.shape[1]
     if rows:
-        _gemma_rmsnorm[(rows,)](x3, weight, o, n, x3.shape[1], x3.stride(0), x3.stride(1), float(eps),
-                                BLOCK_N=triton.next_power_of_2(n))
+        _gemma_rmsnorm[(rows,)](x3, weight, o if residual is None else residual, o, n, x3.shape[1], x3.stride(0),
+                                x3.stride(1), float(eps), BLOCK_N=triton.next_power_of_2(n),
+                                ADD=residual is not None)
     return o
 
 

@@ -5,6 +5,9 @@ Kept apart so that both import it and neither imports the other (native.py build
 """
 from __future__ import annotations
 
+import functools
+
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -24,6 +27,16 @@ def gemma_rmsnorm_eps(m) -> float | None:
 
 def is_silu(act) -> bool:
     return type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"
+
+
+def is_gelu_tanh(act) -> bool:
+    """torch's tanh-approximate GELU: nn.GELU(approximate="tanh"), or transformers' GELUTanh
+    (Gemma's ``gelu_pytorch_tanh``) when it calls F.gelu (not its Python formula)."""
+    if type(act) is nn.GELU:
+        return act.approximate == "tanh"
+    f = getattr(act, "act", None)
+    return type(act).__name__ == "GELUTanh" and isinstance(f, functools.partial) \
+        and f.func is F.gelu and f.keywords == {"approximate": "tanh"}
 
 
 def sliding_window(attn, cfg) -> int | None:

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 import tether.rollout.cpu as cpu  # by module path: `from . import` goes through the package __init__
 import tether.rollout.kernels as kernels
 from .fuse import GATE_UP, QKV, fused_view, group
-from .layers import gemma_rmsnorm_eps, is_silu, rmsnorm_eps, sliding_window
+from .layers import gemma_rmsnorm_eps, is_gelu_tanh, is_silu, rmsnorm_eps, sliding_window
 from tether.distributed import is_sharded
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -136,8 +136,9 @@ FUSE_PROJECTIONS = True
 # graph; the kernels remove 5 kernels per layer (120 of the 444) and the step's 2 table gathers.
 # The same math and rounding as the torch ops (RoPE bit for bit; silu with torch's expf and IEEE
 # division). The prefill's RoPE stays in torch. Gemma's RMSNorm (float32 throughout, times 1 + w) is
-# one kernel too (gemma_rmsnorm: seven torch kernels a norm, six norms a layer with q and k's). False:
-# the torch ops. Read when a backend is built.
+# one kernel too (gemma_rmsnorm: seven torch kernels a norm, six norms a layer with q and k's; the
+# post-attention and post-MLP ones with their residual add), and so is Gemma's gelu(gate) * up where
+# gate|up is one GEMM (gelu_tanh_mul). False: the torch ops. Read when a backend is built.
 FUSE_KERNELS = True
 
 
@@ -172,6 +173,21 @@ def _rmsnorm(m):
             return lambda x: F.rms_norm(x, (x.shape[-1],), w, eps)
         return lambda x: F.rms_norm(x, (x.shape[-1],), eps=eps) * w
     return m
+
+
+def _rmsnorm_add(m):
+    """(x, residual) -> residual + norm(x): Gemma's post-attention and post-MLP norms; with its norm as
+    a kernel (FUSE_KERNELS, CUDA), the add in the same kernel (kernels.gemma_rmsnorm), rounded as here."""
+    norm, geps, fuse = _rmsnorm(m), gemma_rmsnorm_eps(m), FUSE_KERNELS
+    if geps is None or not fuse:
+        return lambda x, res: res + norm(x)
+    w = m.weight
+
+    def add(x, res):
+        if kernels.elementwise_available(x) and res.is_contiguous():
+            return kernels.gemma_rmsnorm(x, w, geps, res)
+        return res + norm(x)
+    return add
 
 
 def _linear_add(m):
@@ -266,18 +282,22 @@ def _mlp(m, gu: _Fused | None = None):
     down, act = _linear(m.down_proj), m.act_fn
     if gu is not None:
         n = m.gate_proj.weight.shape[0]
+        gelu = FUSE_KERNELS and is_gelu_tanh(act)
 
         def fused(x):
             y = gu(x)
+            if gelu and kernels.elementwise_available(y):  # one kernel (FUSE_KERNELS; kernels.py)
+                return down(kernels.gelu_tanh_mul(y, n))
             return down(act(y[..., :n]) * y[..., n:])
         return fused
     gate, up = _linear(m.gate_proj), _linear(m.up_proj)
     return lambda x: down(act(gate(x)) * up(x))
 
 
-def _normed_add(f, norm):
+def _normed_add(f, norm_module):
     """(x, residual) -> residual + norm(f(x)): Gemma's post-attention and post-MLP norms."""
-    return lambda x, res: res + norm(f(x))
+    add = _rmsnorm_add(norm_module)
+    return lambda x, res: add(f(x), res)
 
 
 def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
@@ -311,14 +331,14 @@ class _Layer:
         else:  # output columns of q, of k
             self.nq, self.nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
         # (attention output, residual) -> residual + o_proj(...) (Gemma: + norm(o_proj(...)))
-        self.o = _normed_add(_linear(a.o_proj), _rmsnorm(layer.post_attention_layernorm)) if sandwich \
+        self.o = _normed_add(_linear(a.o_proj), layer.post_attention_layernorm) if sandwich \
             else _linear_add(a.o_proj)
         # Qwen3: RMSNorm over head_dim of q and k before RoPE
         self.qn = _rmsnorm(a.q_norm) if hasattr(a, "q_norm") else None
         self.kn = _rmsnorm(a.k_norm) if hasattr(a, "k_norm") else None
         self.gate_up = _fused(layer.mlp, GATE_UP)  # gate|up in one GEMM (FUSE_PROJECTIONS), or None
         # (normed x, residual) -> residual + mlp(normed x) (Gemma: + norm(mlp(normed x)))
-        self.mlp = _normed_add(_mlp(layer.mlp, self.gate_up), _rmsnorm(layer.post_feedforward_layernorm)) \
+        self.mlp = _normed_add(_mlp(layer.mlp, self.gate_up), layer.post_feedforward_layernorm) \
             if sandwich else _mlp_add(layer.mlp, self.gate_up)
 
 
