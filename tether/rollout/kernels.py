@@ -1,5 +1,6 @@
-"""Triton kernels of the decode step: grouped-query decode attention, and the per-block softmax
-statistics that let a token be drawn without a float32 copy of the [B, V] probabilities.
+"""Triton kernels of the decode step: grouped-query decode attention (with RoPE inside), SwiGLU's and
+Gemma's gated activations, Gemma's RMSNorm, and the two-kernel full-vocabulary draw (per-block softmax
+statistics, then the draw) that needs no float32 copy of the [B, V] probabilities.
 
 Decode attention, one kernel per layer and step.
 
@@ -13,7 +14,7 @@ tile) against the cache in blocks of BLOCK slots, with the online softmax of fla
 float32: scores s = q·k × scale + bias (the additive 0 / −inf mask), running max m and sum l,
 acc = Σ exp(s − m) v, out = acc / l. For P·V, P is rounded to the cache's 16-bit type, as flash attention
 (and the training forward's SDPA) rounds it; a float32 P through TF32 costs 0.7–1.5 µs more a call at
-batch 64 (bench/decode_attention.py; the shared-memory path of a float32 operand). The kernel also writes
+batch 64 (bench/decode_attention.py). The kernel also writes
 the step's key and value into the cache slot first. Used by the native backend on CUDA when Triton is
 importable and the head size is a power of two; otherwise torch ops (native.py).
 
@@ -78,6 +79,8 @@ def _block(rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: 
     if i not in _SMS:
         _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return 2 * BLOCK if rows * kv_heads <= _SMS[i] else BLOCK
+
+
 # PTX's mul.rn for a float32 multiply that is never contracted into an FMA, libdevice for CUDA's expf.
 # Triton's interpreter (CPU; read at import, as triton.jit reads it) has neither, and ROCm no PTX:
 # plain float32 ops there
