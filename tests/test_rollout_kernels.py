@@ -2,8 +2,10 @@
 decode_attention_rope against torch's RoPE (native._rope over the backend's tables) followed by
 decode_attention — the output and the cache, bit for bit, for one and seven query heads per KV
 head, rows at different positions, the slot inside the cache, masked slots and a masked block;
-silu_mul against F.silu(gate) * up; and NativeBackend's decode of a tiny Qwen2 model with fused
-projections, FUSE_KERNELS on against off.
+silu_mul against F.silu(gate) * up; NativeBackend's decode of a tiny Qwen2 model with fused
+projections, FUSE_KERNELS on against off; the two-kernel draw against the dense softmax draw; and
+Gemma's kernels (its RMSNorm, with and without the residual add, and gelu(gate) * up) against HF's
+module and torch's ops, alone and in a tiny Gemma 3 model's decode.
 
 Runs on CUDA; on a machine without one, under Triton's interpreter (TRITON_INTERPRET=1) on CPU, in
 float32 and float16 only: the interpreter rounds float32 to bfloat16 by truncation and multiplies
