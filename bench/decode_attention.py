@@ -2,6 +2,7 @@
 call against the cache length, beside the time to read that cache once.
 
     python bench/decode_attention.py                          # batch 64 and 256, 64..512 cache slots
+    python bench/decode_attention.py --no-rope --heads 4 --kv-heads 1 --head-dim 256   # Gemma 3 270M's
     python bench/decode_attention.py --compare OLD.py,...      # other kernels modules beside it, e.g. an
                                                                # earlier commit's (git show REV:path > OLD.py)
 
@@ -42,8 +43,9 @@ def load_module(path: str):
     return mod
 
 
-def time_kernel(mod, B: int, S: int, H: int, Hkv: int, D: int, repeats: int, iters: int) -> float:
-    """µs a call of ``mod.decode_attention_rope`` over S slots, 24 layers' caches in one graph."""
+def time_kernel(mod, B: int, S: int, H: int, Hkv: int, D: int, repeats: int, iters: int, rope: bool = True) -> float:
+    """µs a call of ``mod.decode_attention_rope`` (``rope``; else ``mod.decode_attention``, q, k and v
+    given apart: the layers with q/k norms, Gemma 3's) over S slots, 24 layers' caches in one graph."""
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     y = torch.randn(B, (H + 2 * Hkv) * D, device=dev, generator=g).to(dt)
@@ -55,9 +57,15 @@ def time_kernel(mod, B: int, S: int, H: int, Hkv: int, D: int, repeats: int, ite
     pos = torch.full((B,), S - 1, device=dev, dtype=torch.long)
     slot = torch.tensor([S - 1], device=dev)
 
+    q = y[:, :H * D].view(B, Hkv, H // Hkv, D)
+    kn, vn = y[:, H * D:(H + Hkv) * D].view(B, Hkv, D), y[:, (H + Hkv) * D:].view(B, Hkv, D)
+
     def step():
         for k, v in caches:
-            mod.decode_attention_rope(y, cos, sin, pos, k, v, bias, D ** -0.5, slot, H, Hkv, D)
+            if rope:
+                mod.decode_attention_rope(y, cos, sin, pos, k, v, bias, D ** -0.5, slot, H, Hkv, D)
+            else:
+                mod.decode_attention(q, k, v, bias, D ** -0.5, kn, vn, slot)
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -90,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--no-rope", action="store_true",
+                    help="time decode_attention (q, k, v apart; the q/k-norm layers') instead of decode_attention_rope")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="the card's HBM bandwidth (H200: 4800)")
@@ -107,12 +117,13 @@ def main(argv=None):
             floor = 2 * B * Hkv * S * D * 2 / (args.hbm_gbps * 1e3)  # µs
             r = dict(batch=B, slots=S, floor_us=floor)
             for name, mod in mods.items():
-                r[name] = time_kernel(mod, B, S, H, Hkv, D, args.repeats, args.iters)
+                r[name] = time_kernel(mod, B, S, H, Hkv, D, args.repeats, args.iters, rope=not args.no_rope)
             rows.append(r)
             print(r, flush=True)
     names = list(mods)
     lines = [f"Decode attention alone ({torch.cuda.get_device_name()}, {datetime.date.today()}, "
-             f"{git_commit()[:7]}; H={H}, Hkv={Hkv}, D={D}, bf16; µs a call)", "",
+             f"{git_commit()[:7]}; {'decode_attention' if args.no_rope else 'decode_attention_rope'}, "
+             f"H={H}, Hkv={Hkv}, D={D}, bf16; µs a call)", "",
              "| batch | slots | " + " | ".join(names) + " | KV-read floor |",
              "|---:|---:|" + "---:|" * len(names) + "---:|"]
     for r in rows:
