@@ -382,7 +382,7 @@ def sampling_available(logits: Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _block_stats(Z, M, S, V, szb, smb, temperature, block, BLOCK_P2: tl.constexpr):
-        r = tl.program_id(0)
+        r = tl.program_id(0).to(tl.int64)  # r · (row stride) passes 2³¹ past 8k rows of a 262k vocabulary
         j = tl.program_id(1)
         i = tl.arange(0, BLOCK_P2)  # a power of two >= block (tl.arange needs one)
         cols = j * block + i
@@ -411,7 +411,7 @@ if triton is not None:
     @triton.jit
     def _draw(Z, M, S, U, Y, LP, V, nb, szb, smb, temperature, block,
               NB_P2: tl.constexpr, BLOCK_P2: tl.constexpr, RN: tl.constexpr):
-        r = tl.program_id(0)
+        r = tl.program_id(0).to(tl.int64)  # r · (row stride) passes 2³¹ past 8k rows of a 262k vocabulary
         # the block holding the draw: the first whose cumulative weight S_j · exp(M_j − m) reaches u · total
         j = tl.arange(0, NB_P2)
         Mj = tl.load(M + r * smb + j, mask=j < nb, other=float("-inf"))
