@@ -19,7 +19,8 @@
 #               [gemma3] (bench/rollout.py on Gemma 3 270M at batch 8 and 64: its bundle, as env's g- rows),
 #               [attention] (bench/decode_attention.py: the decode attention kernel alone against the
 #               cache length), [gemma3-shape] (decode_profile on random weights in Gemma 3 270M's shape)
-#   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels)
+#   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels); rows
+#               qwen05, [profile] (bench/grpo_profile.py: our step's phases and kernels, no TRL)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
 #               grpo05-replicated, grpo05-sync, grpo05-interleaved (one GPU, compiled), dpo7b,
@@ -256,10 +257,19 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
 }
 
 suite_grpo() {
-    wheels
-    ROW=qwen05
-    row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 8c,16c,8,16 \
-        --results "$O/results.md" --json "$O/qwen05.json"
+    for ROW in ${ROWS:-qwen05}; do
+        case $ROW in
+        qwen05)
+            wheels
+            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 8c,16c,8,16 \
+                --results "$O/results.md" --json "$O/qwen05.json" ;;
+        profile)  # ours alone, compiled, micro-batch 16: the step's phases (bench/grpo_profile.py)
+            row profile 300 python3 bench/grpo_profile.py --device cuda --micro-batch 16 --compile \
+                --json "$O/profile.json" --trace "$O/grpo_trace.json" --results "$O/results.md" \
+                && { [ -n "${DRY:-}" ] || gzip -f "$O/grpo_trace.json"; } ;;
+        *) echo "grpo: no row $ROW (qwen05, profile)" ;;
+        esac
+    done
 }
 
 suite_dpo() {
