@@ -236,8 +236,8 @@ def grpo_setup(tmp_path_factory):
 def _grpo(root, name, **kw):
     from tether.trainers.grpo import GRPOConfig, train_grpo
     cfg = GRPOConfig(model=str(root / "model"), data=str(root / "prompts.jsonl"), runs_dir=str(root / "runs"),
-                     name=name, batch_size=2, num_generations=4, max_new_tokens=8, max_steps=3, lr=1e-2,
-                     device="cpu", progress=False, seed=0, sampler_copy=True, **kw)
+                     name=name, batch_size=2, num_generations=4, max_new_tokens=8, lr=1e-2, device="cpu",
+                     progress=False, seed=0, **{"sampler_copy": True, "max_steps": 3, **kw})
     train_grpo(cfg, reward_funcs=[digit_frac])
     volatile = {"time", "step_time", "tokens_per_second", "rollout/tokens_per_second", "rollout/seconds",
                 "gather_time", "queue/wait_seconds"}
@@ -274,3 +274,34 @@ def test_the_bf16_sampling_copy_is_fused_and_samples_what_the_unfused_copy_sampl
     assert seen and all(f == [(False, False)] * 2 for _, f in seen)
     assert fused == plain and len(fused) == 3
     assert fused[0]["loss"] != fused[-1]["loss"]  # the weights moved between the rollouts
+
+
+def test_the_trained_policy_sampled_in_place_is_fused_and_its_checkpoints_resume_exactly(grpo_setup, monkeypatch,
+                                                                                         torch_path):
+    """No sampling copy (one process, the policy in its own dtype): the sampler reads the trained
+    weights themselves, which setup lays out fused, so every rollout runs one GEMM per group, on
+    the weights the optimizer updates in place (the run equals the run with FUSE_PROJECTIONS off,
+    whose losses move). Its checkpoints are written per tensor: a bf16 save of the fp32 weights
+    with the exact master weights beside, from which a resumed run repeats the uninterrupted one."""
+    seen = []
+    real_sample = Sampler.sample
+
+    def spy(self, *a, **k):
+        out = real_sample(self, *a, **k)
+        seen.append((self.model, _layers_fused(self.backend)))
+        return out
+    monkeypatch.setattr(Sampler, "sample", spy)
+    fused = _grpo(grpo_setup, "inplace", sampler_copy=False, max_steps=4, save_dtype="bf16", save_every=2)
+    assert len(seen) == 4 and all(f == [(True, True)] * 2 for _, f in seen), seen
+    ckpt = grpo_setup / "runs" / "inplace" / "checkpoints"
+    from tether.run import MASTER_WEIGHTS
+    assert (ckpt / "step-4" / MASTER_WEIGHTS).exists()
+    seen.clear()
+    cut = _grpo(grpo_setup, "inplace-cut", sampler_copy=False, max_steps=2, save_dtype="bf16")
+    cut = _grpo(grpo_setup, "inplace-cut", sampler_copy=False, max_steps=4, save_dtype="bf16", resume=True)
+    assert cut == fused and len(fused) == 4
+    monkeypatch.setattr(native, "FUSE_PROJECTIONS", False)
+    seen.clear()
+    plain = _grpo(grpo_setup, "inplace-plain", sampler_copy=False, max_steps=4, save_dtype="bf16")
+    assert seen and all(f == [(False, False)] * 2 for _, f in seen)
+    assert plain == fused and fused[0]["loss"] != fused[-1]["loss"]

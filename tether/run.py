@@ -584,12 +584,11 @@ def save_model_as(model, out: Path, dtype: torch.dtype | None, state_dict: dict 
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if dtype != torch.float32:  # fp32 holds bf16 / fp16 weights exactly: nothing to keep
-        from safetensors.torch import save_file, save_model
-        if state_dict is None:
-            save_model(model, str(out / MASTER_WEIGHTS))
-        else:  # a tied weight once, under the name its parameter has (what load_model expects)
-            names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-            save_file({k: v.contiguous() for k, v in sd.items() if k in names}, str(out / MASTER_WEIGHTS))
+        from safetensors.torch import save_file
+        # a tied weight once, under the name its parameter has; weights that are row blocks of one
+        # buffer (rollout/fuse.py: the sampled policy's q|k|v) are written each as its own tensor
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        save_file({k: v.detach().contiguous() for k, v in sd.items() if k in names}, str(out / MASTER_WEIGHTS))
 
 
 def load_master_weights(model, ckpt: Path) -> bool:
@@ -597,8 +596,16 @@ def load_master_weights(model, ckpt: Path) -> bool:
     path = Path(ckpt) / MASTER_WEIGHTS
     if not path.exists():
         return False
-    from safetensors.torch import load_model
-    load_model(model, str(path), device=str(next(model.parameters()).device))
+    from safetensors.torch import load_file
+    tensors = load_file(str(path), device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # a tied weight is in the file once: its other names are the same tensor as a loaded one
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in tensors if k in own}
+    untied = [k for k in missing if own[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise UserError(f"{path}: its weights do not match the model (missing {untied[:3]}, "
+                        f"unexpected {unexpected[:3]})")
     return True
 
 

@@ -12,9 +12,10 @@ row blocks of one storage it runs ``F.linear`` once over the whole [N_q + N_k + 
 which reads the live parameters' memory — an in-place update of any of them is seen by the next
 call, and a captured CUDA graph keeps reading the same addresses.
 
-Only for a model the sampler owns (the trainers' sampling copy, a benchmark's model): weights that
-share one storage are refused by safetensors, so a model that is saved with ``save_pretrained``
-(the trained policy) keeps its own layout. A parameter re-homed afterwards (``p.data = ...``,
+The trainers fuse the model they sample: the sampling copy, or in one process without one the
+trained policy itself (setup.py), whose checkpoints are then written tensor by tensor
+(``save_pretrained`` writes each row block as its own tensor; run.save_model_as the master
+weights). A parameter re-homed afterwards (``p.data = ...``,
 ``load_state_dict(assign=True)``, ``.to(device)``) breaks the adjacency; the backend then goes back
 to one GEMM per projection (never a stale view), and calling :func:`fuse_projections` again restores it.
 """
@@ -96,7 +97,8 @@ def fuse_projections(model) -> nn.Module:
     each into one contiguous buffer (module doc). Groups with a non-plain linear (LoRA) are left as
     they are. Values, shapes and Parameter objects are unchanged; returns ``model``.
 
-    For models the caller owns and never saves with ``save_pretrained`` (shared storage)."""
+    safetensors' ``save_model`` refuses the shared storage; ``save_pretrained`` and ``save_file``
+    write each parameter as its own tensor."""
     m = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(getattr(m, "model", None), "layers", None)
     for layer in layers if layers is not None else ():

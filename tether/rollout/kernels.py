@@ -371,7 +371,7 @@ def gemma_rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None
     if rows:
         _gemma_rmsnorm[(rows,)](x3, weight, o if residual is None else residual, o, n, x3.shape[1], x3.stride(0),
                                 x3.stride(1), float(eps), BLOCK_N=triton.next_power_of_2(n),
-                                ADD=residual is not None)
+                                ADD=residual is not None, enable_fp_fusion=False)  # (no FMA: torch's roundings)
     return o
 
 

@@ -482,6 +482,13 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     bf16 = sharding.sharding_bf16(cfg, device)
     if rollout_replica and (distributed.active() or wants_sampler_copy(cfg, bf16)):
         replica = sampling_copy(model, device, bf16=bf16)
+    elif rollout_replica and native.FUSE_PROJECTIONS:
+        # the sampler reads the trained weights themselves: q|k|v and gate|up each in one buffer, so
+        # it runs one GEMM per group and RoPE inside its attention kernel (Qwen2.5-0.5B's GRPO decode
+        # step on an H200: 457 kernels, 1.50 ms of GPU work unfused; the fused layout's 237, 1.06 ms).
+        # Values and Parameter objects stay; the optimizer and backward see no difference
+        # (rollout/fuse.py), and checkpoints are written per tensor (run.save_model_as).
+        fuse_projections(model)
     hint = None
     if distributed.active() and distributed.uses_cuda() and cfg.model.fsdp:
         hint = state_hint((model, ref, trainable), torch.cuda.get_device_properties(device).total_memory)
