@@ -46,6 +46,13 @@ KV_BUCKET = 64
 # measured yet, so it is off. Sampling depends on it (a row's random stream is indexed by step).
 OVERLAP_TURNS = False
 
+# A prompt sampled several times (a GRPO group's n completions, the same environment reset) is
+# prefilled once: its KV cache rows are copied to the other rows (backend.select) and each row draws
+# its first token from the shared logits with its own random stream. On an H200 (Qwen2.5-0.5B shape,
+# 8 prompts x 8, 128-token prompts) the prefill ran 4 chunks of 16 rows, 0.10 s of a 0.52 s rollout
+# with the profiler on; shared, one chunk of 8 rows.
+SHARE_PREFILL = True
+
 _DEFAULT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -353,8 +360,19 @@ class Sampler:
         tokens = cfg.prefill_tokens or min(8192, max(2048, b * P // 4))
         chunk = max(1, tokens // P) if be.name == "native" else b
         st.step.fill_(0)
-        for r in range(0, b, chunk):  # each chunk's first token is drawn before the next chunk runs:
-            self._emit(be.prefill(ids[r:r + chunk], attn[r:r + chunk], r), cfg, r)  # [chunk, V] transients only
+        shared = distinct_rows(seqs, b) if SHARE_PREFILL else None
+        if shared is None:
+            for r in range(0, b, chunk):  # each chunk's first token is drawn before the next chunk runs:
+                self._emit(be.prefill(ids[r:r + chunk], attn[r:r + chunk], r), cfg, r)  # [chunk, V] transients only
+        else:  # each distinct prompt once into rows 0..U-1, then every row's cache from its prompt's
+            first, src = (torch.tensor(x, device=dev) for x in shared)
+            ids_u, attn_u = ids.index_select(0, first), attn.index_select(0, first)
+            chunk = chunk if be.name == "native" else len(first)
+            logits = torch.cat([be.prefill(ids_u[r:r + chunk], attn_u[r:r + chunk], r)
+                                for r in range(0, len(first), chunk)])
+            be.select(src)
+            for r in range(0, b, chunk):
+                self._emit(logits.index_select(0, src[r:r + chunk]), cfg, r)
         st.pos[:b] = attn.sum(-1)
         st.slot.fill_(P)
         st.step.fill_(1)
@@ -592,6 +610,21 @@ class _Stream:
 def _replace(cfg: SamplingConfig, overrides: dict) -> SamplingConfig:
     import dataclasses
     return dataclasses.replace(cfg, **overrides)
+
+
+def distinct_rows(seqs: list[list[int]], b: int) -> tuple[list[int], list[int]] | None:
+    """The prefill's shared prompts (SHARE_PREFILL): (the first row of each distinct prompt, and for
+    each of the `b` batch rows the index of its prompt among those), or None when no two rows
+    repeat one prompt. Rows past len(seqs) (a graph bucket's spare rows) repeat row 0."""
+    index: dict[tuple, int] = {}
+    first, src = [], []
+    for i in range(b):
+        key = tuple(seqs[i] if i < len(seqs) else seqs[0])
+        if key not in index:
+            index[key] = len(first)
+            first.append(i)
+        src.append(index[key])
+    return None if len(first) == b else (first, src)
 
 
 def _sync(dev) -> None:

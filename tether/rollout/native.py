@@ -556,10 +556,13 @@ class NativeBackend:
         return self._logits(x)[:, 0]
 
     def select(self, idx: Tensor) -> None:
-        """Keep cache rows ``idx`` (in that order) as rows 0..len(idx)-1 (batch compaction)."""
-        n, dim = idx.numel(), 1 if self.cstep is None else 2  # the C step's caches are tile-major
+        """Keep cache rows ``idx`` (in that order, a row possibly more than once) as rows
+        0..len(idx)-1: batch compaction, and a shared prefill's copies (engine.SHARE_PREFILL). Layer
+        by layer, so the gathered copy is one layer's cache at a time."""
+        n, dim = idx.numel(), 0 if self.cstep is None else 1  # (within a layer) the C step's caches are tile-major
         for c in (self.k, self.v):
-            c.narrow(dim, 0, n).copy_(c.index_select(dim, idx))
+            for layer in c:
+                layer.narrow(dim, 0, n).copy_(layer.index_select(dim, idx))
         if self.kpos is not None:
             self.kpos.narrow(0, 0, n).copy_(self.kpos.index_select(0, idx))
 
