@@ -261,7 +261,7 @@ suite_grpo() {
         case $ROW in
         qwen05)
             wheels
-            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c,64c,16 \
+            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c \
                 --results "$O/results.md" --json "$O/qwen05.json" ;;
         profile)  # ours alone, compiled, micro-batch 16: the step's phases (bench/grpo_profile.py)
             row profile 300 python3 bench/grpo_profile.py --device cuda --micro-batch 16 --compile \

@@ -5,8 +5,8 @@
 
 The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
 
-    python bench/grpo_step.py --device cuda --ours-micro-batches 8c,16c,8,16
-        # ours compiled and not at micro-batches 8 and 16, vs TRL at micro-batch 8
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c
+        # ours compiled at micro-batches 16 and 32, vs TRL at micro-batch 8
 
 A step = sample `generations` completions of each of `prompts` prompts, score them, one optimizer
 update (token-mean loss: ours `loss_agg=token-mean`, TRL `loss_type="dapo"`; group-std advantages;
