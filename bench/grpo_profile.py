@@ -108,32 +108,31 @@ def instrument(prof, profiled_step: int, sync):
 
 
 def analyse(trace: dict) -> dict:
-    """Per phase wall / GPU time over the profiled step, from the chrome trace's events."""
+    """Per phase wall / GPU time over the profiled step, from the chrome trace's events. A kernel
+    (memcpy, memset) belongs to the innermost phase range around the host call that launched it
+    (matched by the trace's correlation ids; a CUDA graph's kernels to its cudaGraphLaunch)."""
     events = trace["traceEvents"]
     cpu = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("tether::")]
-    gpu_ranges = [e for e in events if e.get("cat") == "gpu_user_annotation"
-                  and str(e.get("name", "")).startswith("tether::")]
-    work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     step = next(e for e in cpu if e["name"] == STEP)
     t0, t1 = step["ts"], step["ts"] + step["dur"]
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1]) for e in cpu
+                     if e["name"].split("::", 1)[1] in PHASES and t0 <= e["ts"] <= t1), key=lambda r: r[1] - r[0])
     wall, calls = defaultdict(float), defaultdict(int)
-    for e in cpu:
-        label = e["name"].split("::", 1)[1]
-        if label in PHASES and t0 <= e["ts"] <= t1:
-            wall[label] += e["dur"] / 1e3
-            calls[label] += 1
-    # kernels to phases by the GPU window of the innermost phase range around their start
-    windows = sorted(((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1]) for e in gpu_ranges
-                      if e["name"].split("::", 1)[1] in PHASES), key=lambda w: w[1] - w[0])
-    step_gpu = [w for w in gpu_ranges if w["name"] == STEP]
-    g0, g1 = (step_gpu[0]["ts"], step_gpu[0]["ts"] + step_gpu[0]["dur"]) if step_gpu else (t0, t1)
+    for a, b, label in ranges:
+        wall[label] += (b - a) / 1e3
+        calls[label] += 1
+    launch = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     busy, top = defaultdict(float), defaultdict(lambda: defaultdict(float))
     inside = []
-    for k in work:
-        if not g0 <= k["ts"] <= g1:
+    for k in events:
+        if k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        at = launch.get(k.get("args", {}).get("correlation"))
+        if at is None or not t0 <= at <= t1:
             continue
         inside.append((k["ts"], k["ts"] + k["dur"]))
-        label = next((w[2] for w in windows if w[0] <= k["ts"] <= w[1]), "other")
+        label = next((r[2] for r in ranges if r[0] <= at <= r[1]), "other")
         busy[label] += k["dur"] / 1e3
         top[label][k["name"][:90]] += k["dur"] / 1e3
     inside.sort()
