@@ -159,13 +159,14 @@ def test_n_samples_per_prompt_are_grouped_and_distinct(lm):
     assert rep.texts == ro.texts[0:4]
 
 
-@pytest.mark.parametrize("path", ["c-step", "torch", "graphs", "hf", "window"])
+@pytest.mark.parametrize("path", ["c-step", "torch", "graphs", "hf", "window", "chunks"])
 def test_a_prompt_sampled_n_times_is_prefilled_once_with_the_same_samples(eosy, monkeypatch, path):
     """engine.SHARE_PREFILL: the n rows of a prompt (and a repeated prompt, and a graph bucket's
     spare rows) share one prefill — the backend prefills only the distinct prompts and copies their
     cache rows — and the rollout equals the one that prefills every row: the same tokens, log-probs,
     finish reasons, on the C step, the torch path, the emulated graphs (with compaction), the HF
-    backend and a sliding-window model."""
+    backend and a sliding-window model. More distinct prompts than one prefill chunk holds: every
+    row is prefilled, chunk by chunk, as without sharing."""
     from tether.rollout import engine, native
     model, tok = _windowed("gemma3") if path == "window" else eosy
     prompts = PROMPTS + [PROMPTS[1]]
@@ -176,7 +177,8 @@ def test_a_prompt_sampled_n_times_is_prefilled_once_with_the_same_samples(eosy, 
 
     def run(share):
         monkeypatch.setattr(engine, "SHARE_PREFILL", share)
-        s = Sampler(model, tok, backend=backend, max_new_tokens=24, temperature=0.9, sync_every=3)
+        s = Sampler(model, tok, backend=backend, max_new_tokens=24, temperature=0.9, sync_every=3,
+                    **({"prefill_tokens": 16} if path == "chunks" else {}))
         s._emulate_graphs = path == "graphs"
         real = None
 
@@ -187,7 +189,8 @@ def test_a_prompt_sampled_n_times_is_prefilled_once_with_the_same_samples(eosy, 
         real, s.backend.prefill = s.backend.prefill, spy
         return s.sample(prompts, n=3, seed=4)
     shared, plain = run(True), run(False)
-    assert sum(n for sh, n in rows if sh) == len(PROMPTS)  # the repeated prompt's rows share too
+    prefilled = sum(n for sh, n in rows if sh)
+    assert prefilled == (3 * len(prompts) if path == "chunks" else len(PROMPTS))  # a repeated prompt shares too
     assert sum(n for sh, n in rows if not sh) >= 3 * len(prompts)
     assert shared.texts == plain.texts and shared.finish_reasons == plain.finish_reasons
     assert torch.equal(shared.logprobs, plain.logprobs)
