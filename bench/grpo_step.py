@@ -114,7 +114,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     from tether.trainers.core import setup
     from tether.trainers.grpo import GRPOConfig, train_grpo
 
-    split = common._split_head
+    split, tokenizer = common._split_head, setup.load_tokenizer
     if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
         common._split_head = lambda model: None
 
@@ -135,7 +135,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     try:
         train_grpo(cfg, reward_funcs=[reward])
     finally:
-        common._split_head = split
+        common._split_head, setup.load_tokenizer = split, tokenizer
         if compile:  # compiled frames keep the run's model alive: free it before the next row's peak
             torch._dynamo.reset()
         import gc

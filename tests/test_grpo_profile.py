@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import grpo_profile as G  # noqa: E402
@@ -49,8 +50,15 @@ def test_kernels_go_to_the_phase_that_launched_them():
 
 def test_one_cpu_run_profiles_every_phase(tmp_path):
     out = tmp_path / "p.json"
-    G.main(["--device", "cpu", "--warmup", "1", "--json", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        G.main(["--device", "cpu", "--warmup", "1", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # (the script runs on one thread)
     r = json.loads(out.read_text())
+    from tether.models import load_tokenizer
+    from tether.trainers.core import setup
+    assert setup.load_tokenizer is load_tokenizer  # the benchmark's word-level tokenizer is not left behind
     phases = r["phases"]
     assert {"sample", "score", "prepare", "forward", "loss", "backward", "optimizer", "metrics"} <= set(phases)
     assert phases["forward"]["calls"] == phases["backward"]["calls"] == 2  # 8 rows, micro-batches of 4
