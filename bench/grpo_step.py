@@ -7,6 +7,8 @@ The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
 
     python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c
         # ours compiled at micro-batches 16 and 32, vs TRL at micro-batch 8
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl --compile-mode reduce-overhead
+        # A/B: the compiled layers in CUDA graphs (torch.compile's mode; the update is launch-bound)
 
 A step = sample `generations` completions of each of `prompts` prompts, score them, one optimizer
 update (token-mean loss: ours `loss_agg=token-mean`, TRL `loss_type="dapo"`; group-std advantages;
@@ -110,13 +112,18 @@ def load_tok(model_dir: Path):
 
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
              compile=False) -> dict:
+    import functools
+
     from tether.models import logprobs as common
     from tether.trainers.core import setup
     from tether.trainers.grpo import GRPOConfig, train_grpo
 
     split, tokenizer = common._split_head, setup.load_tokenizer
+    compile_layers = setup.compile_layers
     if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
         common._split_head = lambda model: None
+    if getattr(a, "compile_mode", None):  # A/B: torch.compile's mode for the compiled layers
+        setup.compile_layers = functools.partial(compile_layers, mode=a.compile_mode)
 
     setup.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok (every trainer's tokenizer loads in setup)
 
@@ -136,6 +143,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
         train_grpo(cfg, reward_funcs=[reward])
     finally:
         common._split_head, setup.load_tokenizer = split, tokenizer
+        setup.compile_layers = compile_layers
         if compile:  # compiled frames keep the run's model alive: free it before the next row's peak
             torch._dynamo.reset()
         import gc
@@ -215,6 +223,8 @@ def main(argv=None):
                          "logits instead of the chunked head, c = compile=true (default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
+    ap.add_argument("--compile-mode", default=None,
+                    help="ours, compiled rows: torch.compile's mode for the layers (an A/B, e.g. reduce-overhead)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true")
@@ -273,6 +283,7 @@ def render(results, kind, a) -> str:
              f"generations, {a.prompt_len}-token prompts, {a.new_tokens} new tokens",
              "", f"Card: {device_name(a.device)}. Date: {date}. torch {torch.__version__}, transformers "
              f"{__import__('transformers').__version__}{trl_v}. Gradient checkpointing {a.grad_ckpt} (both sides), "
+             f"{f'ours compiled in mode {a.compile_mode}, ' if a.compile_mode else ''}"
              f"bf16 weights on CUDA (both sides), allocator "
              f"`PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}` (both sides), median of "
              f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",
