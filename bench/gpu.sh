@@ -21,7 +21,7 @@
 #               cache length), [gemma3-shape] (decode_profile on random weights in Gemma 3 270M's shape)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels); rows
 #               qwen05, [profile] (bench/grpo_profile.py: our step's phases and kernels, no TRL), [graphs]
-#               (ours alone, --compile-mode reduce-overhead: the compiled layers in CUDA graphs, an A/B)
+#               (ours alone, --compile-options mode=reduce-overhead: the compiled layers in CUDA graphs, an A/B)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
 #               grpo05-replicated, grpo05-sync, grpo05-interleaved (one GPU, compiled), dpo7b,
@@ -270,7 +270,7 @@ suite_grpo() {
                 && { [ -n "${DRY:-}" ] || gzip -f "$O/grpo_trace.json"; } ;;
         graphs)  # ours alone: the compiled layers in CUDA graphs (the launch-bound update at micro-batch 16)
             row graphs 300 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl \
-                --compile-mode reduce-overhead --results "$O/results.md" --json "$O/graphs.json" ;;
+                --compile-options mode=reduce-overhead --results "$O/results.md" --json "$O/graphs.json" ;;
         *) echo "grpo: no row $ROW (qwen05, profile, graphs)" ;;
         esac
     done

@@ -7,8 +7,9 @@ The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
 
     python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c
         # ours compiled at micro-batches 16 and 32, vs TRL at micro-batch 8
-    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl --compile-mode reduce-overhead
-        # A/B: the compiled layers in CUDA graphs (torch.compile's mode; the update is launch-bound)
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl --compile-options mode=reduce-overhead
+        # A/B: the compiled layers in CUDA graphs (the update is launch-bound); dynamic=sequence or
+        # dynamic=False: the layers' other compile modes (models/load.compile_layers)
 
 A step = sample `generations` completions of each of `prompts` prompts, score them, one optimizer
 update (token-mean loss: ours `loss_agg=token-mean`, TRL `loss_type="dapo"`; group-std advantages;
@@ -110,6 +111,12 @@ def load_tok(model_dir: Path):
     return tok
 
 
+def compile_options(text: str) -> dict:
+    """'mode=reduce-overhead,dynamic=False' -> {'mode': 'reduce-overhead', 'dynamic': False}."""
+    words = {"True": True, "False": False, "None": None}
+    return {k: words.get(v, v) for k, v in (item.split("=", 1) for item in text.split(",") if item)}
+
+
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
              compile=False) -> dict:
     import functools
@@ -122,8 +129,8 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     compile_layers = setup.compile_layers
     if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
         common._split_head = lambda model: None
-    if getattr(a, "compile_mode", None):  # A/B: torch.compile's mode for the compiled layers
-        setup.compile_layers = functools.partial(compile_layers, mode=a.compile_mode)
+    if getattr(a, "compile_options", None):  # A/B: the compiled layers' torch.compile options
+        setup.compile_layers = functools.partial(compile_layers, **compile_options(a.compile_options))
 
     setup.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok (every trainer's tokenizer loads in setup)
 
@@ -223,8 +230,9 @@ def main(argv=None):
                          "logits instead of the chunked head, c = compile=true (default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
-    ap.add_argument("--compile-mode", default=None,
-                    help="ours, compiled rows: torch.compile's mode for the layers (an A/B, e.g. reduce-overhead)")
+    ap.add_argument("--compile-options", default=None,
+                    help="ours, compiled rows: the layers' torch.compile options, k=v,... (an A/B: "
+                         "mode=reduce-overhead, dynamic=sequence, dynamic=False)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true")
@@ -283,7 +291,7 @@ def render(results, kind, a) -> str:
              f"generations, {a.prompt_len}-token prompts, {a.new_tokens} new tokens",
              "", f"Card: {device_name(a.device)}. Date: {date}. torch {torch.__version__}, transformers "
              f"{__import__('transformers').__version__}{trl_v}. Gradient checkpointing {a.grad_ckpt} (both sides), "
-             f"{f'ours compiled in mode {a.compile_mode}, ' if a.compile_mode else ''}"
+             f"{f'ours compiled with {a.compile_options}, ' if a.compile_options else ''}"
              f"bf16 weights on CUDA (both sides), allocator "
              f"`PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}` (both sides), median of "
              f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",
