@@ -118,9 +118,10 @@ def compile_options(text: str) -> dict:
 
 
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
-             compile=False) -> dict:
+             compile=False, checkpoint_outside=False) -> dict:
     import functools
 
+    from tether.models import load
     from tether.models import logprobs as common
     from tether.trainers.core import setup
     from tether.trainers.grpo import GRPOConfig, train_grpo
@@ -132,6 +133,9 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     if getattr(a, "compile_options", None):  # A/B: the compiled layers' torch.compile options
         setup.compile_layers = functools.partial(compile_layers, **compile_options(a.compile_options))
 
+    checkpoint_inside = load.checkpoint_inside
+    if checkpoint_outside:  # A/B: the layer's own checkpoint around the compiled call (transformers 5.17's)
+        load.checkpoint_inside = lambda layer: False
     setup.load_tokenizer = lambda path, **_: load_tok(model_dir)  # see load_tok (every trainer's tokenizer loads in setup)
 
     work.mkdir(parents=True, exist_ok=True)
@@ -150,7 +154,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
         train_grpo(cfg, reward_funcs=[reward])
     finally:
         common._split_head, setup.load_tokenizer = split, tokenizer
-        setup.compile_layers = compile_layers
+        setup.compile_layers, load.checkpoint_inside = compile_layers, checkpoint_inside
         if compile:  # compiled frames keep the run's model alive: free it before the next row's peak
             torch._dynamo.reset()
         import gc
@@ -227,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (both sides)")
     ap.add_argument("--ours-micro-batches", default=None,
                     help="comma list: one row of ours per micro-batch size, suffix f = HF forward's full "
-                         "logits instead of the chunked head, c = compile=true (default: --micro-batch; GPU 8,16,32)")
+                         "logits instead of the chunked head, c = compile=true, o = the layers' checkpoint around "
+                         "their compiled call, not inside it (an A/B; default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
     ap.add_argument("--compile-options", default=None,
@@ -256,9 +261,10 @@ def main(argv=None):
         vocab = build(kind, work / "model")
         prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
         for spec in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(","):
-            mb, full, comp = int(spec.rstrip("fc")), "f" in spec, "c" in spec
-            name = f"ours (micro-batch {mb}{', full logits' if full else ''}{', compile' if comp else ''})"
-            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full, comp)
+            mb, full, comp, outside = int(spec.rstrip("fco")), "f" in spec, "c" in spec, "o" in spec
+            name = (f"ours (micro-batch {mb}{', full logits' if full else ''}{', compile' if comp else ''}"
+                    f"{', checkpoint around the compiled call' if outside else ''})")
+            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full, comp, outside)
             print(f"{name}: {json.dumps(results[name])}", flush=True)
         if not a.skip_trl:
             try:
