@@ -118,7 +118,7 @@ def compile_options(text: str) -> dict:
 
 
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
-             compile=False, checkpoint_outside=False) -> dict:
+             compile=False, checkpoint_outside=False, offload_activations=False) -> dict:
     import functools
 
     from tether.models import load
@@ -147,6 +147,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
                      loss_agg="token-mean", advantage="grpo", beta=0.0, temperature=1.0,
                      micro_batch_size=micro_batch, dtype="bf16" if a.device == "cuda" else "fp32",
                      gradient_checkpointing=a.grad_ckpt == "on", compile=compile,
+                     offload_activations=offload_activations,
                      device=a.device, progress=False, log_entropy=True, keep_last=1, seed=0)
     reset_peak(a.device)
     t0 = time.perf_counter()
@@ -232,7 +233,7 @@ def main(argv=None):
     ap.add_argument("--ours-micro-batches", default=None,
                     help="comma list: one row of ours per micro-batch size, suffix f = HF forward's full "
                          "logits instead of the chunked head, c = compile=true, o = the layers' checkpoint around "
-                         "their compiled call, not inside it (an A/B; default: --micro-batch; GPU 8,16,32)")
+                         "their compiled call, not inside it (an A/B), h = model.offload_activations (default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
     ap.add_argument("--compile-options", default=None,
@@ -261,10 +262,13 @@ def main(argv=None):
         vocab = build(kind, work / "model")
         prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
         for spec in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(","):
-            mb, full, comp, outside = int(spec.rstrip("fco")), "f" in spec, "c" in spec, "o" in spec
+            mb, full, comp, outside, host = (int(spec.rstrip("fcoh")), "f" in spec, "c" in spec, "o" in spec,
+                                             "h" in spec)
             name = (f"ours (micro-batch {mb}{', full logits' if full else ''}{', compile' if comp else ''}"
-                    f"{', checkpoint around the compiled call' if outside else ''})")
-            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full, comp, outside)
+                    f"{', checkpoint around the compiled call' if outside else ''}"
+                    f"{', activations on the host' if host else ''})")
+            results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full, comp, outside,
+                                     host)
             print(f"{name}: {json.dumps(results[name])}", flush=True)
         if not a.skip_trl:
             try:

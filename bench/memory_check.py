@@ -100,6 +100,7 @@ def parse(argv=None):
     p.add_argument("--micro-batch", type=int, default=0, help="grpo: sequences per forward/backward (0 = all)")
     p.add_argument("--minibatches", type=int, default=4, help="ppo: minibatches per rollout batch (one update each)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--offload-activations", action="store_true", help="model.offload_activations (one GPU)")
     p.add_argument("--lora-r", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -130,6 +131,7 @@ def memory_config(a, gpus: int, model: str):
     return MemoryConfig(
         model=model, algo=a.algo, weight_dtype=a.dtype, optimizer="adamw" if a.dtype == "fp32" else "adamw_bf16",
         lora=a.lora_r > 0, lora_rank=max(a.lora_r, 1), gradient_checkpointing=a.gradient_checkpointing,
+        offload_activations=getattr(a, "offload_activations", False),
         batch_size=micro if online else a.batch_size,
         grad_accum=1 if online else a.grad_accum,
         seq_len=a.prompt_len + a.new_tokens if online else a.seq_len,
@@ -217,7 +219,7 @@ def trainer(a, model_dir: Path, data: Path, runs: Path):
     from tether.config import load_config
     common = {"model": str(model_dir), "data": str(data), "runs_dir": str(runs), "name": a.algo,
               "overwrite": True, "dtype": a.dtype, "device": a.device, "gradient_checkpointing": a.gradient_checkpointing,
-              "lora_r": a.lora_r, "fsdp": a.sharding == "fsdp", "fsdp_offload": a.fsdp_offload,
+              "offload_activations": getattr(a, "offload_activations", False), "lora_r": a.lora_r, "fsdp": a.sharding == "fsdp", "fsdp_offload": a.fsdp_offload,
               "fsdp_reshard": not a.no_reshard, "max_steps": a.steps, "progress": False, "log_every": 1,
               "save_every": 0, "num_samples": 0, "lr": 1e-6, "keep_last": 1}
     if a.algo == "grpo":

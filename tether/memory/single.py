@@ -51,6 +51,8 @@ class MemoryConfig:
     "linear layers that get adapters (Llama names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)"
     gradient_checkpointing: bool = False
     "recompute each decoder layer in backward: keep only its input (7B: activations ~14x smaller)"
+    offload_activations: bool = False
+    "gpus = 1: the activations saved for backward in pinned CPU memory (model.offload_activations): two layers' worth stay on the GPU, in flight"
     attention: Literal["sdpa", "eager"] = "sdpa"
     "sdpa/flash never materialise the s x s attention matrix; eager keeps the probabilities for backward"
     offload: bool = False
@@ -176,9 +178,12 @@ def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int, d: int | None =
     if cfg.attention == "eager":
         per_token_layer += shape.heads * s * (4 + d if d < 4 else 4)
     tokens = seqs * s
+    # offload_activations: what is saved goes to the host as it is made and comes back a layer ahead
+    # of backward (models/offload.py), so about two layers' worth is on the GPU at once
+    kept = min(2, shape.layers) if cfg.offload_activations and cfg.gpus == 1 else shape.layers
     if cfg.gradient_checkpointing:  # each layer's input is kept; one layer is recomputed at a time in backward
-        return tokens * (shape.layers * d * h + per_token_layer)
-    return tokens * shape.layers * per_token_layer
+        return tokens * (kept * d * h + per_token_layer)
+    return tokens * kept * per_token_layer
 
 
 # The RL and preference trainers apply the LM head themselves, chunk by chunk (models/logprobs.py,
@@ -325,7 +330,8 @@ def format_table(est: dict, format_sharded=None) -> str:
              f"{', tied embeddings' if s['tied'] else ''} [{est['source']}]",
              f"weights {c['weight_dtype']}, optimizer {c['optimizer']}, {mode}, "
              f"{'gradient checkpointing' if c['gradient_checkpointing'] else 'no gradient checkpointing'}"
-             f"{', offload' if c['offload'] else ''}; GB = 1e9 bytes", ""]
+             f"{', offload' if c['offload'] else ''}"
+             f"{', activations on the host' if c.get('offload_activations') else ''}; GB = 1e9 bytes", ""]
     if est.get("per_gpu"):
         fsdp = c["sharding"] == "fsdp"
         lines.insert(3, f"per GPU of {c['gpus']} (torchrun): "

@@ -7,6 +7,8 @@ one implementation (docs/architecture.md, layers)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tether.distributed import is_sharded
@@ -44,6 +46,19 @@ HEAD_CHUNK_ELEMENTS: int | None = None
 # than the bf16 body's is not measured (the hypothesis this option tests). MiniMax (2025, the MiniMax-M1
 # report) reported the LM head's precision as the cause of such a mismatch and fixed it this way.
 HEAD_DTYPE: torch.dtype | None = None
+
+# model.offload_activations: a training forward's saved activations in pinned host memory
+# (models/offload.py); the body's forward runs in its saved-tensor hooks. Set by setup for a run.
+OFFLOAD_ACTIVATIONS = False
+
+
+def _saving(device):
+    """The context a training forward of the body runs in: host_activations when offloading and
+    gradients are on, else nothing."""
+    if OFFLOAD_ACTIVATIONS and torch.is_grad_enabled():
+        from tether.models.offload import host_activations
+        return host_activations(device)
+    return contextlib.nullcontext()
 
 
 def forward_inputs(batch: dict) -> dict:
@@ -261,7 +276,8 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
             if is_sharded(model):
                 lp, ent = _sharded_chunked_head(model, head, batch, idx, targets, temperature, mode)
             else:
-                h = body(**forward_inputs(batch), use_cache=False).last_hidden_state
+                with _saving(ids.device):
+                    h = body(**forward_inputs(batch), use_cache=False).last_hidden_state
                 lp, ent = _chunked_head(h.reshape(B * T, -1).index_select(0, idx), head, targets,
                                         temperature, mode)
         logps = torch.zeros(B * T, dtype=torch.float32, device=ids.device)
@@ -274,7 +290,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
     kw = {"logits_to_keep": T - start} if start > 0 and supports_logits_to_keep(model) else {}
     if not kw:
         start = 0
-    with amp:
+    with amp, _saving(ids.device):
         logits = model(**forward_inputs(batch), use_cache=False, **kw).logits
     part = token_logps(logits, ids[:, start:], temperature)
     logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part

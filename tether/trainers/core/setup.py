@@ -427,6 +427,9 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     head_fp32 = getattr(cfg.model, "head_fp32", False)
     if head_fp32 and distributed.world_size() > 1:
         raise ConfigError("config key 'model.head_fp32' runs in one process (FSDP2 gathers bf16 weights)")
+    offload = getattr(cfg.model, "offload_activations", False)
+    if offload and distributed.world_size() > 1:
+        raise ConfigError("config key 'model.offload_activations' runs in one process")
     run_path = Path(cfg.run.runs_dir) / cfg.run.name
     ckpt = latest_checkpoint(run_path) if cfg.run.resume else None
     check_installed(cfg.run.log_with)  # a tracker's missing package: one line, before anything loads
@@ -466,9 +469,14 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
                          attn_implementation=cfg.model.attn_implementation) if ckpt else copy.deepcopy(model)
         ref.eval().requires_grad_(False)
     if cfg.model.gradient_checkpointing:
-        # non-reentrant under FSDP2: the reentrant variant re-enters forward hooks out of order
-        model.gradient_checkpointing_enable(**({"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-                                               if distributed.active() else {}))
+        # non-reentrant under FSDP2: the reentrant variant re-enters forward hooks out of order.
+        # Reentrant for eager layers whose activations go to the host: it saves a layer's input
+        # through the saved-tensor hooks, where the non-reentrant one holds it itself (compiled
+        # layers checkpoint inside their region and save it through the hooks: load.checkpoint_inside)
+        reentrant = False if distributed.active() else (
+            True if getattr(cfg.model, "offload_activations", False) and not cfg.model.compile else None)
+        model.gradient_checkpointing_enable(**({"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+                                               if reentrant is not None else {}))
         model.config.use_cache = False
         if cfg.model.lora_r > 0:  # frozen embeddings: inputs must require grad for checkpointed blocks
             model.enable_input_require_grads()
@@ -500,7 +508,7 @@ def _setup(cfg, load_data, build, reference, rows_per_step, updates_per_step, ro
     run = RunDir(run_path, resume=ckpt is not None, log_with=cfg.run.log_with,
                  tracker_project=cfg.run.tracker_project, mlflow_uri=cfg.run.mlflow_uri,
                  overwrite=cfg.run.overwrite or cfg.run.resume)
-    restore = _set_process_state(head_fp32, device)  # before the first forward (compile traces it)
+    restore = _set_process_state(head_fp32, device, offload)  # before the first forward (compile traces it)
     try:
         t = _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt,
                    rows_per_step, updates_per_step)
@@ -551,14 +559,20 @@ def _flat_config(cfg) -> dict:
     return out
 
 
-def _set_process_state(head_fp32: bool, device: torch.device) -> Callable[[], None]:
+def _set_process_state(head_fp32: bool, device: torch.device, offload: bool = False) -> Callable[[], None]:
     """What a run changes for the whole process until its release: the LM head's dtype under mixed
-    precision (logprobs.HEAD_DTYPE), on CUDA the attention guard. Returns the call undoing both
-    (the head dtype back to what it was: a run inside a run's process leaves the outer one's)."""
-    previous = logprobs.HEAD_DTYPE
+    precision (logprobs.HEAD_DTYPE), whether training forwards keep their activations on the host
+    (logprobs.OFFLOAD_ACTIVATIONS), on CUDA the attention guard. Returns the call undoing them
+    (each back to what it was: a run inside a run's process leaves the outer one's)."""
+    previous = logprobs.HEAD_DTYPE, logprobs.OFFLOAD_ACTIVATIONS
     logprobs.HEAD_DTYPE = torch.float32 if head_fp32 else None
+    logprobs.OFFLOAD_ACTIVATIONS = offload
     restore_attention = guard_attention_backward(device)
-    return lambda: (setattr(logprobs, "HEAD_DTYPE", previous), restore_attention())
+
+    def restore():
+        logprobs.HEAD_DTYPE, logprobs.OFFLOAD_ACTIVATIONS = previous
+        restore_attention()
+    return restore
 
 
 def _start(cfg, run, data, model, trainable, ref, device, tokenizer, ckpt, rows_per_step,
