@@ -20,7 +20,8 @@
 #               [attention] (bench/decode_attention.py: the decode attention kernel alone against the
 #               cache length), [gemma3-shape] (decode_profile on random weights in Gemma 3 270M's shape)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels); rows
-#               qwen05, [profile] (bench/grpo_profile.py: our step's phases and kernels, no TRL), [graphs]
+#               qwen05 (ours at micro-batch 16, 32 and 32 with model.offload_activations), [checkpoint]
+#               (ours alone: the layers' checkpoint around their compiled call against inside it), [profile] (bench/grpo_profile.py: our step's phases and kernels, no TRL), [graphs]
 #               (ours alone, --compile-options mode=reduce-overhead: the compiled layers in CUDA graphs, an A/B)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
 #   scale       bench/scale.py: weak scaling over the GPUs here; rows grpo05, dpo05, [dpo05c,
@@ -262,8 +263,11 @@ suite_grpo() {
         case $ROW in
         qwen05)
             wheels
-            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c \
+            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c,32ch \
                 --results "$O/results.md" --json "$O/qwen05.json" ;;
+        checkpoint)  # ours alone: the layers' checkpoint around their compiled call (o) against inside it
+            row checkpoint 300 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16co,16c,32co,32c \
+                --skip-trl --results "$O/results.md" --json "$O/checkpoint.json" ;;
         profile)  # ours alone, compiled, micro-batch 16: the step's phases (bench/grpo_profile.py)
             row profile 300 python3 bench/grpo_profile.py --device cuda --micro-batch 16 --compile \
                 --json "$O/profile.json" --trace "$O/grpo_trace.json" --results "$O/results.md" \
@@ -271,7 +275,7 @@ suite_grpo() {
         graphs)  # ours alone: the compiled layers in CUDA graphs (the launch-bound update at micro-batch 16)
             row graphs 300 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl \
                 --compile-options mode=reduce-overhead --results "$O/results.md" --json "$O/graphs.json" ;;
-        *) echo "grpo: no row $ROW (qwen05, profile, graphs)" ;;
+        *) echo "grpo: no row $ROW (qwen05, profile, graphs, checkpoint)" ;;
         esac
     done
 }
