@@ -5,8 +5,11 @@
 
 The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
 
-    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c
-        # ours compiled at micro-batches 16 and 32, vs TRL at micro-batch 8
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c,32ch
+        # ours compiled at micro-batches 16 and 32, and 32 with the saved activations in host memory
+        # (model.offload_activations), vs TRL at micro-batch 8
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16co,16c,32co,32c --skip-trl
+        # A/B: the layers' checkpoint around their compiled call (o) against inside it (the default)
     python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl --compile-options mode=reduce-overhead
         # A/B: the compiled layers in CUDA graphs (the update is launch-bound); dynamic=sequence or
         # dynamic=False: the layers' other compile modes (models/load.compile_layers)
@@ -233,7 +236,8 @@ def main(argv=None):
     ap.add_argument("--ours-micro-batches", default=None,
                     help="comma list: one row of ours per micro-batch size, suffix f = HF forward's full "
                          "logits instead of the chunked head, c = compile=true, o = the layers' checkpoint around "
-                         "their compiled call, not inside it (an A/B), h = model.offload_activations (default: --micro-batch; GPU 8,16,32)")
+                         "their compiled call, not inside it (an A/B), h = model.offload_activations "
+                         "(default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
     ap.add_argument("--compile-options", default=None,

@@ -1,9 +1,9 @@
 """model.offload_activations on CUDA (tether/models/offload.py): a checkpointed training forward's
 saved layer inputs go to pinned host memory and come back for backward. The log-probs and every
-gradient are bit-identical to keeping them on the device, and what the forward leaves allocated
-for backward drops by the layers' inputs, eager and with the layers compiled."""
+gradient whose baseline repeats bit for bit are bit-identical to keeping them on the device (the
+embedding's, added with atomics, to 1e-5), and what the forward leaves allocated for backward
+drops by the layers' inputs, eager and with the layers compiled."""
 
-import copy
 from contextlib import nullcontext
 
 import pytest
@@ -37,8 +37,7 @@ def test_offloaded_activations_give_the_same_gradients_and_leave_the_device(monk
     torch.manual_seed(0)
     model, _ = make_tiny_model(None, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
                                intermediate_size=256)
-    # eager attention: a deterministic backward (SDPA's fp32 kernels accumulate with atomics), so the
-    # baseline repeats bit for bit and any difference is the offload's
+    # eager attention: a deterministic backward (SDPA's fp32 kernels accumulate with atomics)
     model.set_attn_implementation("eager")
     model = model.float().cuda()
     # as setup enables it: eager layers checkpoint reentrantly (their inputs saved through the hooks)
@@ -58,10 +57,14 @@ def test_offloaded_activations_give_the_same_gradients_and_leave_the_device(monk
         again = _step(model, batch, True, monkeypatch)  # pooled host buffers, reused
     finally:
         torch._dynamo.reset()
-    for name, out in (("baseline repeated", repeat), ("offloaded", moved), ("offloaded again", again)):
+    for name, out in (("offloaded", moved), ("offloaded again", again)):
         assert torch.equal(out[0], kept[0]), name
-        for n in kept[1]:
-            assert torch.equal(out[1][n], kept[1][n]), (name, n, (out[1][n] - kept[1][n]).abs().max().item())
+        for n, g in kept[1].items():
+            if torch.equal(repeat[1][n], g):  # the baseline repeats bit for bit: so must the offload
+                assert torch.equal(out[1][n], g), (name, n, (out[1][n] - g).abs().max().item())
+            else:  # the embedding's CUDA backward adds with atomics (7.6e-6 apart on an H200, run to run)
+                torch.testing.assert_close(out[1][n], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=n)
+    assert sum(not torch.equal(repeat[1][n], g) for n, g in kept[1].items()) <= 1  # the embedding at most
     layer_input = B * T * HIDDEN * 4
     # every layer's input leaves the device; at most two (a copy in flight) may still be there
     assert kept[2] - moved[2] >= (LAYERS - 2) * layer_input, (kept[2], moved[2])
