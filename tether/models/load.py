@@ -207,8 +207,14 @@ def compile_layers(model, **options) -> int:
     length-only, 0.080 static."""
     layers = decoder_layers(model)
     sequence = options.get("dynamic") == "sequence"
+    if sum(checkpoint_inside(layer) for layer in layers) and hasattr(
+            torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # transformers 5.25's hub-kernel layers set a context variable in their forward (the kernels
+        # package's CompileableContextVar), which Dynamo refuses inside a traced checkpoint unless told
+        # that the recompute need not repeat it: the layer would run uncompiled. The variable is set
+        # and reset within the forward, and the traced graph has already chosen its kernels.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
-        checkpoint_inside(layer)
         if sequence:  # the hook runs outside the compiled forward, so its marks reach the first trace
             layer.forward = torch.compile(layer.forward, **{**options, "dynamic": None})
             layer.register_forward_pre_hook(_mark_sequence_dynamic, with_kwargs=True)
