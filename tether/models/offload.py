@@ -16,8 +16,8 @@ layer, 0.53 GB for 24), the step's largest hold after the weights, gradients and
 
 Values are bit-identical (copies, no casts). The cost is two copies of the saved bytes over PCIe a
 micro-batch, overlapped with the layers' compute; what stays on the device is the tensors in flight
-(about two layers' inputs) instead of every layer's. Pinned buffers are pooled by size and reused
-from micro-batch to micro-batch, so the host allocates them once. On CPU the context does nothing:
+(about two layers' inputs) instead of every layer's. Pinned buffers are pooled by capacity and
+reused from micro-batch to micro-batch, so the host allocates them once. On CPU the context does nothing:
 the activations already live in host memory.
 """
 
@@ -34,31 +34,36 @@ MIN_BYTES = 1 << 20
 
 
 class _Pool:
-    """Pinned host buffers by (numel, dtype), reused once their tensor's backward has read them."""
+    """Pinned host buffers by capacity (the next power of two of a tensor's elements) and dtype,
+    reused once their tensor's backward has read them. Sequence lengths change from step to step;
+    rounding keeps the buckets few, so the pool holds about what one micro-batch needs at most,
+    within a factor of two, instead of a set of buffers for every length seen."""
 
     def __init__(self):
         self.free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
-        bucket = self.free[(like.numel(), like.dtype)]
-        buf = bucket.pop() if bucket else torch.empty(like.numel(), dtype=like.dtype, pin_memory=True)
-        return buf.view(like.shape)
+        """A pinned buffer of at least like's elements (1-D, its full capacity)."""
+        key = (1 << (like.numel() - 1).bit_length(), like.dtype)
+        bucket = self.free[key]
+        return bucket.pop() if bucket else torch.empty(key[0], dtype=like.dtype, pin_memory=True)
 
     def give(self, buf: torch.Tensor) -> None:
-        self.free[(buf.numel(), buf.dtype)].append(buf.view(-1))
+        self.free[(buf.numel(), buf.dtype)].append(buf)
 
 
 class _Saved:
-    """One offloaded tensor: its host copy, and its device copy once fetched back."""
+    """One offloaded tensor: its pinned buffer, the host copy (a view of it in the tensor's shape),
+    and its device copy once fetched back."""
 
-    __slots__ = ("host", "where", "device", "ready", "pool", "__weakref__")
+    __slots__ = ("buf", "host", "where", "device", "ready", "pool", "__weakref__")
 
-    def __init__(self, host, where, pool):
-        self.host, self.where, self.device, self.ready, self.pool = host, where, None, None, pool
+    def __init__(self, buf, like, pool):
+        self.buf, self.host, self.where = buf, buf[:like.numel()].view(like.shape), like.device
+        self.device, self.ready, self.pool = None, None, pool
 
-    def __del__(self):  # the autograd graph let go of it: the host buffer serves the next micro-batch
-        if self.pool is not None and self.host is not None:
-            self.pool.give(self.host)
+    def __del__(self):  # the autograd graph let go of it: the buffer serves a later micro-batch (its
+        self.pool.give(self.buf)  # copies run on the side stream, after this one's copy back)
 
 
 class HostActivations:
@@ -77,9 +82,9 @@ class HostActivations:
                 or t.numel() * t.element_size() < self.min_bytes):
             return t
         ref, known = self.seen.get(id(t), (None, None))
-        if ref is not None and ref() is t and known.host is not None:  # saved again by another op: one copy
+        if ref is not None and ref() is t:  # saved again by another op: one copy
             return known
-        saved = _Saved(self.pool.take(t), t.device, self.pool)
+        saved = _Saved(self.pool.take(t), t, self.pool)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             saved.host.copy_(t, non_blocking=True)
