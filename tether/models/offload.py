@@ -17,8 +17,8 @@ layer, 0.53 GB for 24), the step's largest hold after the weights, gradients and
 Values are bit-identical (copies, no casts). The cost is two copies of the saved bytes over PCIe a
 micro-batch, overlapped with the layers' compute; what stays on the device is the tensors in flight
 (about two layers' inputs) instead of every layer's. Pinned buffers are pooled by capacity and
-reused from micro-batch to micro-batch, so the host allocates them once. On CPU the context does nothing:
-the activations already live in host memory.
+reused from micro-batch to micro-batch, so the host allocates them once. On CPU the context does
+nothing: the activations already live in host memory.
 """
 
 from __future__ import annotations
