@@ -88,6 +88,19 @@ def test_gradient_checkpointing_reduces_activations():
     assert ckpt < plain / 5
 
 
+def test_activations_on_the_host_keep_two_layer_inputs_on_the_gpu():
+    """offload_activations: of the checkpointed layers' inputs (L · d · h bytes a token) two stay on
+    the GPU, in flight (models/offload.py); the recomputed layer's activations stay as they were.
+    7e9 is guessed as Llama-7B's shape: 32 layers, hidden 4096, bf16; GRPO trains 4 × 1024 tokens."""
+    kw = dict(model="7e9", algo="grpo", gradient_checkpointing=True, weight_dtype="bf16", batch_size=4,
+              seq_len=1024)
+    kept = _gb(_est(**kw), "policy activations")
+    moved = _gb(_est(**kw, offload_activations=True), "policy activations")
+    assert kept - moved == pytest.approx(4 * 1024 * (32 - 2) * 2 * 4096 / 1e9)  # 1.007 GB
+    with pytest.raises(ValueError, match="offload_activations"):  # one process, as the trainers take it
+        _est(**kw, offload_activations=True, gpus=2)
+
+
 def test_model_sets_per_algorithm():
     def names(**kw):
         return {r["component"] for r in _est(model="1e9", **kw)["components"] if r["component"].endswith("weights")}

@@ -52,7 +52,7 @@ class MemoryConfig:
     gradient_checkpointing: bool = False
     "recompute each decoder layer in backward: keep only its input (7B: activations ~14x smaller)"
     offload_activations: bool = False
-    "gpus = 1: the activations saved for backward in pinned CPU memory (model.offload_activations): two layers' worth stay on the GPU, in flight"
+    "one GPU: the activations saved for backward in pinned CPU memory (model.offload_activations): two layers' worth stay on the GPU, in flight"
     attention: Literal["sdpa", "eager"] = "sdpa"
     "sdpa/flash never materialise the s x s attention matrix; eager keeps the probabilities for backward"
     offload: bool = False
@@ -121,6 +121,8 @@ class MemoryConfig:
             if size % self.gpus:
                 raise ValueError(f"config key '{key}': {size} does not divide among gpus={self.gpus} "
                                  f"(every process takes an equal share of the global batch)")
+            if self.offload_activations:  # as the trainers refuse it under torchrun
+                raise ValueError(f"config key 'offload_activations': one process only (gpus=1), not gpus={self.gpus}")
 
 
 @dataclass
@@ -180,7 +182,7 @@ def activation_bytes(cfg: MemoryConfig, shape: Shape, seqs: int, d: int | None =
     tokens = seqs * s
     # offload_activations: what is saved goes to the host as it is made and comes back a layer ahead
     # of backward (models/offload.py), so about two layers' worth is on the GPU at once
-    kept = min(2, shape.layers) if cfg.offload_activations and cfg.gpus == 1 else shape.layers
+    kept = min(2, shape.layers) if cfg.offload_activations else shape.layers
     if cfg.gradient_checkpointing:  # each layer's input is kept; one layer is recomputed at a time in backward
         return tokens * (kept * d * h + per_token_layer)
     return tokens * kept * per_token_layer
