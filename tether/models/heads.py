@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from tether.errors import UserError
+from tether.models.logprobs import saved_activations
 
 HEAD_WEIGHTS = "scalar_head.safetensors"
 HEAD_CONFIG = "scalar_head.json"
@@ -99,8 +100,9 @@ class ScalarHeadModel(nn.Module):
         if position_ids is None:
             # Left padding must not shift positions: count from the first real token.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self._base()(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, use_cache=False)
+        with saved_activations(input_ids.device):
+            out = self._base()(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         score = self.head(h)  # in fp32 (Fp32Linear)
         return score.squeeze(-1) - self.offset

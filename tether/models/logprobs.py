@@ -52,9 +52,9 @@ HEAD_DTYPE: torch.dtype | None = None
 OFFLOAD_ACTIVATIONS = False
 
 
-def _saving(device):
-    """The context a training forward of the body runs in: host_activations when offloading and
-    gradients are on, else nothing."""
+def saved_activations(device):
+    """The context every training forward runs in (this module's, SFT's, the scalar-head models'):
+    models.offload.host_activations when offloading and gradients are on, else nothing."""
     if OFFLOAD_ACTIVATIONS and torch.is_grad_enabled():
         from tether.models.offload import host_activations
         return host_activations(device)
@@ -276,7 +276,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
             if is_sharded(model):
                 lp, ent = _sharded_chunked_head(model, head, batch, idx, targets, temperature, mode)
             else:
-                with _saving(ids.device):
+                with saved_activations(ids.device):
                     h = body(**forward_inputs(batch), use_cache=False).last_hidden_state
                 lp, ent = _chunked_head(h.reshape(B * T, -1).index_select(0, idx), head, targets,
                                         temperature, mode)
@@ -290,7 +290,7 @@ def completion_token_logps(model, batch: dict, temperature: float, amp, want_ent
     kw = {"logits_to_keep": T - start} if start > 0 and supports_logits_to_keep(model) else {}
     if not kw:
         start = 0
-    with amp, _saving(ids.device):
+    with amp, saved_activations(ids.device):
         logits = model(**forward_inputs(batch), use_cache=False, **kw).logits
     part = token_logps(logits, ids[:, start:], temperature)
     logps = torch.cat([part.new_zeros(ids.shape[0], start), part], 1) if start else part

@@ -26,7 +26,8 @@ from tether.data import collate_sequences, encode_prompts
 from tether.data.pipeline import load_data
 from tether.data.tokenize import encode_sft
 from tether.errors import UserError
-from tether.models.logprobs import completion_token_logps, forward_inputs, packing_layout, uses_chunked_head
+from tether.models.logprobs import (completion_token_logps, forward_inputs, packing_layout, saved_activations,
+                                     uses_chunked_head)
 from tether.objectives import sft_loss
 from tether.trainers.core.common import StepClock
 from tether.trainers.core.held_out import HeldOut, check_keep_best, eval_rewards, generation_metrics
@@ -135,7 +136,7 @@ def _micro_loss(model, batch: dict, device, amp) -> tuple[torch.Tensor, int]:
     if uses_chunked_head(model, on):
         logps, _ = completion_token_logps(model, on, 1.0, amp)  # 0 outside the targets
         return -logps.sum(), n_tok
-    with amp:
+    with amp, saved_activations(ids.device):
         logits = model(**forward_inputs(on), use_cache=False).logits
     # sft_loss is the token mean over `mask` (shifted inside); scale back to a sum so the
     # accumulated batch is one token mean, not a mean of micro-batch means.
