@@ -1,8 +1,8 @@
 """model.offload_activations on CUDA (tether/models/offload.py): a checkpointed training forward's
 saved layer inputs go to pinned host memory and come back for backward. The log-probs and every
 gradient whose baseline repeats bit for bit are bit-identical to keeping them on the device (one
-that does not, as the embedding's, added with atomics, to 1e-5), and what the forward leaves allocated for backward
-drops by the layers' inputs, eager and with the layers compiled."""
+that does not, as the embedding's, added with atomics, to 1e-5), and what the forward leaves
+allocated for backward drops by the layers' inputs, eager and with the layers compiled."""
 
 from contextlib import nullcontext
 
