@@ -168,28 +168,47 @@ def bench_multiturn(model, B, P, new, vocab, device, repeats, mean_turn, reply_l
     """Episodes of ~mean_turn-token model turns and reply_len-token replies, `new` tokens in all.
     `sync_every`: decode steps between host checks (0: the engine's default, 8 on CUDA). A row whose
     turn ended waits, masked, until the next check schedules its reply: about sync_every / 2 steps a
-    boundary, against the cost of each check's host sync."""
+    boundary, against the cost of each check's host sync.
+
+    Each repeat is a pair, a single-turn call (EOS ignored, `new` tokens a row, the same prompts)
+    then a multi-turn call, back to back: the boundaries' cost is computed a pair at a time, so a
+    drift of the card's speed over the run (clocks, another process) moves both sides of a pair;
+    its median and range over the pairs are reported."""
     g = torch.Generator().manual_seed(B)
     ids = torch.randint(10, vocab, (B, P), generator=g).to(device).tolist()
     ends = torch.randperm(vocab, generator=g)[: max(1, vocab // mean_turn)].tolist()
     reply = torch.randint(10, vocab, (reply_len,), generator=g).tolist()
     sampler = Sampler(model, None, SamplingConfig(max_new_tokens=new, temperature=1.0, stop_token_ids=ends,
                                                   sync_every=sync_every))
+    single = Sampler(model, None, SamplingConfig(max_new_tokens=new, temperature=1.0, ignore_eos=True,
+                                                 sync_every=sync_every))
     timed(lambda: sampler.sample(ids, seed=0, episodes=Replies(reply)), device)
-    runs = []
+    timed(lambda: single.sample(ids, seed=0), device)
+    runs, pairs = [], []
     for r in range(repeats):
+        t1, one = timed(lambda: single.sample(ids, seed=1 + r), device)
         eps = Replies(reply)
         t, ro = timed(lambda: sampler.sample(ids, seed=1 + r, episodes=eps), device)
-        runs.append((t, int(ro.token_mask.sum()), int(ro.completion_mask.sum()), eps.turns, ro.stats["ms_per_step"],
-                     ro.stats["capture_s"]))
+        tokens, capture = int(ro.token_mask.sum()), ro.stats["capture_s"]
+        single_tok_s = int(one.completion_mask.sum()) / t1
+        runs.append((t, tokens, int(ro.completion_mask.sum()), eps.turns, ro.stats["ms_per_step"], capture))
+        pairs.append(dict(cost=1 - tokens / t / single_tok_s, cost_no_capture=1 - tokens / (t - capture) / single_tok_s,
+                          single_tok_s=single_tok_s, single_ms_step=one.stats["ms_per_step"]))
     sampler.release()
+    single.release()
     t, tokens, model_tokens, turns, ms, capture = sorted(runs)[len(runs) // 2]
+    costs = sorted(p["cost"] for p in pairs)
+    costs_nc = sorted(p["cost_no_capture"] for p in pairs)
     # Episodes end at different steps, so a timed call may compact its batch to a size the warm-up never
     # reached and capture that size's CUDA graph then (once a process, like the first call's captures):
     # tokens/s is given with and without those seconds.
     return dict(wall_s=t, tok_s=tokens / t, tok_s_no_capture=tokens / (t - capture), capture_s=capture,
                 tokens=tokens, model_tokens=model_tokens, ms_step=ms, mean_turn=model_tokens / max(turns + B, 1),
-                turns_per_episode=turns / B + 1, sync_every=sync_every)
+                turns_per_episode=turns / B + 1, sync_every=sync_every, pairs=pairs,
+                pair_cost=statistics.median(costs), pair_cost_range=[costs[0], costs[-1]],
+                pair_cost_no_capture=statistics.median(costs_nc), pair_cost_no_capture_range=[costs_nc[0], costs_nc[-1]],
+                single_tok_s=statistics.median(p["single_tok_s"] for p in pairs),
+                single_ms_step=statistics.median(p["single_ms_step"] for p in pairs))
 
 
 @torch.no_grad()
@@ -281,10 +300,6 @@ def render(results, extras, kind, P, new, dev, args) -> str:
         fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
     if args.overlap_turns:
         fused += ", turn boundaries overlapped with a decode step (--overlap-turns)"
-    if args.no_fuse_kernels:
-        fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
-    if args.overlap_turns:
-        fused += ", turn boundaries overlapped with a decode step (--overlap-turns)"
     lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens, {fused}",
              "", f"Card: {device_name(dev)}. Date: {date}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}. Command: `{cmd.strip()}`", "",
@@ -302,17 +317,21 @@ def render(results, extras, kind, P, new, dev, args) -> str:
     multi = {B: rows for B, rows in results.items() if "multi-turn" in rows}
     if multi:
         lines += ["", "Multi-turn episodes of the same total length (`--turns`): every model turn ends at an end "
-                  "token and a 16-token reply goes into the same KV cache.", "",
+                  "token and a 16-token reply goes into the same KV cache. Each repeat is a pair of calls, "
+                  "single-turn then multi-turn; the cost is 1 − (episode tokens/s) / (single-turn tokens/s) "
+                  "a pair, its median and range over the pairs.", "",
                   "| batch | turns / episode | mean model turn (tokens) | tokens/s (all tokens) | single-turn tokens/s | "
-                  "cost of the boundaries | ms / decode step, episodes / single-turn | graph captures in the call (s) | "
-                  "cost without them |",
+                  "cost of the boundaries, pairs: median (range) | the same without graph captures | "
+                  "ms / decode step, episodes / single-turn | graph captures in the call (s) |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for B, rows in multi.items():
-            m, one = rows["multi-turn"], rows["ours"]
+            m = rows["multi-turn"]
+            lo, hi = m["pair_cost_range"]
+            lo_nc, hi_nc = m["pair_cost_no_capture_range"]
             lines.append(f"| {B} | {m['turns_per_episode']:.1f} | {m['mean_turn']:.0f} | {m['tok_s']:,.0f} | "
-                         f"{one['tok_s']:,.0f} | {1 - m['tok_s'] / one['tok_s']:.1%} | "
-                         f"{m['ms_step']:.2f} / {one['ms_step']:.2f} | {m['capture_s']:.3f} | "
-                         f"{1 - m['tok_s_no_capture'] / one['tok_s']:.1%} |")
+                         f"{m['single_tok_s']:,.0f} | {m['pair_cost']:.1%} ({lo:.1%} – {hi:.1%}) | "
+                         f"{m['pair_cost_no_capture']:.1%} ({lo_nc:.1%} – {hi_nc:.1%}) | "
+                         f"{m['ms_step']:.2f} / {m['single_ms_step']:.2f} | {m['capture_s']:.3f} |")
     notes = []
     for B, e in extras.items():
         if B == "greedy":

@@ -5,7 +5,8 @@ head, rows at different positions, the slot inside the cache, masked slots and a
 silu_mul against F.silu(gate) * up; NativeBackend's decode of a tiny Qwen2 model with fused
 projections, FUSE_KERNELS on against off; the two-kernel draw against the dense softmax draw; and
 Gemma's kernels (its RMSNorm, with and without the residual add, and gelu(gate) * up) against HF's
-module and torch's ops, alone and in a tiny Gemma 3 model's decode.
+module and torch's ops, alone and in a tiny Gemma 3 model's decode; and the step's bookkeeping
+kernel (record_step) against engine.record_step's torch ops, alone and in multi-turn episodes.
 
 Runs on CUDA; on a machine without one, under Triton's interpreter (TRITON_INTERPRET=1) on CPU, in
 float32 and float16 only: the interpreter rounds float32 to bfloat16 by truncation and multiplies
@@ -334,3 +335,66 @@ def test_gelu_tanh_mul_equals_torch(dtype, n):
         assert ulps.max() <= 1 and (ulps > 0).float().mean() <= 0.01, (ulps.max(), (ulps > 0).float().mean())
     swapped = torch.cat([y[..., n:], y[..., :n]], -1)
     assert (kernels.gelu_tanh_mul(swapped, n).float() - want.float()).abs().max() > 0.1 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("episodes,ends", [(False, False), (False, True), (True, True), (True, False)],
+                         ids=["plain", "ends", "episodes", "episodes-no-ends"])
+def test_record_step_equals_the_torch_ops(episodes, ends):
+    """The step's bookkeeping in one kernel writes what engine.record_step's torch ops write: forced
+    tokens replace draws (log-prob 0, kind 2, never an end), finished rows record the pad and 0, an
+    end token (the pad among them) finishes a row, the next inputs are the recorded tokens. Rows
+    span two programs; their output positions are scattered over the buffers."""
+    from tether.rollout import engine
+    g = torch.Generator().manual_seed(3)
+    n, rows, steps, eos_ids, pad = kernels.RECORD_BLOCK + 7, 300, 12, [5, 9, 0], 0
+    flat = (torch.randperm(rows, generator=g)[:n] * (steps + 1) + torch.randint(0, steps, (n,), generator=g))
+    y = torch.randint(0, 12, (n,), generator=g)
+    lp = -torch.rand(n, generator=g)
+    fin = torch.rand(n, generator=g) < 0.3
+    force_on = torch.rand(rows, steps + 1, generator=g) < 0.4
+    force_tok = torch.randint(0, 12, (rows, steps + 1), generator=g)
+    out = [torch.randint(0, 12, (rows, steps + 1), generator=g), torch.randn(rows, steps + 1, generator=g),
+           torch.randint(0, 3, (rows, steps + 1), generator=g).to(torch.int8)]
+    eos = torch.tensor(eos_ids) if ends else None
+    got, want = [[x.clone().to(DEV) for x in [fin, torch.zeros(n, dtype=torch.long)] + out] for _ in range(2)]
+    args = [t.to(DEV) if t is not None else None for t in (y, lp, flat)]
+    for record, (f, tok, ot, ol, ok) in ((kernels.record_step, got), (engine.record_step, want)):
+        record(*args, f, tok, ot, ol, None if eos is None else eos.to(DEV), pad,
+               (force_on.to(DEV), force_tok.to(DEV), ok) if episodes else None)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    f0 = want[0].cpu()
+    assert f0[fin].all() and (f0 != fin).any() == ends  # ends finish rows, and only with an end set
+    if episodes:  # some forced tokens are end ids: they finish nothing
+        forced = force_on.view(-1)[flat]
+        hit = forced & ~fin & torch.isin(force_tok.view(-1)[flat], torch.tensor(eos_ids))
+        assert hit.any() and not f0[hit].any()
+
+
+def test_multi_turn_episodes_with_the_record_kernel_equal_the_torch_ops(monkeypatch):
+    """A multi-turn call (replies forced into the cache, rows waiting for the check, the batch
+    compacted) records the same episodes — tokens, log-probs, masks — with the step's bookkeeping in
+    one kernel as in torch's ops."""
+    from test_rollout_episodes import PROMPTS, Replies
+    from tether.models import make_tiny_model
+    from tether.rollout import Sampler, engine
+    model, tok = make_tiny_model(None, family="llama", hidden_size=32, num_layers=2, num_heads=2,
+                                 num_kv_heads=1, intermediate_size=64)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        model.get_output_embeddings().weight[tok.eos_token_id] *= 3.0
+    model = model.to(DEV).eval()
+    monkeypatch.setattr(kernels, "record_available", lambda x: True)  # also under the interpreter (CPU)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(engine, "FUSE_RECORD", fused)
+        s = Sampler(model, tok, max_new_tokens=90, temperature=0.9, sync_every=3)
+        replies = Replies(tok)
+        runs.append((s.sample(PROMPTS, n=2, seed=3, episodes=replies), replies.seen))
+    (a, seen_a), (b, seen_b) = runs
+    assert seen_a == seen_b and sum(len(v) for v in seen_a.values()) >= 2 * len(a)  # several turns an episode
+    for name in ("completion_ids", "logprobs", "completion_mask", "observation_mask", "token_mask"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

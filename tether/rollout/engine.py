@@ -27,6 +27,7 @@ from torch import Tensor
 
 from tether.data.tokenize import bos_ids
 
+from . import kernels
 from .finish import StopChecker, assemble, assemble_episodes
 from .graphs import State, bucket, capture, give_stream, round_up, take_stream
 from .native import HFBackend, NativeBackend, native_support, unwrap
@@ -45,6 +46,11 @@ KV_BUCKET = 64
 # 0.1-0.2 ms longer than single-turn's, about 1 ms of host time a check; what this recovers is not
 # measured yet, so it is off. Sampling depends on it (a row's random stream is indexed by step).
 OVERLAP_TURNS = False
+
+# A decode step's bookkeeping after the draw (forced environment tokens, the finished rows' padding,
+# the outputs, the end check) in one Triton kernel on CUDA (kernels.record_step) instead of 8 torch
+# ops, 19 in a multi-turn call.
+FUSE_RECORD = True
 
 # A prompt sampled several times (a GRPO group's n completions, the same environment reset) is
 # prefilled once: its KV cache rows are copied to the other rows (backend.select) and each row draws
@@ -80,6 +86,7 @@ class Sampler:
         self._emulate_graphs = False  # tests: run the graph code path on CPU (see _graph)
         self._episodes = None  # the wave's turn bookkeeping while a multi-turn call decodes (_Turns)
         self._stream = None  # the wave's streaming callback while a call with stream= decodes (_Stream)
+        self._host = None  # the host's copy of the wave's state at its checks (_Host)
         # A flat tensor the KV cache may live in (native backend; when large enough and of the
         # model's dtype): the RL trainers lend their gradient buffer, idle while sampling. Its
         # contents are overwritten by every call; the lender must not need them meanwhile.
@@ -248,20 +255,10 @@ class Sampler:
         st, r1 = self.state, r0 + logits.shape[0]
         flat = st.row_id[r0:r1] * (st.steps + 1) + st.step
         y, lp = sample_tokens(logits, st.u.view(-1)[flat], cfg)
-        fin = st.finished[r0:r1]
-        forced = st.force_on.view(-1)[flat] if self._episodes is not None else None
-        if forced is not None:  # the environment's tokens: fed as they are, no log-prob, no end
-            y = torch.where(forced, st.force_tok.view(-1)[flat], y)
-            lp = lp.masked_fill(forced, 0.0)
-            kind = torch.where(fin, 0, torch.where(forced, 2, 1)).to(torch.int8)
-            st.out_kind.view(-1).index_copy_(0, flat, kind)
-        y = torch.where(fin, self.pad, y)
-        st.out_tok.view(-1).index_copy_(0, flat, y)
-        st.out_logp.view(-1).index_copy_(0, flat, lp.masked_fill(fin, 0.0))
-        if self.eos and not cfg.ignore_eos:
-            end = (y[:, None] == self._eos_t).any(-1)
-            fin |= end if forced is None else end & ~forced
-        st.tokens[r0:r1] = y
+        record = kernels.record_step if FUSE_RECORD and kernels.record_available(y) else record_step
+        record(y, lp, flat, st.finished[r0:r1], st.tokens[r0:r1], st.out_tok, st.out_logp,
+               self._eos_t if self.eos and not cfg.ignore_eos else None, self.pad,
+               None if self._episodes is None else (st.force_on, st.force_tok, st.out_kind))
 
     def _step(self, b: int, kv_len: int, cfg: SamplingConfig) -> None:
         st = self.state
@@ -382,6 +379,8 @@ class Sampler:
 
         # Decode. done: sequences known finished at the last check; stop_end: completion lengths.
         checker = StopChecker(self.tokenizer, cfg.stop, N) if cfg.stop and self.tokenizer else None
+        self._host = _Host(N, T, tokens=checker is not None or self._stream is not None or self._episodes is not None,
+                           kinds=self._episodes is not None)
         done: set[int] = set()
         stop_end: dict[int, int] = {}
         t, checked = 1, 0
@@ -427,12 +426,15 @@ class Sampler:
         """Host sync: match stop strings in the tokens since the last check, schedule the environment's
         replies (multi-turn; ``step``: one more decode step to run meanwhile, see OVERLAP_TURNS), then
         compact the batch when at most half of it (three quarters without graphs) is still running.
-        Returns (b, any_running, t): t is one more when ``step`` ran."""
-        st = self.state
+        The device state is read in one copy (:class:`_Host`): a sync is where the GPU runs dry, and
+        each further read would keep it idle a round trip longer. Returns (b, any_running, t): t is
+        one more when ``step`` ran."""
+        st, host = self.state, self._host
+        fin, rid = host.read(st, b, t)
         if checker is not None:
             live = [i for i in range(len(checker.ids)) if i not in done]
             if live:
-                new = st.out_tok[torch.tensor(live, device=st.out_tok.device), checked:t].tolist()
+                new = host.tok[live, checked:t].tolist()
                 hits = []
                 for i, toks in zip(live, new):
                     end = next((k + 1 for k, y in enumerate(toks) if y in self.eos), None)
@@ -445,23 +447,28 @@ class Sampler:
                 if hits:
                     hit = torch.tensor(hits, device=st.row_id.device)
                     st.finished[:b] |= torch.isin(st.row_id[:b], hit)
+                    hit_rows = set(hits)
+                    fin = [f or r in hit_rows for f, r in zip(fin, rid)]
         if self._stream is not None:
-            self._stream.send(st.out_tok, checked, t, stop_end)
-        live = None
+            self._stream.send(host.tok, checked, t, stop_end)
         if self._episodes is not None:
-            t = self._turn_boundaries(b, t, step)
+            t, fin = self._turn_boundaries(b, t, fin, rid, step)
             if step is not None:  # a turn that ended in that step is not over: compaction keeps its row
-                live = self._episodes.pending(st, b)
-        fin = st.finished[:b]
-        row_id = st.row_id[:b].tolist()
-        running = (~fin if live is None else live).nonzero().squeeze(1)
-        n = running.numel()
-        done.update(r for r, f in zip(row_id, fin.tolist()) if f and r < st.rows)
+                fin, rid = host.read(st, b, t, tokens=False)
+                over = self._episodes.over
+                running = [i for i, (f, r) in enumerate(zip(fin, rid)) if not f or (r < st.rows and r not in over)]
+            else:  # every ended turn was answered (its row runs) or ended its episode
+                running = [i for i, f in enumerate(fin) if not f]
+        else:
+            running = [i for i, f in enumerate(fin) if not f]
+        n = len(running)
+        done.update(r for r, f in zip(rid, fin) if f and r < st.rows)
         if n == 0:
             return b, False, t
         new_b = bucket(n) if use_graphs else n
         if new_b <= b // 2 or (not use_graphs and n <= 3 * b // 4):
-            idx = torch.cat([running, running[:1].expand(new_b - n)])  # spare rows repeat a live one
+            # spare rows repeat a live one
+            idx = torch.tensor(running + running[:1] * (new_b - n), device=st.tokens.device)
             for x in (st.tokens, st.pos, st.bias, st.finished, st.row_id):
                 x[:new_b] = x.index_select(0, idx)
             st.finished[n:new_b] = True
@@ -470,22 +477,22 @@ class Sampler:
             b = new_b
         return b, True, t
 
-    def _turn_boundaries(self, b: int, t: int, step=None) -> int:
-        """Host side of a multi-turn call, at a check after step t-1: every row whose turn ended
-        (finished, episode not over) gets the environment's reply scheduled as forced tokens and
-        runs again. The cache continues: the reply's tokens go into the next slots, the slots the
-        row spent waiting for this check are masked out, and its position counts its real tokens
-        only — so the transcript's keys, values and positions are those of one contiguous sequence.
+    def _turn_boundaries(self, b: int, t: int, fin: list[bool], rid: list[int], step=None) -> tuple[int, list[bool]]:
+        """Host side of a multi-turn call, at a check after step t-1 (``fin``, ``rid``: the batch
+        rows' finished flags and output rows, as read): every row whose turn ended (finished,
+        episode not over) gets the environment's reply scheduled as forced tokens and runs again.
+        The cache continues: the reply's tokens go into the next slots, the slots the row spent
+        waiting for this check are masked out, and its position counts its real tokens only — so
+        the transcript's keys, values and positions are those of one contiguous sequence.
         ``step`` (OVERLAP_TURNS): one more decode step, run once the ended rows' tokens are read and
-        before the environment is asked. Returns the step count after it (t, or t + 1)."""
-        st, ep = self.state, self._episodes
-        fin, rid = st.finished[:b].tolist(), st.row_id[:b].tolist()
+        before the environment is asked. Returns the step count after it (t, or t + 1) and the
+        finished flags with the resumed rows running."""
+        st, ep, host = self.state, self._episodes, self._host
         ended = [(i, r) for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in ep.over]
         if not ended:
-            return t
-        dev = st.out_tok.device
-        rows = torch.tensor([r for _, r in ended], device=dev)
-        toks, kinds = st.out_tok[rows, :t].tolist(), st.out_kind[rows, :t].tolist()
+            return t, fin
+        rows = [r for _, r in ended]
+        toks, kinds = host.tok[rows, :t].tolist(), host.kind[rows, :t].tolist()
         if step is not None:  # the GPU decodes step t for every row while the host asks the environment:
             step()            # the ended rows wait (masked) one step more
             t += 1
@@ -520,31 +527,90 @@ class Sampler:
             ep.turn_start[r] = t + len(forced)
         if resumed:
             self._resume(waited, forced_at, resumed, t)
-        return t
+            fin = list(fin)
+            for i, _ in resumed:
+                fin[i] = False
+        return t, fin
 
     def _resume(self, waited, forced_at, resumed, t: int) -> None:
         """The device side of :meth:`_turn_boundaries`, batched: rows that waited get the reply's
         first token as step t-1's output and next input, and their waiting slots masked out; the
-        reply's other tokens are forced at their steps; every resumed row gets its position and runs."""
-        st = self.state
-        host = [v for w in waited for v in w] + [v for f in forced_at for v in f] + [v for x in resumed for v in x]
-        vals = torch.tensor(host, dtype=torch.long).to(st.out_tok.device)  # one copy to the device
-        nw, nf = 5 * len(waited), 3 * len(forced_at)
+        reply's other tokens are forced at their steps; every resumed row gets its position and runs.
+        Every write is one indexed op over a flattened buffer, its indices from one host-to-device
+        copy (and the host's copy of the outputs gets the replaced token too)."""
+        st, host = self.state, self._host
+        W, S = st.steps + 1, st.bias.shape[1]  # row strides of the output buffers and of the mask
+        parts = [[r * W + t - 1 for _, r, _, _, _ in waited], [y for _, _, y, _, _ in waited],
+                 [i for i, _, _, _, _ in waited], [i * S + s for i, _, _, lo, hi in waited for s in range(lo, hi)],
+                 [r * W + s for r, s, _ in forced_at], [y for _, _, y in forced_at],
+                 [i for i, _ in resumed], [p for _, p in resumed]]
+        vals = torch.tensor([v for p in parts for v in p], dtype=torch.long).to(st.out_tok.device)
+        at, y, rows, masked, fat, fy, res, pos = vals.split([len(p) for p in parts])
         if waited:
-            i, r, y, lo, hi = vals[:nw].view(-1, 5).unbind(1)
-            st.out_tok[r, t - 1] = y
-            st.out_kind[r, t - 1] = 2
-            st.tokens[i] = y
-            slots = torch.arange(st.bias.shape[1], device=vals.device)
-            wait = (slots >= lo[:, None]) & (slots < hi[:, None])
-            st.bias[i] = st.bias[i].masked_fill(wait, float("-inf"))
+            st.out_tok.view(-1).index_copy_(0, at, y)
+            st.out_kind.view(-1).index_fill_(0, at, 2)
+            st.tokens.index_copy_(0, rows, y)
+            if masked.numel():
+                st.bias.view(-1).index_fill_(0, masked, float("-inf"))
+            for _, r, tok, _, _ in waited:
+                host.tok[r, t - 1], host.kind[r, t - 1] = tok, 2
         if forced_at:
-            r, s, y = vals[nw:nw + nf].view(-1, 3).unbind(1)
-            st.force_tok[r, s] = y
-            st.force_on[r, s] = True
-        i, pos = vals[nw + nf:].view(-1, 2).unbind(1)
-        st.pos[i] = pos
-        st.finished[i] = False
+            st.force_tok.view(-1).index_copy_(0, fat, fy)
+            st.force_on.view(-1).index_fill_(0, fat, True)
+        st.pos.index_copy_(0, res, pos)
+        st.finished.index_fill_(0, res, False)
+
+
+class _Host:
+    """What the host knows of a wave's device state, read at each check in one device-to-host copy:
+    the batch rows' finished flags and output rows and, when the checks need tokens (stop strings, a
+    stream, multi-turn), every output row's tokens — and their kinds, multi-turn — of the steps since
+    the last read, appended to a host copy of the output buffers (``tok``, ``kind``: [N, steps + 1])."""
+
+    def __init__(self, n: int, steps: int, tokens: bool, kinds: bool):
+        self.n, self.upto = n, 0
+        self.tok = torch.zeros(n, steps + 1, dtype=torch.long) if tokens else None
+        self.kind = torch.zeros(n, steps + 1, dtype=torch.int8) if kinds else None
+
+    def read(self, st, b: int, t: int, tokens: bool = True) -> tuple[list[bool], list[int]]:
+        """(finished flags, output rows) of batch rows 0..b-1, and the outputs of steps up to t-1
+        into ``tok`` / ``kind``."""
+        parts = [st.finished[:b].long(), st.row_id[:b]]
+        lo = self.upto
+        window = tokens and self.tok is not None and t > lo
+        if window:
+            parts.append(st.out_tok[:self.n, lo:t].reshape(-1))
+            if self.kind is not None:
+                parts.append(st.out_kind[:self.n, lo:t].reshape(-1).long())
+        flat = torch.cat(parts).cpu()  # the one sync
+        if window:
+            w = self.n * (t - lo)
+            self.tok[:, lo:t] = flat[2 * b:2 * b + w].view(self.n, t - lo)
+            if self.kind is not None:
+                self.kind[:, lo:t] = flat[2 * b + w:].view(self.n, t - lo)
+            self.upto = t
+        return flat[:b].bool().tolist(), flat[b:2 * b].tolist()
+
+
+def record_step(y: Tensor, lp: Tensor, flat: Tensor, finished: Tensor, tokens: Tensor, out_tok: Tensor,
+                out_logp: Tensor, eos: Tensor | None, pad: int, episodes: tuple[Tensor, Tensor, Tensor] | None) -> None:
+    """A decode step's bookkeeping after the draw, in torch ops (:func:`kernels.record_step` is the same
+    in one kernel, and says what it does)."""
+    fin = finished
+    forced = episodes[0].view(-1)[flat] if episodes is not None else None
+    if forced is not None:  # the environment's tokens: fed as they are, no log-prob, no end
+        force_tok, out_kind = episodes[1], episodes[2]
+        y = torch.where(forced, force_tok.view(-1)[flat], y)
+        lp = lp.masked_fill(forced, 0.0)
+        kind = torch.where(fin, 0, torch.where(forced, 2, 1)).to(torch.int8)
+        out_kind.view(-1).index_copy_(0, flat, kind)
+    y = torch.where(fin, pad, y)
+    out_tok.view(-1).index_copy_(0, flat, y)
+    out_logp.view(-1).index_copy_(0, flat, lp.masked_fill(fin, 0.0))
+    if eos is not None:
+        end = (y[:, None] == eos).any(-1)
+        fin |= end if forced is None else end & ~forced
+    tokens.copy_(y)
 
 
 class Episodes:
@@ -571,16 +637,6 @@ class _Turns:
         self.over: set[int] = set()
         self.turn_start: dict[int, int] = {}
         self.width = max(self.prompt_len)
-
-    def pending(self, st, b: int) -> Tensor:
-        """Batch rows still decoding or whose episode goes on (a turn that ended after the check read
-        the finished flags waits for the next check): the rows compaction keeps. [b] bool."""
-        live = ~st.finished[:b]
-        fin, rid = st.finished[:b].tolist(), st.row_id[:b].tolist()
-        wait = [i for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in self.over]
-        if wait:
-            live[wait] = True
-        return live
 
 
 class _Stream:
