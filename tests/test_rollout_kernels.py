@@ -343,7 +343,8 @@ def test_record_step_equals_the_torch_ops(episodes, ends):
     """The step's bookkeeping in one kernel writes what engine.record_step's torch ops write: forced
     tokens replace draws (log-prob 0, kind 2, never an end), finished rows record the pad and 0, an
     end token (the pad among them) finishes a row, the next inputs are the recorded tokens. Rows
-    span two programs; their output positions are scattered over the buffers."""
+    span two programs; their output positions are scattered over the buffers. The end tokens are a
+    table over ids (one load a row, for an end set of any size)."""
     from tether.rollout import engine
     g = torch.Generator().manual_seed(3)
     n, rows, steps, eos_ids, pad = kernels.RECORD_BLOCK + 7, 300, 12, [5, 9, 0], 0
@@ -355,7 +356,10 @@ def test_record_step_equals_the_torch_ops(episodes, ends):
     force_tok = torch.randint(0, 12, (rows, steps + 1), generator=g)
     out = [torch.randint(0, 12, (rows, steps + 1), generator=g), torch.randn(rows, steps + 1, generator=g),
            torch.randint(0, 3, (rows, steps + 1), generator=g).to(torch.int8)]
-    eos = torch.tensor(eos_ids) if ends else None
+    eos = None
+    if ends:  # the table stops at the largest end id: ids 10 and 11 are past it, and no ends
+        eos = torch.zeros(max(eos_ids) + 1, dtype=torch.bool)
+        eos[eos_ids] = True
     got, want = [[x.clone().to(DEV) for x in [fin, torch.zeros(n, dtype=torch.long)] + out] for _ in range(2)]
     args = [t.to(DEV) if t is not None else None for t in (y, lp, flat)]
     for record, (f, tok, ot, ol, ok) in ((kernels.record_step, got), (engine.record_step, want)):

@@ -257,7 +257,7 @@ class Sampler:
         y, lp = sample_tokens(logits, st.u.view(-1)[flat], cfg)
         record = kernels.record_step if FUSE_RECORD and kernels.record_available(y) else record_step
         record(y, lp, flat, st.finished[r0:r1], st.tokens[r0:r1], st.out_tok, st.out_logp,
-               self._eos_t if self.eos and not cfg.ignore_eos else None, self.pad,
+               self._ends if self.eos and not cfg.ignore_eos else None, self.pad,
                None if self._episodes is None else (st.force_on, st.force_tok, st.out_kind))
 
     def _step(self, b: int, kv_len: int, cfg: SamplingConfig) -> None:
@@ -312,9 +312,11 @@ class Sampler:
         self._alloc(b, P + T, T, use_graphs)
         st = self.state
         key = tuple(self.eos)
-        if key not in self._eos_tensors:
-            self._eos_tensors[key] = torch.tensor(self.eos, dtype=torch.long, device=dev)
-        self._eos_t = self._eos_tensors[key]
+        if key not in self._eos_tensors:  # the end tokens as a table over ids: ends[y] is y an end token
+            ends = torch.zeros(max(self.eos, default=0) + 1, dtype=torch.bool)
+            ends[self.eos] = True
+            self._eos_tensors[key] = ends.to(dev)
+        self._ends = self._eos_tensors[key]
 
         # Left-pad; spare bucket rows repeat row 0 (finite work) and write to the scratch output row.
         ids = torch.full((b, P), self.pad, dtype=torch.long)
@@ -593,7 +595,7 @@ class _Host:
 
 
 def record_step(y: Tensor, lp: Tensor, flat: Tensor, finished: Tensor, tokens: Tensor, out_tok: Tensor,
-                out_logp: Tensor, eos: Tensor | None, pad: int, episodes: tuple[Tensor, Tensor, Tensor] | None) -> None:
+                out_logp: Tensor, ends: Tensor | None, pad: int, episodes: tuple[Tensor, Tensor, Tensor] | None) -> None:
     """A decode step's bookkeeping after the draw, in torch ops (:func:`kernels.record_step` is the same
     in one kernel, and says what it does)."""
     fin = finished
@@ -607,8 +609,8 @@ def record_step(y: Tensor, lp: Tensor, flat: Tensor, finished: Tensor, tokens: T
     y = torch.where(fin, pad, y)
     out_tok.view(-1).index_copy_(0, flat, y)
     out_logp.view(-1).index_copy_(0, flat, lp.masked_fill(fin, 0.0))
-    if eos is not None:
-        end = (y[:, None] == eos).any(-1)
+    if ends is not None:  # ids past the table's end are no end tokens
+        end = ends[y.clamp(0, ends.numel() - 1)] & (y < ends.numel())
         fin |= end if forced is None else end & ~forced
     tokens.copy_(y)
 

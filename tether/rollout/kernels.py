@@ -460,8 +460,8 @@ def draw(logits: Tensor, M: Tensor, S: Tensor, u: Tensor, temperature: float, bl
 
 if triton is not None:
     @triton.jit
-    def _record(Y, LP, FLAT, FIN, TOK, OUT_TOK, OUT_LP, OUT_KIND, FORCE_ON, FORCE_TOK, EOS, n, n_eos, pad,
-                BLOCK: tl.constexpr, E_P2: tl.constexpr, EPISODES: tl.constexpr, CHECK_EOS: tl.constexpr):
+    def _record(Y, LP, FLAT, FIN, TOK, OUT_TOK, OUT_LP, OUT_KIND, FORCE_ON, FORCE_TOK, ENDS, n, n_ends, pad,
+                BLOCK: tl.constexpr, EPISODES: tl.constexpr, CHECK_ENDS: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
         flat = tl.load(FLAT + i, mask=m, other=0)
@@ -478,10 +478,8 @@ if triton is not None:
         y = tl.where(fin, pad, y)
         tl.store(OUT_TOK + flat, y, mask=m)
         tl.store(OUT_LP + flat, tl.where(fin, 0.0, lp), mask=m)
-        if CHECK_EOS:
-            e = tl.arange(0, E_P2)
-            eos = tl.load(EOS + e, mask=e < n_eos, other=-1)
-            end = tl.sum((y[:, None] == eos[None, :]).to(tl.int32), 1) > 0
+        if CHECK_ENDS:  # one load a row, however many end tokens (a multi-turn benchmark has thousands)
+            end = tl.load(ENDS + y, mask=m & (y >= 0) & (y < n_ends), other=0) != 0
             tl.store(FIN + i, (fin | (end & ~forced)).to(tl.int8), mask=m)
         tl.store(TOK + i, y, mask=m)
 
@@ -495,22 +493,23 @@ def record_available(x: Tensor) -> bool:
 
 
 def record_step(y: Tensor, lp: Tensor, flat: Tensor, finished: Tensor, tokens: Tensor, out_tok: Tensor,
-                out_logp: Tensor, eos: Tensor | None, pad: int, episodes: tuple[Tensor, Tensor, Tensor] | None) -> None:
+                out_logp: Tensor, ends: Tensor | None, pad: int, episodes: tuple[Tensor, Tensor, Tensor] | None) -> None:
     """A decode step's bookkeeping after the draw, in one kernel where torch's ops take 8 (19 with
     episodes): for each row with drawn token ``y`` and log-prob ``lp``, at its output position ``flat``
     (row · (steps + 1) + step into the flattened output buffers): with ``episodes`` = (force_on,
     force_tok, out_kind) a forced token replaces the draw with log-prob 0 and the step's kind is
     recorded (0 finished, 1 model token, 2 forced); a finished row records ``pad`` and log-prob 0; the
     token goes to ``out_tok``, the log-prob to ``out_logp``, and as the row's next input to ``tokens``;
-    a row whose token is in ``eos`` (not forced) is finished. ``finished`` [n] bool and ``tokens``
-    [n] int64 are updated in place (contiguous views)."""
+    a row whose token is an end token (``ends``: bool over token ids, True at the end tokens; ids past
+    it are none), and not forced, is finished. ``finished`` [n] bool and ``tokens`` [n] int64 are
+    updated in place (contiguous views)."""
     n = y.shape[0]
     assert finished.is_contiguous() and tokens.is_contiguous() and out_tok.is_contiguous() and out_logp.is_contiguous()
     fin = finished.view(torch.int8)  # Triton reads a bool pointer as int1: bytes keep the stores plain
     force_on, force_tok, out_kind = episodes if episodes is not None else (fin, tokens, fin)
-    n_eos = 0 if eos is None else eos.numel()
+    n_ends = 0 if ends is None else ends.numel()
     _record[(triton.cdiv(n, RECORD_BLOCK),)](
         y, lp, flat, fin, tokens, out_tok, out_logp, out_kind,
         force_on.view(torch.int8) if force_on.dtype == torch.bool else force_on, force_tok,
-        eos if n_eos else tokens, n, n_eos, pad, BLOCK=RECORD_BLOCK, E_P2=triton.next_power_of_2(max(n_eos, 1)),
-        EPISODES=episodes is not None, CHECK_EOS=n_eos > 0)
+        ends.view(torch.int8) if n_ends else fin, n, n_ends, pad, BLOCK=RECORD_BLOCK,
+        EPISODES=episodes is not None, CHECK_ENDS=n_ends > 0)
