@@ -357,8 +357,8 @@ def test_record_step_equals_the_torch_ops(episodes, ends):
     out = [torch.randint(0, 12, (rows, steps + 1), generator=g), torch.randn(rows, steps + 1, generator=g),
            torch.randint(0, 3, (rows, steps + 1), generator=g).to(torch.int8)]
     eos = None
-    if ends:  # the table stops at the largest end id: ids 10 and 11 are past it, and no ends
-        eos = torch.zeros(max(eos_ids) + 1, dtype=torch.bool)
+    if ends:  # a table over every id drawn or forced
+        eos = torch.zeros(12, dtype=torch.bool)
         eos[eos_ids] = True
     got, want = [[x.clone().to(DEV) for x in [fin, torch.zeros(n, dtype=torch.long)] + out] for _ in range(2)]
     args = [t.to(DEV) if t is not None else None for t in (y, lp, flat)]
