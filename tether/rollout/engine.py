@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tether.data.tokenize import bos_ids
 
-from . import kernels
+import tether.rollout.kernels as kernels
 from .finish import StopChecker, assemble, assemble_episodes
 from .graphs import State, bucket, capture, give_stream, round_up, take_stream
 from .native import HFBackend, NativeBackend, native_support, unwrap
@@ -319,7 +319,7 @@ class Sampler:
         if key not in self._eos_tensors:  # the end tokens as a table over every id the step can see
             head = unwrap(self.model).get_output_embeddings()
             width = head.weight.shape[0] if head is not None else unwrap(self.model).config.vocab_size
-            ends = torch.zeros(max([width, *(e + 1 for e in self.eos)]), dtype=torch.bool)
+            ends = torch.zeros(max([width, self.pad + 1, *(e + 1 for e in self.eos)]), dtype=torch.bool)
             ends[self.eos] = True
             self._eos_tensors[key] = ends.to(dev)
         self._ends = self._eos_tensors[key]
@@ -434,9 +434,8 @@ class Sampler:
         """Host sync: match stop strings in the tokens since the last check, schedule the environment's
         replies (multi-turn; ``step``: one more decode step to run meanwhile, see OVERLAP_TURNS), then
         compact the batch when at most half of it (three quarters without graphs) is still running.
-        The device state is read in one copy (:class:`_Host`): a sync is where the GPU runs dry, and
-        each further read would keep it idle a round trip longer. Returns (b, any_running, t): t is
-        one more when ``step`` ran."""
+        The device state is read once a check (:class:`_Host`), not once a tensor. Returns
+        (b, any_running, t): t is one more when ``step`` ran."""
         st, host = self.state, self._host
         fin, rid = host.read(st, b, t)
         if checker is not None:
