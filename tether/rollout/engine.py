@@ -39,12 +39,15 @@ from .types import Rollout
 # ~half a decode step at batch 256: on an H100, 74 us per layer over 400 slots).
 KV_BUCKET = 64
 
-# Multi-turn calls: at a host check that finds ended turns, replay one more decode step before asking
-# the environment, so the GPU works through the host's part of the check (reading the ended rows'
-# tokens, the environment's replies, scheduling them) instead of idling; the ended rows wait one step
-# more, masked. On an H200 (bench/rollout.py --turns 64, batch 64) the episode rows' decode step was
-# 0.1-0.2 ms longer than single-turn's, about 1 ms of host time a check; what this recovers is not
-# measured yet, so it is off. Sampling depends on it (a row's random stream is indexed by step).
+# Multi-turn calls: at each host check, queue one more decode step behind the check's device read
+# before waiting for it, so the GPU works through the host's part of the check (reading the state,
+# the environment's replies, scheduling them) instead of draining the queue and idling; the ended
+# rows wait one step more, masked, and a turn that ends in that step is answered at the next check.
+# On an H200 (bench/rollout.py --turns 64, batch 64) the episode rows' decode step was 0.1-0.2 ms
+# longer than single-turn's, about 1 ms of host time a check; an earlier version, which ran the step
+# after the read (so the queue drained first) and only at checks that found ended turns, cost 15.1 %
+# against 6.2 % without it in one unpaired run. This one is not measured yet, so it is off.
+# Sampling depends on it (a row's random stream is indexed by step).
 OVERLAP_TURNS = False
 
 # A decode step's bookkeeping after the draw (forced environment tokens, the finished rows' padding,
@@ -404,7 +407,7 @@ class Sampler:
                 self._step(b, P + t, cfg)
             t += 1
             if t % sync_every == 0 or t == T:
-                # multi-turn, OVERLAP_TURNS: one more step may run while the host asks the environment
+                # multi-turn, OVERLAP_TURNS: one more step runs while the host answers the check
                 step = None
                 if self._episodes is not None and OVERLAP_TURNS and t < T:
                     def step(b=b, t=t):
@@ -432,16 +435,20 @@ class Sampler:
 
     def _check(self, b, t, checked, cfg, checker, done, stop_end, use_graphs, step=None):
         """Host sync: match stop strings in the tokens since the last check, schedule the environment's
-        replies (multi-turn; ``step``: one more decode step to run meanwhile, see OVERLAP_TURNS), then
-        compact the batch when at most half of it (three quarters without graphs) is still running.
-        The device state is read once a check (:class:`_Host`), not once a tensor. Returns
-        (b, any_running, t): t is one more when ``step`` ran."""
+        replies (multi-turn), then compact the batch when at most half of it (three quarters without
+        graphs) is still running. The device state is read once a check (:class:`_Host`), not once a
+        tensor. ``step`` (multi-turn, see OVERLAP_TURNS): one more decode step, queued behind the
+        read before the host waits for it; the check then answers the state the read saw, and its
+        writes land after that step. Returns (b, any_running, t): t is one more when ``step`` ran."""
         st, host = self.state, self._host
-        fin, rid = host.read(st, b, t)
+        t_read = t
+        fin, rid = host.read(st, b, t, then=step)
+        if step is not None:
+            t += 1
         if checker is not None:
             live = [i for i in range(len(checker.ids)) if i not in done]
             if live:
-                new = host.tok[live, checked:t].tolist()
+                new = host.tok[live, checked:t_read].tolist()
                 hits = []
                 for i, toks in zip(live, new):
                     end = next((k + 1 for k, y in enumerate(toks) if y in self.eos), None)
@@ -457,17 +464,12 @@ class Sampler:
                     hit_rows = set(hits)
                     fin = [f or r in hit_rows for f, r in zip(fin, rid)]
         if self._stream is not None:
-            self._stream.send(host.tok, checked, t, stop_end)
-        if self._episodes is not None:
-            t, fin = self._turn_boundaries(b, t, fin, rid, step)
-            if step is not None:  # a turn that ended in that step is not over: compaction keeps its row
-                fin, rid = host.read(st, b, t, tokens=False)
-                over = self._episodes.over
-                running = [i for i, (f, r) in enumerate(zip(fin, rid)) if not f or (r < st.rows and r not in over)]
-            else:  # every ended turn was answered (its row runs) or ended its episode
-                running = [i for i, f in enumerate(fin) if not f]
-        else:
-            running = [i for i, f in enumerate(fin) if not f]
+            self._stream.send(host.tok, checked, t_read, stop_end)
+        if self._episodes is not None:  # every ended turn is answered (its row runs) or ends its episode
+            fin = self._turn_boundaries(b, t_read, t, fin, rid)
+        # a row the read saw running runs on (with ``step``, its turn may have ended since: the next
+        # check answers it)
+        running = [i for i, f in enumerate(fin) if not f]
         n = len(running)
         done.update(r for r, f in zip(rid, fin) if f and r < st.rows)
         if n == 0:
@@ -484,25 +486,22 @@ class Sampler:
             b = new_b
         return b, True, t
 
-    def _turn_boundaries(self, b: int, t: int, fin: list[bool], rid: list[int], step=None) -> tuple[int, list[bool]]:
-        """Host side of a multi-turn call, at a check after step t-1 (``fin``, ``rid``: the batch
-        rows' finished flags and output rows, as read): every row whose turn ended (finished,
-        episode not over) gets the environment's reply scheduled as forced tokens and runs again.
-        The cache continues: the reply's tokens go into the next slots, the slots the row spent
-        waiting for this check are masked out, and its position counts its real tokens only — so
-        the transcript's keys, values and positions are those of one contiguous sequence.
-        ``step`` (OVERLAP_TURNS): one more decode step, run once the ended rows' tokens are read and
-        before the environment is asked. Returns the step count after it (t, or t + 1) and the
-        finished flags with the resumed rows running."""
+    def _turn_boundaries(self, b: int, t_read: int, t: int, fin: list[bool], rid: list[int]) -> list[bool]:
+        """Host side of a multi-turn call, at a check that read the state after step t_read-1
+        (``fin``, ``rid``: the batch rows' finished flags and output rows) and whose writes land
+        after step t-1 (t = t_read, or t_read + 1 when one more step ran meanwhile: the ended rows
+        waited it, masked): every row whose turn ended (finished, episode not over) gets the
+        environment's reply scheduled as forced tokens and runs again. The cache continues: the
+        reply's tokens go into the next slots, the slots the row spent waiting for this check are
+        masked out, and its position counts its real tokens only — so the transcript's keys, values
+        and positions are those of one contiguous sequence. Returns the finished flags with the
+        resumed rows running."""
         st, ep, host = self.state, self._episodes, self._host
         ended = [(i, r) for i, (f, r) in enumerate(zip(fin, rid)) if f and r < st.rows and r not in ep.over]
         if not ended:
-            return t, fin
+            return fin
         rows = [r for _, r in ended]
-        toks, kinds = host.tok[rows, :t].tolist(), host.kind[rows, :t].tolist()
-        if step is not None:  # the GPU decodes step t for every row while the host asks the environment:
-            step()            # the ended rows wait (masked) one step more
-            t += 1
+        toks, kinds = host.tok[rows, :t_read].tolist(), host.kind[rows, :t_read].tolist()
         P, T = ep.width, st.steps
         # The writes of every row that runs again are gathered here and made below as a few batched
         # ops (one host-to-device copy): per-row indexing of device tensors costs ~10 launches a
@@ -537,7 +536,7 @@ class Sampler:
             fin = list(fin)
             for i, _ in resumed:
                 fin[i] = False
-        return t, fin
+        return fin
 
     def _resume(self, waited, forced_at, resumed, t: int) -> None:
         """The device side of :meth:`_turn_boundaries`, batched: rows that waited get the reply's
@@ -579,17 +578,30 @@ class _Host:
         self.tok = torch.zeros(n, steps + 1, dtype=torch.long) if tokens else None
         self.kind = torch.zeros(n, steps + 1, dtype=torch.int8) if kinds else None
 
-    def read(self, st, b: int, t: int, tokens: bool = True) -> tuple[list[bool], list[int]]:
+    def read(self, st, b: int, t: int, then=None) -> tuple[list[bool], list[int]]:
         """(finished flags, output rows) of batch rows 0..b-1, and the outputs of steps up to t-1
-        into ``tok`` / ``kind``."""
+        into ``tok`` / ``kind``. ``then``: device work to queue behind the copy before the host
+        waits for it (on CUDA the copy goes to pinned memory and the host waits for it alone)."""
         parts = [st.finished[:b].long(), st.row_id[:b]]
         lo = self.upto
-        window = tokens and self.tok is not None and t > lo
+        window = self.tok is not None and t > lo
         if window:
             parts.append(st.out_tok[:self.n, lo:t].reshape(-1))
             if self.kind is not None:
                 parts.append(st.out_kind[:self.n, lo:t].reshape(-1).long())
-        flat = torch.cat(parts).cpu()  # the one sync
+        flat = torch.cat(parts)  # a new tensor: what follows cannot change it
+        if then is not None and flat.is_cuda:
+            pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            pinned.copy_(flat, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            then()
+            copied.synchronize()  # the copy, not the work queued behind it
+            flat = pinned
+        else:
+            flat = flat.cpu()  # the one sync
+            if then is not None:
+                then()
         if window:
             w = self.n * (t - lo)
             self.tok[:, lo:t] = flat[2 * b:2 * b + w].view(self.n, t - lo)
