@@ -24,9 +24,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def eosy():
-    """Random weights sharpened so sequences end early at varied lengths (turns of varied length)."""
+def eosy_model():
+    """A tiny Llama with random weights sharpened so sequences end early at varied lengths (turns of
+    varied length), and its tokenizer."""
     model, tok = make_tiny_model(None, family="llama", hidden_size=32, num_layers=2, num_heads=2,
                                  num_kv_heads=1, intermediate_size=64)
     g = torch.Generator().manual_seed(1)
@@ -36,6 +36,11 @@ def eosy():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         model.get_output_embeddings().weight[tok.eos_token_id] *= 3.0
     return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def eosy():
+    return eosy_model()
 
 
 class Replies(Episodes):

@@ -379,18 +379,10 @@ def test_multi_turn_episodes_with_the_record_kernel_equal_the_torch_ops(monkeypa
     """A multi-turn call (replies forced into the cache, rows waiting for the check, the batch
     compacted) records the same episodes — tokens, log-probs, masks — with the step's bookkeeping in
     one kernel as in torch's ops."""
-    from test_rollout_episodes import PROMPTS, Replies
-    from tether.models import make_tiny_model
+    from test_rollout_episodes import PROMPTS, Replies, eosy_model
     from tether.rollout import Sampler, engine
-    model, tok = make_tiny_model(None, family="llama", hidden_size=32, num_layers=2, num_heads=2,
-                                 num_kv_heads=1, intermediate_size=64)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        model.get_output_embeddings().weight[tok.eos_token_id] *= 3.0
-    model = model.to(DEV).eval()
+    model, tok = eosy_model()
+    model = model.to(DEV)
     monkeypatch.setattr(kernels, "record_available", lambda x: True)  # also under the interpreter (CPU)
     runs = []
     for fused in (True, False):
