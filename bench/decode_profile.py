@@ -431,8 +431,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--turns", type=int, default=0,
                     help="multi-turn episodes with model turns of about this many tokens (bench/rollout.py's rows)")
-    ap.add_argument("--overlap-turns", action="store_true",
-                    help="with --turns: one more decode step runs while the host answers (engine.OVERLAP_TURNS)")
+    ap.add_argument("--overlap-turns", choices=["on", "off"], default=None,
+                    help="with --turns: one more decode step runs while the host answers (engine.OVERLAP_TURNS; "
+                         "default: the engine's)")
+    ap.add_argument("--fuse-record", choices=["on", "off"], default=None,
+                    help="a decode step's bookkeeping in one Triton kernel (engine.FUSE_RECORD; default: the engine's)")
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="the card's HBM bandwidth (H200: 4800)")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (op by op)")
     ap.add_argument("--no-fuse", action="store_true",
@@ -454,7 +457,9 @@ def main(argv=None) -> dict:
     if args.no_fuse_kernels:
         native.FUSE_KERNELS = False
     if args.overlap_turns:
-        engine.OVERLAP_TURNS = True
+        engine.OVERLAP_TURNS = args.overlap_turns == "on"
+    if args.fuse_record:
+        engine.FUSE_RECORD = args.fuse_record == "on"
     model = build_model(kind, dev, fuse=not args.no_fuse)
     r = profile_decode(model, args.batch, args.prompt_len, args.new_tokens, dev, graphs=not args.no_graphs, turns=args.turns,
                        trace=args.trace, hbm_gbps=args.hbm_gbps, kind=kind)

@@ -238,11 +238,11 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
         turns) row turns 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf --repeats 5 \
                    --results "$O/results.md" --json "$O/turns.json" ;;
         turns-overlap) row turns-overlap 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf \
-                           --repeats 5 --overlap-turns --results "$O/results.md" --json "$O/turns-overlap.json" ;;
+                           --repeats 5 --overlap-turns on --results "$O/results.md" --json "$O/turns-overlap.json" ;;
         decode-turns) row decode-turns 150 python3 bench/decode_profile.py --device cuda --batch 64 --turns 64 \
                           --results "$O/results.md" --json "$O/decode_turns.json" ;;
         decode-turns-overlap) row decode-turns-overlap 150 python3 bench/decode_profile.py --device cuda --batch 64 \
-                                  --turns 64 --overlap-turns --results "$O/results.md" --json "$O/decode_turns_overlap.json" ;;
+                                  --turns 64 --overlap-turns on --results "$O/results.md" --json "$O/decode_turns_overlap.json" ;;
         decode) row decode 150 python3 bench/decode_profile.py --device cuda --batch 64 --results "$O/results.md" \
                     --json "$O/decode_profile.json" ;;
         gemma3) gemma && row gemma3 300 python3 bench/rollout.py --device cuda --model "$GEMMA" --batches 8,64 \

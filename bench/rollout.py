@@ -251,8 +251,11 @@ def main(argv=None):
     ap.add_argument("--no-fuse-kernels", action="store_true",
                     help="RoPE and silu(gate) * up as torch ops, not in the Triton kernels (native.FUSE_KERNELS)")
     ap.add_argument("--turns", type=int, default=0, help="also multi-turn rows: model turns of about this many tokens")
-    ap.add_argument("--overlap-turns", action="store_true",
-                    help="multi-turn rows: one more decode step runs while the host answers (engine.OVERLAP_TURNS)")
+    ap.add_argument("--overlap-turns", choices=["on", "off"], default=None,
+                    help="multi-turn rows: one more decode step runs while the host answers (engine.OVERLAP_TURNS; "
+                         "default: the engine's)")
+    ap.add_argument("--fuse-record", choices=["on", "off"], default=None,
+                    help="a decode step's bookkeeping in one Triton kernel (engine.FUSE_RECORD; default: the engine's)")
     ap.add_argument("--sync-every", type=int, default=0,
                     help="multi-turn rows: decode steps between host checks (0: the engine's default)")
     ap.add_argument("--threads", type=int, default=None,
@@ -271,7 +274,9 @@ def main(argv=None):
     if args.no_fuse_kernels:
         native.FUSE_KERNELS = False
     if args.overlap_turns:
-        engine.OVERLAP_TURNS = True
+        engine.OVERLAP_TURNS = args.overlap_turns == "on"
+    if args.fuse_record:
+        engine.FUSE_RECORD = args.fuse_record == "on"
     model = build_model(kind, dev, fuse=not args.no_fuse)
     vocab = model.config.vocab_size
     results, extras = {}, {}
@@ -298,8 +303,9 @@ def render(results, extras, kind, P, new, dev, args) -> str:
     fused = "one GEMM per projection (--no-fuse)" if args.no_fuse else "q|k|v and gate|up fused"
     if args.no_fuse_kernels:
         fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
-    if args.overlap_turns:
-        fused += ", turn boundaries overlapped with a decode step (--overlap-turns)"
+    if args.turns:
+        fused += (f", turn boundaries {'overlapped with' if engine.OVERLAP_TURNS else 'not overlapped with'} a decode"
+                  f" step, the step's bookkeeping {'in one kernel' if engine.FUSE_RECORD else 'in torch ops'}")
     lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens, {fused}",
              "", f"Card: {device_name(dev)}. Date: {date}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}. Command: `{cmd.strip()}`", "",
