@@ -43,21 +43,20 @@ KV_BUCKET = 64
 # before waiting for it, so the GPU works through the host's part of the check (reading the state,
 # the environment's replies, scheduling them) instead of draining the queue and idling; the ended
 # rows wait one step more, masked, and a turn that ends in that step is answered at the next check.
-# On an H200 (bench/rollout.py --turns 64, batch 64) the episode rows' decode step was 0.1-0.2 ms
-# longer than single-turn's, about 1 ms of host time a check; an earlier version, which ran the step
-# after the read (so the queue drained first) and only at checks that found ended turns, cost 15.1 %
-# against 6.2 % without it in one unpaired run. This one is not measured yet, so it is off.
-# Sampling depends on it (a row's random stream is indexed by step).
-OVERLAP_TURNS = False
+# None: on where the device runs behind the host (CUDA); on CPU a step runs as it is called, so the
+# extra step would only make the ended rows wait longer. On an H200 (bench/rollout.py --turns 64,
+# batch 64, pairs of calls, with FUSE_RECORD) the boundaries cost 6.4 % / 7.9 % with it against
+# 8.5 % / 8.7 % without (two runs of three pairs, one process). Sampling depends on it (a row's
+# random stream is indexed by step); greedy episodes do not.
+OVERLAP_TURNS: bool | None = None
 
 # A decode step's bookkeeping after the draw (forced environment tokens, the finished rows' padding,
-# the outputs, the end check) in one Triton kernel on CUDA (kernels.record_step) instead of 8 torch
-# ops, 19 in a multi-turn call. On an H200 (Qwen2.5-0.5B shape, batch 64, EOS ignored) the decode
-# step ran 230 kernels and 1.151 ms against 237 and 1.16-1.19 ms; a multi-turn call, whose 2,374 end
-# ids the kernel then compared a row at a time, ran 1.59 ms a step against 1.27-1.31 with torch's
-# ops. The end check is now one load from the end-token table; that version is not measured on a
-# GPU yet, so it is off.
-FUSE_RECORD = False
+# the outputs, the end check as one load from the end-token table) in one Triton kernel on CUDA
+# (kernels.record_step) instead of 8 torch ops, 19 in a multi-turn call. On an H200 (Qwen2.5-0.5B
+# shape, batch 64) the single-turn decode step ran 230 kernels and 1.151 ms against 237 and
+# 1.16-1.19 ms; multi-turn pairs (bench/rollout.py --turns 64) cost 8.5 % / 8.7 % against
+# 10.2 % / 9.8 % with torch's ops (two runs of three pairs, one process).
+FUSE_RECORD = True
 
 # A prompt sampled several times (a GRPO group's n completions, the same environment reset) is
 # prefilled once: its KV cache rows are copied to the other rows (backend.select) and each row draws
@@ -395,6 +394,7 @@ class Sampler:
         done: set[int] = set()
         stop_end: dict[int, int] = {}
         t, checked = 1, 0
+        overlap = dev.type == "cuda" if OVERLAP_TURNS is None else OVERLAP_TURNS
         capture0 = stats["capture_s"]  # graphs for new KV lengths / batch sizes captured mid-loop
         graph, gkey = None, None
         while t < T:
@@ -409,7 +409,7 @@ class Sampler:
             if t % sync_every == 0 or t == T:
                 # multi-turn, OVERLAP_TURNS: one more step runs while the host answers the check
                 step = None
-                if self._episodes is not None and OVERLAP_TURNS and t < T:
+                if self._episodes is not None and overlap and t < T:
                     def step(b=b, t=t):
                         self._one_step(b, t, P, cfg, stats, use_graphs)
                 b, running, t = self._check(b, t, checked, cfg, checker, done, stop_end, use_graphs, step)
