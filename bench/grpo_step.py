@@ -121,7 +121,7 @@ def compile_options(text: str) -> dict:
 
 
 def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: int, full_logits=False,
-             compile=False, checkpoint_outside=False, offload_activations=False) -> dict:
+             compile=False, checkpoint_outside=False, offload_activations=False, head_chunk=None) -> dict:
     import functools
 
     from tether.models import load
@@ -129,7 +129,8 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     from tether.trainers.core import setup
     from tether.trainers.grpo import GRPOConfig, train_grpo
 
-    split, tokenizer = common._split_head, setup.load_tokenizer
+    split, tokenizer, chunk = common._split_head, setup.load_tokenizer, common.HEAD_CHUNK_ELEMENTS
+    common.HEAD_CHUNK_ELEMENTS = head_chunk or chunk  # A/B: logits held at once by the chunked head
     compile_layers = setup.compile_layers
     if full_logits:  # A/B: the HF forward's [B, T, V] logits instead of our chunked LM head
         common._split_head = lambda model: None
@@ -157,7 +158,7 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     try:
         train_grpo(cfg, reward_funcs=[reward])
     finally:
-        common._split_head, setup.load_tokenizer = split, tokenizer
+        common._split_head, setup.load_tokenizer, common.HEAD_CHUNK_ELEMENTS = split, tokenizer, chunk
         setup.compile_layers, load.checkpoint_inside = compile_layers, checkpoint_inside
         if compile:  # compiled frames keep the run's model alive: free it before the next row's peak
             torch._dynamo.reset()
@@ -236,7 +237,8 @@ def main(argv=None):
     ap.add_argument("--ours-micro-batches", default=None,
                     help="comma list: one row of ours per micro-batch size, suffix f = HF forward's full "
                          "logits instead of the chunked head, c = compile=true, o = the layers' checkpoint around "
-                         "their compiled call, not inside it (an A/B), h = model.offload_activations "
+                         "their compiled call, not inside it (an A/B), h = model.offload_activations, s = the "
+                         "chunked LM head at 2^24 logits a chunk, half the default "
                          "(default: --micro-batch; GPU 8,16,32)")
     ap.add_argument("--grad-ckpt", choices=["on", "off"], default="on",
                     help="gradient checkpointing on both sides (on = TRL GRPOConfig's default)")
@@ -266,13 +268,14 @@ def main(argv=None):
         vocab = build(kind, work / "model")
         prompts = make_prompts(a.prompts * (a.warmup + a.steps), a.prompt_len, vocab)
         for spec in (a.ours_micro_batches or ("8,16,32" if gpu else str(a.micro_batch))).split(","):
-            mb, full, comp, outside, host = (int(spec.rstrip("fcoh")), "f" in spec, "c" in spec, "o" in spec,
+            mb, full, comp, outside, host = (int(spec.rstrip("fcohs")), "f" in spec, "c" in spec, "o" in spec,
                                              "h" in spec)
+            small = "s" in spec
             name = (f"ours (micro-batch {mb}{', full logits' if full else ''}{', compile' if comp else ''}"
                     f"{', checkpoint around the compiled call' if outside else ''}"
-                    f"{', activations on the host' if host else ''})")
+                    f"{', activations on the host' if host else ''}{', head chunk 2^24 logits' if small else ''})")
             results[name] = run_ours(a, work / "model", prompts, work / f"ours{spec}", mb, full, comp, outside,
-                                     host)
+                                     host, head_chunk=1 << 24 if small else None)
             print(f"{name}: {json.dumps(results[name])}", flush=True)
         if not a.skip_trl:
             try:
