@@ -13,9 +13,10 @@
 #   rollout     bench/rollout.py: the rollout engine vs HF generate, Qwen2.5-0.5B shape; multi-turn rows
 #               (turns of ~64 tokens, 16-token replies) against single-turn at the same length; rows
 #               qwen05, decode, decode256 (bench/decode_profile.py: the decode step's kernel time by
-#               category against its memory floor, batch 64 / 256), [turns, turns-overlap] (the multi-turn
-#               rows alone at batch 64, 5 repeats, without / with --overlap-turns), [decode-turns,
-#               decode-turns-overlap] (the profile of an episode call: its host checks against its kernels),
+#               category against its memory floor, batch 64 / 256), [turns, turns-serial] (the multi-turn
+#               rows alone at batch 64, 5 repeats, with / without the step queued behind each check:
+#               --overlap-turns off), [decode-turns, decode-turns-serial] (the profile of an episode
+#               call: its host checks against its kernels),
 #               [gemma3] (bench/rollout.py on Gemma 3 270M at batch 8 and 64: its bundle, as env's g- rows),
 #               [attention] (bench/decode_attention.py: the decode attention kernel alone against the
 #               cache length), [gemma3-shape] (decode_profile on random weights in Gemma 3 270M's shape)
@@ -237,12 +238,12 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
                     --json "$O/qwen05.json" ;;
         turns) row turns 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf --repeats 5 \
                    --results "$O/results.md" --json "$O/turns.json" ;;
-        turns-overlap) row turns-overlap 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf \
-                           --repeats 5 --overlap-turns on --results "$O/results.md" --json "$O/turns-overlap.json" ;;
+        turns-serial) row turns-serial 200 python3 bench/rollout.py --device cuda --turns 64 --batches 64 --skip-hf \
+                          --repeats 5 --overlap-turns off --results "$O/results.md" --json "$O/turns-serial.json" ;;
         decode-turns) row decode-turns 150 python3 bench/decode_profile.py --device cuda --batch 64 --turns 64 \
                           --results "$O/results.md" --json "$O/decode_turns.json" ;;
-        decode-turns-overlap) row decode-turns-overlap 150 python3 bench/decode_profile.py --device cuda --batch 64 \
-                                  --turns 64 --overlap-turns on --results "$O/results.md" --json "$O/decode_turns_overlap.json" ;;
+        decode-turns-serial) row decode-turns-serial 150 python3 bench/decode_profile.py --device cuda --batch 64 \
+                                 --turns 64 --overlap-turns off --results "$O/results.md" --json "$O/decode_turns_serial.json" ;;
         decode) row decode 150 python3 bench/decode_profile.py --device cuda --batch 64 --results "$O/results.md" \
                     --json "$O/decode_profile.json" ;;
         gemma3) gemma && row gemma3 300 python3 bench/rollout.py --device cuda --model "$GEMMA" --batches 8,64 \
@@ -253,8 +254,8 @@ suite_rollout() {  # rows qwen05 (bench/rollout.py), decode, decode256 (bench/de
                        --json "$O/attention.json" ;;
         gemma3-shape) row gemma3-shape 150 python3 bench/decode_profile.py --device cuda --model gemma3-270m \
                           --batch 64 --results "$O/results.md" --json "$O/decode_gemma3_shape.json" ;;
-        *) echo "rollout: no row $ROW (qwen05, decode, decode256, gemma3, turns, turns-overlap," \
-                "decode-turns[-overlap], attention, gemma3-shape)" ;;
+        *) echo "rollout: no row $ROW (qwen05, decode, decode256, gemma3, turns, turns-serial," \
+                "decode-turns[-serial], attention, gemma3-shape)" ;;
         esac
     done
 }

@@ -303,9 +303,11 @@ def render(results, extras, kind, P, new, dev, args) -> str:
     fused = "one GEMM per projection (--no-fuse)" if args.no_fuse else "q|k|v and gate|up fused"
     if args.no_fuse_kernels:
         fused += ", RoPE and SwiGLU as torch ops (--no-fuse-kernels)"
-    if args.turns:
-        fused += (f", turn boundaries {'overlapped with' if engine.OVERLAP_TURNS else 'not overlapped with'} a decode"
-                  f" step, the step's bookkeeping {'in one kernel' if engine.FUSE_RECORD else 'in torch ops'}")
+    if args.turns:  # the engine's switches as this device applies them
+        overlap = dev == "cuda" if engine.OVERLAP_TURNS is None else engine.OVERLAP_TURNS
+        kernel = engine.FUSE_RECORD and dev == "cuda"
+        fused += (f", turn boundaries {'overlapped with' if overlap else 'not overlapped with'} a decode"
+                  f" step, the step's bookkeeping {'in one kernel' if kernel else 'in torch ops'}")
     lines = [f"## rollout: ours vs HF generate — {kind}, {P}-token prompts, {new} new tokens, {fused}",
              "", f"Card: {device_name(dev)}. Date: {date}. torch {torch.__version__}, "
              f"transformers {__import__('transformers').__version__}. Command: `{cmd.strip()}`", "",
