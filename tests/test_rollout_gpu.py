@@ -187,3 +187,61 @@ def test_capture_streams_are_not_shared_by_live_samplers():
     for k in raw:
         graphs.give_stream(k)
     assert graphs._capture_streams == before
+
+
+def _episodes_on(dev, monkeypatch, temperature, overlap=None):
+    """A multi-turn call on `dev` with the engine's switches at their defaults (OVERLAP_TURNS as given),
+    counting the checks whose read had a step queued behind it and the record kernel's calls."""
+    from test_rollout_episodes import PROMPTS as EP_PROMPTS, Replies, eosy_model
+    import tether.rollout.engine as engine
+    from tether.rollout import kernels
+
+    model, tok = eosy_model()
+    model = model.to(dev)
+    queued, recorded = [], []
+    read, record = engine._Host.read, kernels.record_step
+    monkeypatch.setattr(engine._Host, "read", lambda self, st, b, t, then=None: (
+        queued.append(then is not None), read(self, st, b, t, then))[1])
+    monkeypatch.setattr(kernels, "record_step", lambda *a: (recorded.append(1), record(*a))[1])
+    if overlap is not None:
+        monkeypatch.setattr(engine, "OVERLAP_TURNS", overlap)
+    replies = Replies(tok)
+    ro = Sampler(model, tok, max_new_tokens=120, temperature=temperature, sync_every=5).sample(
+        EP_PROMPTS, n=2, seed=3, episodes=replies)
+    return model, tok, replies, ro, queued, recorded
+
+
+def test_episodes_under_the_cuda_defaults_equal_one_forward_over_the_transcript(monkeypatch):
+    """Multi-turn episodes sampled on CUDA as the engine runs them by default — CUDA graphs, the
+    step's bookkeeping in one kernel, one more step queued behind each check's read — are the
+    transcripts the environment wrote (the model's tokens as sampled, each reply after its turn),
+    with fp32 log-probs equal to one training forward over the transcript and no loss on the
+    replies."""
+    from test_rollout_episodes import _train_logps, _transcript
+
+    model, tok, replies, ro, queued, recorded = _episodes_on("cuda", monkeypatch, 0.9)
+    assert any(queued) and recorded  # the defaults ran: a step queued at checks, the record kernel
+    done = 0
+    for i in range(len(ro)):
+        model_ids = ro.completion_ids[i][ro.completion_mask[i]].tolist()
+        assert model_ids == sum(replies.seen[i], [])[:len(model_ids)]
+        if ro.finish_reasons[i] == "done":
+            done += 1
+            assert ro.completion_ids[i][ro.token_mask[i]].tolist() == _transcript(ro, i, replies, tok.eos_token_id)
+    assert done >= len(ro) // 2
+    b, lp = _train_logps(model, ro)
+    m = b["completion_mask"].bool()
+    assert (lp[m] - b["logprobs"][m]).abs().max() <= 1e-4
+    assert not b["completion_mask"][:, ro.prompt_width:][ro.observation_mask].any()
+
+
+def test_greedy_episodes_on_cuda_do_not_depend_on_the_queued_step(monkeypatch):
+    """The queued step only makes an ended row wait one step more, masked: greedy episodes on CUDA
+    are the same token for token, turn for turn, with it (the default) and without."""
+    runs = []
+    for overlap in (None, False):
+        _, _, replies, ro, queued, _ = _episodes_on("cuda", monkeypatch, 0.0, overlap)
+        assert any(queued) == (overlap is None)
+        runs.append(([ro.completion_ids[i][ro.token_mask[i]].tolist() for i in range(len(ro))], replies.seen))
+    assert runs[0] == runs[1]
+    assert sum(len(v) for v in runs[0][1].values()) > len(runs[0][0])  # several turns an episode
