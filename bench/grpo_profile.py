@@ -150,7 +150,46 @@ def analyse(trace: dict) -> dict:
                                     "gpu_ms": busy.get(label, 0.0),
                                     "top": [{"name": n, "ms": round(ms, 3)} for n, ms in kernels]}
     out["idle_ms"] = out["step_ms"] - out["gpu_union_ms"]
+    out["host"] = host_self_times(events, ranges, ("forward", "backward"))
     return out
+
+
+def host_self_times(events, ranges, labels, top: int = 12) -> dict:
+    """Where the host's time goes inside the `labels` phases: each host event's *self* time (its
+    duration less that of the events nested in it on the same thread), summed by name, largest
+    first. A launch-bound phase shows it here: the launch calls, the compiled graphs' wrappers and
+    the Python between them, against the phase's wall time."""
+    spans = [(a, b, label) for a, b, label in ranges if label in labels]
+    by_thread = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation",
+                                                   "python_function") and "dur" in e:
+            by_thread[e["tid"]].append(e)
+    out = {label: defaultdict(lambda: [0.0, 0]) for label in labels}
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list = []  # [end, name, self_us, label]
+
+        def close(entry):
+            if entry[3] is not None:
+                row = out[entry[3]][entry[1]]
+                row[0] += entry[2]
+                row[1] += 1
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] -= e["dur"]
+            label = next((r[2] for r in spans if r[0] <= e["ts"] <= r[1]), None)
+            name = str(e["name"])
+            if name.startswith("tether::"):  # a phase range's self time: the Python between its ops
+                name = "(Python between ops)"
+            stack.append([e["ts"] + e["dur"], name[:80], e["dur"], label])
+        while stack:
+            close(stack.pop())
+    return {label: [{"name": n, "self_ms": round(v[0] / 1e3, 2), "calls": v[1]}
+                    for n, v in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]
+            for label, rows in out.items()}
 
 
 def render(r: dict, a) -> str:
@@ -164,6 +203,9 @@ def render(r: dict, a) -> str:
     for label, p in r["phases"].items():
         tops = "; ".join(f"{k['name'][:50]} {k['ms']:.1f}" for k in p["top"][:3])
         lines.append(f"| {label} | {p['calls']} | {p['wall_ms']:.1f} | {p['gpu_ms']:.1f} | {tops} |")
+    for label, rows in r.get("host", {}).items():
+        lines += ["", f"Host self time in {label} (ms, calls): "
+                  + "; ".join(f"{x['name']} {x['self_ms']:.1f} ({x['calls']})" for x in rows)]
     return "\n".join(lines) + "\n"
 
 

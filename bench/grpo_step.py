@@ -13,6 +13,8 @@ The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
     python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c --skip-trl --compile-options mode=reduce-overhead
         # A/B: the compiled layers in CUDA graphs (the update is launch-bound); dynamic=sequence or
         # dynamic=False: the layers' other compile modes (models/load.compile_layers)
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16c --skip-trl --inductor cpp_wrapper=True
+        # A/B: Inductor's C++ wrapper (launches from C++, not from the generated Python)
 
 A step = sample `generations` completions of each of `prompts` prompts, score them, one optimizer
 update (token-mean loss: ours `loss_agg=token-mean`, TRL `loss_type="dapo"`; group-std advantages;
@@ -156,7 +158,8 @@ def run_ours(a, model_dir: Path, prompts: list[str], work: Path, micro_batch: in
     reset_peak(a.device)
     t0 = time.perf_counter()
     try:
-        train_grpo(cfg, reward_funcs=[reward])
+        with torch._inductor.config.patch(compile_options(getattr(a, "inductor", None) or "")):
+            train_grpo(cfg, reward_funcs=[reward])
     finally:
         common._split_head, setup.load_tokenizer, common.HEAD_CHUNK_ELEMENTS = split, tokenizer, chunk
         setup.compile_layers, load.checkpoint_inside = compile_layers, checkpoint_inside
@@ -245,6 +248,9 @@ def main(argv=None):
     ap.add_argument("--compile-options", default=None,
                     help="ours, compiled rows: the layers' torch.compile options, k=v,... (an A/B: "
                          "mode=reduce-overhead, dynamic=sequence, dynamic=False)")
+    ap.add_argument("--inductor", default=None,
+                    help="ours, compiled rows: torch._inductor.config values for the run, k=v,... (an A/B: "
+                         "cpp_wrapper=True, the compiled graphs' launches from C++ instead of Python)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true")
@@ -309,6 +315,7 @@ def render(results, kind, a) -> str:
              "", f"Card: {device_name(a.device)}. Date: {date}. torch {torch.__version__}, transformers "
              f"{__import__('transformers').__version__}{trl_v}. Gradient checkpointing {a.grad_ckpt} (both sides), "
              f"{f'ours compiled with {a.compile_options}, ' if a.compile_options else ''}"
+             f"{f'Inductor {a.inductor}, ' if a.inductor else ''}"
              f"bf16 weights on CUDA (both sides), allocator "
              f"`PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}` (both sides), median of "
              f"{a.steps} steps after {a.warmup} warm-up. Command: `{cmd.strip()}`", "",

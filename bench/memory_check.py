@@ -29,6 +29,8 @@ On CPU (`--device cpu`, gloo under torchrun) the run exercises the script; measu
 
     ... --snapshot --cap-gb 13.9    # out of memory on purpose just below the peak: prints what is
                                     # live then, summed by where it was allocated (rank 0)
+    ... --peak 400000               # the last 400,000 allocations and frees recorded: what was live at
+                                    # the highest point among them, summed by where it was allocated
 
 The benchmark rows (bench/gpu.sh memory runs them, on MEM_GPUS processes: 1, 2 or 4), e.g.
 
@@ -116,6 +118,10 @@ def parse(argv=None):
     p.add_argument("--gpus", default="1,2,4", help="--dry: GPU counts to predict for")
     p.add_argument("--snapshot", action="store_true",
                    help="record allocations; on out-of-memory print what is live, grouped by where it was allocated")
+    p.add_argument("--peak", type=int, default=0, metavar="N",
+                   help="record the last N allocations and frees; after the run print what was live at the "
+                        "highest allocated point among them, summed by where it was allocated (rank 0)")
+    p.add_argument("--compile", action="store_true", help="model.compile (the layers compiled)")
     p.add_argument("--cap-gb", type=float, default=0.0,
                    help="cap each process's allocator at this many GB (with --snapshot: see what is live near the peak)")
     return p.parse_args(argv)
@@ -219,7 +225,8 @@ def trainer(a, model_dir: Path, data: Path, runs: Path):
     from tether.config import load_config
     common = {"model": str(model_dir), "data": str(data), "runs_dir": str(runs), "name": a.algo,
               "overwrite": True, "dtype": a.dtype, "device": a.device, "gradient_checkpointing": a.gradient_checkpointing,
-              "offload_activations": getattr(a, "offload_activations", False), "lora_r": a.lora_r, "fsdp": a.sharding == "fsdp", "fsdp_offload": a.fsdp_offload,
+              "offload_activations": getattr(a, "offload_activations", False),
+              "compile": getattr(a, "compile", False), "lora_r": a.lora_r, "fsdp": a.sharding == "fsdp", "fsdp_offload": a.fsdp_offload,
               "fsdp_reshard": not a.no_reshard, "max_steps": a.steps, "progress": False, "log_every": 1,
               "save_every": 0, "num_samples": 0, "lr": 1e-6, "keep_last": 1}
     if a.algo == "grpo":
@@ -340,26 +347,71 @@ def outside_allocator_gb(device: str):
     return (total - free - torch.cuda.memory_reserved()) / 1e9
 
 
-def live_by_site(snapshot: dict, top: int = 25) -> list[str]:
-    """Live allocations of a torch.cuda.memory._snapshot(), summed by where they were asked for:
-    the innermost frame in FSDP / torch.optim / checkpointing, else in transformers / tether."""
-    sites: dict = {}
+def _site(frames: list) -> str:
+    """Where an allocation was asked for: the innermost frame in FSDP / torch.optim / checkpointing,
+    else in transformers / tether, then which step of ours called it."""
     tiers = (("fsdp/", "torch/optim/", "utils/checkpoint"), ("transformers/", "tether/", "bench/"), ("torch/",))
-    for seg in snapshot["segments"]:
-        for b in seg["blocks"]:
-            if b["state"] != "active_allocated":
-                continue
-            frames = b.get("frames") or []
-            f = next((f for keys in tiers for f in frames if any(k in f["filename"] for k in keys)),
-                     frames[0] if frames else None)
-            site = f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" if f else "?"
-            caller = next((g for g in frames if "tether/" in g["filename"]), None)  # which step of ours
-            if caller is not None and caller is not f:
-                site += f" <- {caller['filename'].split('tether/')[-1]}:{caller['line']} {caller['name']}"
-            n, size = sites.get(site, (0, 0))
-            sites[site] = (n + 1, size + b["size"])
+    f = next((f for keys in tiers for f in frames if any(k in f["filename"] for k in keys)),
+             frames[0] if frames else None)
+    site = f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" if f else "?"
+    caller = next((g for g in frames if "tether/" in g["filename"]), None)  # which step of ours
+    if caller is not None and caller is not f:
+        site += f" <- {caller['filename'].split('tether/')[-1]}:{caller['line']} {caller['name']}"
+    return site
+
+
+def by_site(blocks, top: int = 25) -> list[str]:
+    """(size, frames) pairs summed by `_site`, largest first, one line each."""
+    sites: dict = {}
+    for size, frames in blocks:
+        n, total = sites.get(_site(frames), (0, 0))
+        sites[_site(frames)] = (n + 1, total + size)
     rows = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
     return [f"{size / 1e9:8.3f} GB {n:6d}x  {site}" for site, (n, size) in rows]
+
+
+def live_by_site(snapshot: dict, top: int = 25) -> list[str]:
+    """Live allocations of a torch.cuda.memory._snapshot(), summed by where they were asked for."""
+    return by_site(((b["size"], b.get("frames") or []) for seg in snapshot["segments"]
+                    for b in seg["blocks"] if b["state"] == "active_allocated"), top)
+
+
+def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list, str]:
+    """(bytes, [(size, frames)], frames of the allocation that made it) at the moment the most
+    memory was allocated within the recorded history: the blocks live when the snapshot was taken,
+    walked back through the trace (an `alloc` undone removes its block, a `free_completed` undone
+    puts it back). Only a peak inside the recorded window is found (max_entries)."""
+    live = {}
+    for seg in snapshot["segments"]:
+        if seg["device"] != device:
+            continue
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                live[addr] = (b["size"], b.get("frames") or [])
+            addr += b["size"]
+    events = [e for e in snapshot["device_traces"][device] if e["action"] in ("alloc", "free_completed")]
+
+    def undo(e):
+        if e["action"] == "alloc":
+            live.pop(e["addr"], None)
+            return -e["size"]
+        live[e["addr"]] = (e["size"], e.get("frames") or [])
+        return e["size"]
+
+    total = best = sum(s for s, _ in live.values())
+    at = len(events)  # the state after events[:at]
+    for i in range(len(events) - 1, -1, -1):
+        total += undo(events[i])
+        if total > best:
+            best, at = total, i
+    for e in events[:at]:  # replay forward to the peak (the walk back emptied what it undid)
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames") or [])
+        else:
+            live.pop(e["addr"], None)
+    last = events[at - 1].get("frames") or [] if at else []
+    return best, list(live.values()), _site(last)
 
 
 def measure(a) -> None:
@@ -408,8 +460,9 @@ def measure(a) -> None:
         torch.cuda.reset_peak_memory_stats()
         if a.cap_gb:
             torch.cuda.set_per_process_memory_fraction(a.cap_gb * 1e9 / torch.cuda.get_device_properties().total_memory)
-        if a.snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
+        if a.snapshot or a.peak:  # --peak: the allocation's stack only (a free's would replace it)
+            torch.cuda.memory._record_memory_history(max_entries=a.peak or 100000, stacks="python",
+                                                     context="alloc" if a.peak else "all")
     t0 = time.perf_counter()
     try:
         train()
@@ -419,6 +472,10 @@ def measure(a) -> None:
             print("\n".join(live_by_site(torch.cuda.memory._snapshot())), flush=True)
         raise
     seconds = time.perf_counter() - t0
+    if a.peak and rank == 0:
+        peak, live, last = live_at_peak(torch.cuda.memory._snapshot(), torch.cuda.current_device())
+        print(f"allocated peak in the recorded window {peak / 1e9:.3f} GB, reached by {last}; live then:")
+        print("\n".join(by_site(live, top=40)), flush=True)
     step_times = []
     if rank == 0:
         metrics = work / f"runs-{world}" / a.algo / "metrics.jsonl"
