@@ -21,8 +21,8 @@
 #               [attention] (bench/decode_attention.py: the decode attention kernel alone against the
 #               cache length), [gemma3-shape] (decode_profile on random weights in Gemma 3 270M's shape)
 #   grpo        bench/grpo_step.py: one GRPO step vs TRL's GRPOTrainer (TRL: carry its wheels); rows
-#               qwen05 (ours at micro-batch 16, 32 and 32 with model.offload_activations), [expandable]
-#               (micro-batch 16, kept and offloaded, against TRL, both with expandable_segments:True), [checkpoint]
+#               qwen05 (ours at micro-batch 16, and 32 with model.offload_activations), [expandable]
+#               (the same, both sides with expandable_segments:True), [checkpoint]
 #               (ours alone: the layers' checkpoint around their compiled call against inside it), [profile] (bench/grpo_profile.py: our step's phases and kernels, no TRL), [graphs]
 #               (ours alone, --compile-options mode=reduce-overhead: the compiled layers in CUDA graphs, an A/B)
 #   dpo         bench/dpo_step.py: one DPO step vs TRL's DPOTrainer; rows current, realistic
@@ -265,12 +265,12 @@ suite_grpo() {
         case $ROW in
         qwen05)
             wheels
-            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c,32ch \
+            row qwen05 540 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16c,32ch \
                 --results "$O/results.md" --json "$O/qwen05.json" ;;
-        expandable)  # the qwen05 row's micro-batch 16 rows, both sides with the allocator the tether CLI sets
+        expandable)  # the qwen05 row, both sides with the allocator the tether CLI sets
             wheels
             row expandable 540 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/grpo_step.py \
-                --device cuda --ours-micro-batches 16c,16ch --results "$O/results.md" --json "$O/expandable.json" ;;
+                --device cuda --ours-micro-batches 16c,32ch --results "$O/results.md" --json "$O/expandable.json" ;;
         checkpoint)  # ours alone: the layers' checkpoint around their compiled call (o) against inside it
             row checkpoint 300 python3 bench/grpo_step.py --device cuda --ours-micro-batches 16co,16c,32co,32c \
                 --skip-trl --results "$O/results.md" --json "$O/checkpoint.json" ;;

@@ -5,8 +5,8 @@
 
 The benchmark row (one GPU, TRL 1.16 installed; bench/gpu.sh grpo runs it):
 
-    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32c,32ch
-        # ours compiled at micro-batches 16 and 32, and 32 with the saved activations in host memory
+    python bench/grpo_step.py --device cuda --ours-micro-batches 16c,32ch
+        # ours compiled at micro-batch 16, and 32 with the saved activations in host memory
         # (model.offload_activations), vs TRL at micro-batch 8
     python bench/grpo_step.py --device cuda --ours-micro-batches 16co,16c,32co,32c --skip-trl
         # A/B: the layers' checkpoint around their compiled call (o) against inside it (the default)

@@ -374,3 +374,98 @@ def test_head_gradient_by_vocabulary_chunks_of_128_columns(monkeypatch, dev):
         torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=1e-4)
     vocab_chunks = [c for c in widths if c < V]
     assert vocab_chunks == [128] * 7 + [104]  # 1000 = 7 · 128 + 104
+
+
+def _two_micro_batches(model, batch, flat: bool, monkeypatch, dev="cpu"):
+    """Gradients of two micro-batches' losses accumulated (as a trainer does), through the chunked
+    head; `flat`: the parameters' .grad a flat buffer (common.flat_grad_buffer), else autograd's own."""
+    from tether.trainers.core.common import flat_grad_buffer
+    m = copy.deepcopy(model).to(dev)
+    if flat:
+        assert flat_grad_buffer(m) is not None
+    monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 2000)
+    for scale in (1.0, -0.5):
+        b = {k: v.to(dev) for k, v in batch.items()}
+        lp, ent = common.completion_token_logps(m, b, 0.7, nullcontext(), True, True)
+        (scale * (lp * torch.linspace(0.5, 1.5, lp.shape[1], device=dev)).sum() + ent).backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_head_adds_its_weight_gradient_into_a_flat_buffer(setup, monkeypatch):
+    """Where .grad is the trainer's flat buffer, the chunked head adds dW into it itself (a tied
+    head's dW is then not held until the embedding's backward): the gradients over two micro-batches
+    equal autograd's, and the head returned no dW for the tied weight."""
+    model, batch = setup
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    into = []
+    real = common.grad_in_place
+    monkeypatch.setattr(common, "grad_in_place", lambda w: into.append(real(w)) or into[-1])
+    flat = _two_micro_batches(model, batch, True, monkeypatch)
+    assert len(into) == 2 and all(g is not None for g in into)
+    into.clear()
+    own = _two_micro_batches(model, batch, False, monkeypatch)
+    assert into == [None, None]  # autograd's .grad: not the trainer's buffer, so dW is returned
+    for n in own:
+        torch.testing.assert_close(flat[n], own[n], atol=1e-6, rtol=1e-5, msg=n)
+    emb = "model.embed_tokens.weight"
+    assert flat[emb].abs().sum() > 0
+
+
+def test_head_returns_its_weight_gradient_to_hooks(setup):
+    """A hook on the head's weight sees the whole gradient as autograd delivers it, buffer or not."""
+    from tether.trainers.core.common import flat_grad_buffer
+    model, batch = setup
+    m = copy.deepcopy(model)
+    flat_grad_buffer(m)
+    w = m.get_output_embeddings().weight
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()))
+    h = torch.randn(5, w.shape[1], requires_grad=True)
+    y = torch.randint(0, w.shape[0], (5,))
+    lp, _ = common._HeadLogps.apply(h, w, None, y, 1.0, 2, torch.float32, False)
+    lp.sum().backward()
+    p = torch.log_softmax(h.detach() @ w.detach().t(), -1).exp()
+    ref = (torch.nn.functional.one_hot(y, w.shape[0]).float() - p).t() @ h.detach()
+    torch.testing.assert_close(seen[0], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory")
+def test_tied_head_gradient_is_not_held_through_the_backward(monkeypatch):
+    """On CUDA, bf16, a tied head of 32k × 256 (16 MB): with the flat gradient buffer the backward's
+    allocated peak is lower by at least that dW (autograd would hold it until the embedding's
+    backward), and the gradients equal the held path's."""
+    from tether.models import make_tiny_model as tiny
+    model, _ = tiny(None, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    model.resize_token_embeddings(32768)
+    model.to(torch.bfloat16)
+    torch.manual_seed(0)
+    B, T = 4, 256
+    batch = dict(input_ids=torch.randint(3, 32768, (B, T)), attention_mask=torch.ones(B, T, dtype=torch.long),
+                 completion_mask=torch.cat([torch.zeros(B, 64, dtype=torch.long), torch.ones(B, T - 64, dtype=torch.long)], 1))
+    peaks, grads = {}, {}
+    for flat in (False, True):
+        from tether.trainers.core.common import flat_grad_buffer
+        m = copy.deepcopy(model).cuda()
+        if flat:
+            flat_grad_buffer(m)
+        else:  # the same resident gradients, autograd's path (no marker)
+            for p in m.parameters():
+                p.grad = torch.zeros_like(p)
+        b = {k: v.cuda() for k, v in batch.items()}
+        monkeypatch.setattr(common, "HEAD_CHUNK_ELEMENTS", 1 << 20)
+        lp, _ = common.completion_token_logps(m, b, 1.0, nullcontext(), False, False)
+        monkeypatch.undo()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp.sum().backward()
+        torch.cuda.synchronize()
+        peaks[flat] = torch.cuda.max_memory_allocated() - base
+        grads[flat] = {n: p.grad.float() for n, p in m.named_parameters()}
+        del m, lp
+    w_bytes = 32768 * 256 * 2
+    assert peaks[False] - peaks[True] >= w_bytes, (peaks, w_bytes)
+    for n in grads[False]:
+        torch.testing.assert_close(grads[True][n], grads[False][n], atol=2e-2, rtol=2e-2, msg=n)

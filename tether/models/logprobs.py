@@ -190,15 +190,45 @@ class _HeadLogps(torch.autograd.Function):
             if vstep < V:  # whole multiples of 128 columns: an odd width (16,303 at 7B) made each
                 vstep = max(128, vstep - vstep % 128)  # chunk's rows unaligned, cuBLAS falls back to
                 # an align-1 GEMM (39 ms of a 0.62 s 7B DPO step on an H200, in its profiler trace)
-            dw = torch.empty_like(w)
-            db = torch.empty_like(b) if b is not None else None
+            into = grad_in_place(w) if ctx.needs_input_grad[1] else None
+            dw = into if into is not None else torch.empty_like(w) if ctx.needs_input_grad[1] else None
+            db = torch.empty_like(b) if b is not None and ctx.needs_input_grad[2] else None
             for v0 in range(0, V, vstep):
                 v1 = min(V, v0 + vstep)
                 d = dz(hc, slice(None), v0, v1)
-                dw[v0:v1] = (d.t() @ hc).to(w.dtype)
+                if into is not None and into.dtype == cd:  # + dz^T h, float32 accumulation, one rounding
+                    into[v0:v1].addmm_(d.t(), hc)
+                elif into is not None:
+                    into[v0:v1] += d.t() @ hc
+                elif dw is not None:
+                    dw[v0:v1] = (d.t() @ hc).to(w.dtype)
                 if db is not None:
                     db[v0:v1] = d.sum(0, dtype=torch.float32).to(b.dtype)
+            if into is not None:
+                dw = None  # already in w.grad
         return dh, dw, db, None, None, None, None, None
+
+
+# Marks a parameter whose .grad is a persistent accumulator that only Tensor.backward adds into
+# (trainers/core/common.flat_grad_buffer sets it): the chunked head may add its weight gradient there.
+GRAD_IN_PLACE = "_tether_grad_in_place"
+
+
+def grad_in_place(w) -> torch.Tensor | None:
+    """`w.grad`, where the head's backward adds dW = dz^T h into it itself instead of returning it.
+    Why: autograd holds a returned gradient until every use of the leaf has delivered its own and
+    sums them first, and a tied head's weight is also the embedding, whose gradient comes last in
+    the backward: the head's whole [V, H] dW stayed allocated through every layer's backward
+    (Qwen2.5-0.5B: 0.27 GB, the largest transient at the GRPO step's peak, bench/memory_check.py
+    --peak). Only where the trainer made `.grad` a persistent accumulator (GRAD_IN_PLACE, set by
+    common.flat_grad_buffer) and nothing observes the gradient on its way (no tensor or
+    post-accumulate hooks): the sum is the same, added in another order."""
+    if not (getattr(w, GRAD_IN_PLACE, False) and w.is_leaf and w.requires_grad) or w.grad is None:
+        return None
+    if w._backward_hooks or w._post_accumulate_grad_hooks is not None:
+        return None  # such hooks read the gradient as autograd delivers it
+    g = w.grad
+    return g if g.shape == w.shape and g.device == w.device and not g.requires_grad else None
 
 
 def _head_budget(device) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from tether import distributed
 from tether.errors import NonFiniteLossError, UserError
+from tether.models import logprobs
 from tether.run import TRAINER_STATE, load_trainer_state, set_rng_state
 
 
@@ -271,6 +272,7 @@ def flat_grad_buffer(model, at_least: int = 0) -> torch.Tensor | None:
     off = 0
     for p, n in zip(params, sizes):
         p.grad = buf[off:off + p.numel()].view_as(p)
+        setattr(p, logprobs.GRAD_IN_PLACE, True)  # the chunked head adds its dW here (logprobs.grad_in_place)
         off += n
     return buf
 
